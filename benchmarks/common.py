@@ -1,0 +1,98 @@
+"""Shared benchmark helpers: workloads, the machine description, result files, HF reference runs."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+WORKLOADS = ROOT.parent / "shared" / "bench" / "workloads.json"
+
+
+def load_workloads() -> dict:
+    """The fixed token-id workloads in ../shared/bench (same work the peers in PEERS.md ran)."""
+    if not WORKLOADS.exists():
+        raise SystemExit(f"missing {WORKLOADS}: the shared workloads are needed for this benchmark")
+    return json.loads(WORKLOADS.read_text())
+
+
+def machine() -> str:
+    model = platform.processor() or "unknown CPU"
+    try:
+        for line in subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout.splitlines():
+            if line.startswith("Model name:"):
+                model = line.split(":", 1)[1].strip()
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    return f"{model}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
+
+
+def today() -> str:
+    return _dt.date.today().isoformat()
+
+
+def command_line() -> str:
+    return "python " + " ".join([os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]])
+
+
+def write_result(name: str, title: str, table: str, notes: str = "") -> Path:
+    """Write one benchmark's markdown section to benchmarks/results/NAME.md."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.md"
+    body = (
+        f"## {title}\n\n`{command_line()}` — {machine()} — {today()}\n\n{table}\n"
+        + (f"\n{notes}\n" if notes else "")
+    )
+    path.write_text(body)
+    return path
+
+
+def markdown_table(header: list[str], rows: list[list[object]]) -> str:
+    def cell(value: object) -> str:
+        return f"{value:,.2f}" if isinstance(value, float) else str(value)
+
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+class Timer:
+    def __enter__(self) -> Timer:
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.seconds = time.perf_counter() - self.start
+
+
+def load_hf_model(dtype: torch.dtype):
+    """transformers on the same GGUF (the reference peer)."""
+    from transformers import AutoModelForCausalLM
+
+    from kvserve.model.registry import resolve_model
+
+    path = resolve_model("smollm2-135m")
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype).eval()
+
+
+@torch.inference_mode()
+def hf_generate(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Greedy, EOS ignored, left-padded batch with an explicit attention mask."""
+    pad = 0
+    width = max(len(p) for p in prompts)
+    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    out = model.generate(
+        input_ids=input_ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+        min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad,
+    )
+    return out[:, width:].tolist()

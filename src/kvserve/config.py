@@ -1,0 +1,108 @@
+"""EngineConfig: every engine knob, parsed and validated once, in one place."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, fields
+
+PREFIX_CACHE_KINDS = ("radix", "hash", "off")
+PREFIX_HASH_KINDS = ("sha256", "xxhash")
+SCHEDULE_POLICIES = ("fcfs", "lpm")
+DTYPES = ("float32", "bfloat16", "float16")
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "kib": 1024,
+    "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
+    "g": 1000**3, "gb": 1000**3, "gib": 1024**3,
+    "t": 1000**4, "tb": 1000**4, "tib": 1024**4,
+}
+
+
+def parse_size(text: str | int) -> int:
+    """Parse a byte size such as ``2GiB``, ``512MB`` or ``1048576`` into bytes."""
+    if isinstance(text, int):
+        return text
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
+    if not match or match.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError(f"invalid size {text!r}: use a number with an optional unit like 2GiB or 512MB")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+
+
+def default_kv_cache_memory() -> int:
+    """A quarter of available RAM, capped at 2 GiB: enough for tens of thousands of tokens."""
+    try:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        available = 8 * 1024**3
+    return max(64 * 1024**2, min(2 * 1024**3, available // 4))
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Engine settings; the same names are CLI flags (``--block-size`` for ``block_size``)."""
+
+    model: str = "smollm2-135m"
+    dtype: str = "float32"
+    device: str = "cpu"
+    block_size: int = 16
+    kv_cache_memory: int | str | None = None
+    num_blocks: int | None = None
+    prefix_cache: str = "radix"
+    prefix_hash: str = "sha256"
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    schedule_policy: str = "fcfs"
+    num_threads: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first invalid field."""
+        _require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        _require(
+            1 <= self.block_size <= 256 and self.block_size & (self.block_size - 1) == 0,
+            f"block_size must be a power of two from 1 to 256, got {self.block_size}",
+        )
+        if self.kv_cache_memory is not None:
+            try:
+                self.kv_cache_memory = parse_size(self.kv_cache_memory)
+            except ValueError as error:
+                raise ValueError(f"kv_cache_memory: {error}") from None
+            _require(self.kv_cache_memory > 0, "kv_cache_memory must be positive")
+        if self.num_blocks is not None:
+            _require(self.num_blocks >= 1, f"num_blocks must be >= 1, got {self.num_blocks}")
+        _require(
+            self.prefix_cache in PREFIX_CACHE_KINDS,
+            f"prefix_cache must be one of {PREFIX_CACHE_KINDS}, got {self.prefix_cache!r}",
+        )
+        _require(
+            self.prefix_hash in PREFIX_HASH_KINDS,
+            f"prefix_hash must be one of {PREFIX_HASH_KINDS}, got {self.prefix_hash!r}",
+        )
+        _require(
+            self.schedule_policy in SCHEDULE_POLICIES,
+            f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}",
+        )
+        if self.max_model_len is not None:
+            _require(self.max_model_len >= 1, f"max_model_len must be >= 1, got {self.max_model_len}")
+        _require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        _require(
+            self.max_num_batched_tokens >= 1,
+            f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}",
+        )
+        if self.num_threads is not None:
+            _require(self.num_threads >= 1, f"num_threads must be >= 1, got {self.num_threads}")
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)

@@ -1,0 +1,112 @@
+"""ModelRunner: turns a SchedulerOutput into one flat batch, runs the model, returns sampling logits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.engine.scheduler import ScheduledRequest
+from kvserve.kv.attention import AttentionMetadata, PrefillSpan
+from kvserve.kv.pool import KVPool
+from kvserve.model.llama import LlamaModel
+
+
+@dataclass(slots=True)
+class BatchInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor  # flat-batch row of the last token of each sequence that samples
+    sampling: list[ScheduledRequest]  # the scheduled requests those rows belong to, same order
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, kv_pool: KVPool) -> None:
+        self.model = model
+        self.kv_pool = kv_pool
+        self.block_size = kv_pool.block_size
+        self.device = model.device
+
+    def run(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, list[ScheduledRequest]]:
+        """Forward the batch; returns float32 logits for each sequence that reached its last token."""
+        batch = self.prepare(scheduled)
+        hidden = self.model.forward(batch.input_ids, batch.positions, self.kv_pool, batch.meta)
+        if not batch.sampling:
+            return torch.empty(0), []
+        return self.model.compute_logits(hidden[batch.sample_rows]), batch.sampling
+
+    def prepare(self, scheduled: list[ScheduledRequest]) -> BatchInputs:
+        # Single-token work (decodes) first, so the decode group is one contiguous slice.
+        decodes = [item for item in scheduled if item.num_new_tokens == 1]
+        prefills = [item for item in scheduled if item.num_new_tokens > 1]
+        input_ids: list[int] = []
+        positions: list[int] = []
+        sample_rows: list[int] = []
+        sampling: list[ScheduledRequest] = []
+        for item in decodes + prefills:
+            request = item.request
+            start = request.num_computed_tokens
+            end = start + item.num_new_tokens
+            input_ids.extend(request.all_token_ids[start:end])
+            positions.extend(range(start, end))
+            if end == request.num_tokens:
+                sample_rows.append(len(input_ids) - 1)
+                sampling.append(item)
+        positions_tensor = torch.tensor(positions, dtype=torch.long, device=self.device)
+        meta = AttentionMetadata(
+            slot_mapping=self._slot_mapping(decodes + prefills, positions_tensor),
+            num_decodes=len(decodes),
+            decode_block_tables=None,
+            decode_context_lens=None,
+            decode_key_mask=None,
+            prefills=self._prefill_spans(prefills, first_row=len(decodes)),
+        )
+        if decodes:
+            self._fill_decode_metadata(meta, decodes)
+        return BatchInputs(
+            input_ids=torch.tensor(input_ids, dtype=torch.long, device=self.device),
+            positions=positions_tensor,
+            meta=meta,
+            sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=self.device),
+            sampling=sampling,
+        )
+
+    def _slot_mapping(self, ordered: list[ScheduledRequest], positions: torch.Tensor) -> torch.Tensor:
+        # slot = block_table[pos // block_size] * block_size + pos % block_size, for every new token.
+        block_size = self.block_size
+        block_ids: list[int] = []
+        for item in ordered:
+            table = item.request.block_table
+            start = item.request.num_computed_tokens
+            block_ids.extend([table[pos // block_size] for pos in range(start, start + item.num_new_tokens)])
+        blocks = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        return blocks * block_size + positions % block_size
+
+    def _prefill_spans(self, prefills: list[ScheduledRequest], first_row: int) -> list[PrefillSpan]:
+        spans = []
+        row = first_row
+        for item in prefills:
+            request = item.request
+            context_len = request.num_computed_tokens + item.num_new_tokens
+            num_blocks = -(-context_len // self.block_size)
+            table = torch.tensor(request.block_table[:num_blocks], dtype=torch.long, device=self.device)
+            spans.append(PrefillSpan(row, row + item.num_new_tokens, context_len, table))
+            row += item.num_new_tokens
+        return spans
+
+    def _fill_decode_metadata(self, meta: AttentionMetadata, decodes: list[ScheduledRequest]) -> None:
+        context_lens = [item.request.num_computed_tokens + 1 for item in decodes]
+        max_blocks = -(-max(context_lens) // self.block_size)
+        tables = [_padded(item.request.block_table, max_blocks) for item in decodes]
+        lens = torch.tensor(context_lens, dtype=torch.long, device=self.device)
+        key_positions = torch.arange(max_blocks * self.block_size, device=self.device)
+        meta.decode_block_tables = torch.tensor(tables, dtype=torch.long, device=self.device)
+        meta.decode_context_lens = lens
+        meta.decode_key_mask = (key_positions.unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]
+
+
+def _padded(block_table: list[int], length: int) -> list[int]:
+    """The first `length` entries, padded with block 0 (its keys are masked out)."""
+    head = block_table[:length]
+    return head + [0] * (length - len(head))

@@ -1,0 +1,54 @@
+"""SamplingParams: how one request picks its tokens and when it stops."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """Per-request sampling settings (vLLM's names and meanings).
+
+    temperature 0 means greedy. top_k -1 (or 0) disables top-k; top_p 1 and min_p 0 disable theirs.
+    A request with a `seed` draws the same tokens whatever else shares its batch.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; 0: the sampled token's; N: plus the top N
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first invalid field."""
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (disabled) or >= 0, got {self.top_k!r}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError(f"logprobs must be between 0 and 20, got {self.logprobs}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError("stop must be a list of non-empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be non-negative integers")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1

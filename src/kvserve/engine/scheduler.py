@@ -1,0 +1,159 @@
+"""Scheduler: continuous batching with chunked prefill, preemption by recompute, fcfs | lpm order.
+
+Every step, running requests go first (one decode token each, or their next prefill chunk), then
+waiting ones are admitted while the token budget, `max_num_seqs` and the pool allow. When a running
+request cannot get a block, the newest running request is preempted: its blocks are released (full
+ones stay in the prefix cache) and it goes back to the front of the queue, to be recomputed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvserve.engine.block_manager import BlockManager
+from kvserve.engine.request import Request, RequestStatus
+
+LPM_MAX_WAITING = 128  # beyond this many waiting requests, lpm's per-step matching costs too much
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(item.num_new_tokens for item in self.scheduled)
+
+
+@dataclass(slots=True)
+class PrefixCacheCounters:
+    """Prefix cache statistics in tokens; a preempted request's re-match is counted apart."""
+
+    queries: int = 0
+    hits: int = 0
+    preempted_queries: int = 0
+    preempted_hits: int = 0
+    recent: deque = field(default_factory=lambda: deque(maxlen=1000))  # (queried, hit) per request
+
+    def record(self, request: Request, num_matched_tokens: int) -> None:
+        if request.num_preemptions:
+            self.preempted_queries += request.num_prompt_tokens
+            self.preempted_hits += num_matched_tokens
+            return
+        self.queries += request.num_prompt_tokens
+        self.hits += num_matched_tokens
+        self.recent.append((request.num_prompt_tokens, num_matched_tokens))
+
+    def recent_hit_rate(self) -> float:
+        queried = sum(q for q, _ in self.recent)
+        return sum(h for _, h in self.recent) / queried if queried else 0.0
+
+
+class Scheduler:
+    def __init__(
+        self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+        policy: str = "fcfs",
+    ) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.policy = policy
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self.counters = PrefixCacheCounters()
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        output = SchedulerOutput()
+        budget = self._schedule_running(output, self.max_num_batched_tokens)
+        if not output.preempted:
+            self._schedule_waiting(output, budget)
+        return output
+
+    def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.block_manager.can_grow(request, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                output.preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                self.block_manager.grow(request, num_new)
+                output.scheduled.append(ScheduledRequest(request, num_new))
+                budget -= num_new
+                index += 1
+                continue
+            break  # the request itself was preempted: everything after it is gone too
+        return budget
+
+    def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
+        if self.policy == "lpm":
+            self._order_waiting_by_longest_prefix()
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            matched = self.block_manager.match_prefix(request)
+            num_computed = len(matched) * self.block_manager.block_size
+            num_new = min(request.num_tokens - num_computed, budget)
+            if not self.block_manager.can_admit(request, matched, num_new):
+                break  # FCFS: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            self._record_match(request, num_computed)
+            self.block_manager.admit(request, matched)
+            self.block_manager.grow(request, num_new)
+            request.status = RequestStatus.RUNNING
+            if request.metrics.first_scheduled_time is None:
+                request.metrics.first_scheduled_time = time.monotonic()
+            self.running.append(request)
+            output.scheduled.append(ScheduledRequest(request, num_new))
+            budget -= num_new
+
+    def _record_match(self, request: Request, num_matched_tokens: int) -> None:
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_matched_tokens
+        if self.block_manager.caching_enabled:
+            self.counters.record(request, num_matched_tokens)
+
+    def _order_waiting_by_longest_prefix(self) -> None:
+        """SGLang's lpm: admit the longest cached prefix first; FCFS when the queue is long or cache off."""
+        if not self.block_manager.caching_enabled or len(self.waiting) > LPM_MAX_WAITING:
+            return
+        # Preempted requests keep their place at the front: they already waited their turn.
+        resumed = [r for r in self.waiting if r.num_preemptions]
+        fresh = [r for r in self.waiting if not r.num_preemptions]
+        fresh.sort(key=lambda r: len(self.block_manager.match_prefix(r)), reverse=True)  # stable sort
+        self.waiting = deque(resumed + fresh)
+
+    def _preempt(self, request: Request) -> None:
+        self.block_manager.free(request)
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def finish(self, request: Request) -> None:
+        """Remove a finished or aborted request and release its blocks."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.block_manager.free(request)
+        request.status = RequestStatus.FINISHED

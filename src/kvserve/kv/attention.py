@@ -1,0 +1,126 @@
+"""Paged attention, reference backend in torch ops.
+
+New keys/values are written into their pool slots, then every sequence attends over its block table.
+Decodes (one query token each) are batched into one padded call; prefill spans (a chunk of a prompt,
+possibly continuing after cached blocks) run one call each: they are few per step, and padding a
+2,048-token chunk to the width of 31 single-token decodes would cost far more than the loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class PrefillSpan:
+    """Rows [start, end) of the flat batch: one sequence's new tokens, ending at `context_len`."""
+
+    start: int
+    end: int
+    context_len: int  # tokens in the cache once this step's keys are written
+    block_table: torch.Tensor  # [ceil(context_len / block_size)] block ids
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Where this step's tokens go in the pool and what each sequence attends to."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] pool slot of each new token
+    num_decodes: int  # rows [0, num_decodes) are single-token decodes
+    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks], padded with block 0
+    decode_context_lens: torch.Tensor | None  # [num_decodes]
+    decode_key_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size], True = attend
+    prefills: list[PrefillSpan]
+
+
+def write_kv(
+    key_blocks: torch.Tensor, value_blocks: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store this step's keys/values ``[num_tokens, kv_heads, head_dim]`` at their slots."""
+    num_kv_heads, head_dim = keys.shape[1], keys.shape[2]
+    key_blocks.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, keys)
+    value_blocks.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, values)
+
+
+def paged_attention(
+    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+    key_blocks: torch.Tensor, value_blocks: torch.Tensor, meta: AttentionMetadata, scale: float,
+) -> torch.Tensor:
+    """Attention for a flat batch. queries ``[T, heads, D]``, keys/values ``[T, kv_heads, D]``.
+
+    Writes keys/values into the pool first, so decodes and continued prefills read them back from
+    their blocks. Returns ``[T, heads * D]``.
+    """
+    write_kv(key_blocks, value_blocks, keys, values, meta.slot_mapping)
+    num_tokens, num_heads, head_dim = queries.shape
+    output = torch.empty(num_tokens, num_heads, head_dim, dtype=queries.dtype, device=queries.device)
+    if meta.num_decodes:
+        output[: meta.num_decodes] = _decode_attention(
+            queries[: meta.num_decodes], key_blocks, value_blocks, meta, scale
+        )
+    for span in meta.prefills:
+        output[span.start : span.end] = _prefill_attention(
+            queries[span.start : span.end], keys[span.start : span.end], values[span.start : span.end],
+            key_blocks, value_blocks, span, scale,
+        )
+    return output.view(num_tokens, num_heads * head_dim)
+
+
+def _decode_attention(
+    queries: torch.Tensor, key_blocks: torch.Tensor, value_blocks: torch.Tensor,
+    meta: AttentionMetadata, scale: float,
+) -> torch.Tensor:
+    num_seqs, num_heads, head_dim = queries.shape
+    num_kv_heads = key_blocks.shape[2]
+    # Gather each sequence's blocks into a padded [B, kv_heads, L, D] context; padding is masked.
+    context_keys = _gather_blocks(key_blocks, meta.decode_block_tables).view(num_seqs, -1, num_kv_heads, head_dim)
+    context_values = _gather_blocks(value_blocks, meta.decode_block_tables).view(
+        num_seqs, -1, num_kv_heads, head_dim
+    )
+    out = F.scaled_dot_product_attention(
+        queries.unsqueeze(2),
+        context_keys.transpose(1, 2),
+        context_values.transpose(1, 2),
+        attn_mask=meta.decode_key_mask,
+        scale=scale,
+        enable_gqa=num_kv_heads != num_heads,
+    )
+    return out.squeeze(2)
+
+
+def _prefill_attention(
+    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+    key_blocks: torch.Tensor, value_blocks: torch.Tensor, span: PrefillSpan, scale: float,
+) -> torch.Tensor:
+    num_new, num_heads, head_dim = queries.shape
+    num_kv_heads = keys.shape[1]
+    num_cached = span.context_len - num_new
+    if num_cached == 0:
+        # Nothing before this chunk: attend to the fresh keys directly, plain causal mask.
+        context_keys, context_values, mask, causal = keys, values, None, True
+    else:
+        context_keys = _gather_blocks(key_blocks, span.block_table).view(-1, num_kv_heads, head_dim)
+        context_values = _gather_blocks(value_blocks, span.block_table).view(-1, num_kv_heads, head_dim)
+        context_keys, context_values = context_keys[: span.context_len], context_values[: span.context_len]
+        query_pos = torch.arange(num_cached, span.context_len, device=queries.device)
+        key_pos = torch.arange(span.context_len, device=queries.device)
+        mask, causal = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1), False
+    out = F.scaled_dot_product_attention(
+        queries.transpose(0, 1).unsqueeze(0),
+        context_keys.transpose(0, 1).unsqueeze(0),
+        context_values.transpose(0, 1).unsqueeze(0),
+        attn_mask=mask,
+        is_causal=causal,
+        scale=scale,
+        enable_gqa=num_kv_heads != num_heads,
+    )
+    return out.squeeze(0).transpose(0, 1)
+
+
+def _gather_blocks(blocks: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """Copy the listed blocks out of the pool (index_select: ~10x faster than advanced indexing on CPU)."""
+    return blocks.index_select(0, block_table.reshape(-1))

@@ -1,0 +1,1 @@
+"""Which KV blocks can be reused: RadixAttention tree and chained block hashes."""

@@ -1,0 +1,25 @@
+"""`--prefix-cache radix|hash|off` -> a PrefixCache."""
+
+from __future__ import annotations
+
+from kvserve.kv.block_allocator import BlockAllocator
+from kvserve.prefix.base import NoPrefixCache, PrefixCache
+from kvserve.prefix.hashed import HashCache
+from kvserve.prefix.hashing import HashFunction
+from kvserve.prefix.radix import RadixCache
+
+PREFIX_CACHE_KINDS = ("radix", "hash", "off")
+
+
+def make_prefix_cache(
+    kind: str, allocator: BlockAllocator, block_size: int, hash_algo: HashFunction | str = "sha256"
+) -> PrefixCache:
+    """Build the prefix cache named `kind`; ValueError for an unknown kind or hash algorithm."""
+    algo = HashFunction(hash_algo)  # validated for every kind: the engine hashes prompts regardless
+    if kind == "radix":
+        return RadixCache(allocator, block_size)
+    if kind == "hash":
+        return HashCache(allocator, block_size, algo)
+    if kind == "off":
+        return NoPrefixCache(allocator, block_size)
+    raise ValueError(f"unknown prefix cache {kind!r}; expected one of {', '.join(PREFIX_CACHE_KINDS)}")

@@ -1,0 +1,305 @@
+"""RadixCache: SGLang's RadixAttention over whole token blocks.
+
+One tree per namespace. Every non-root node holds an edge: the tokens of a run of whole blocks
+(`key`, a flat tuple of len(blocks) * block_size ids) and the block ids caching them. Children are
+keyed by the tuple of their first block's tokens, so two children of one node never share a first
+block. A match that ends inside a node splits it, so a request always holds whole nodes.
+
+Eviction takes least-recently-used *leaves* whose blocks are all unreferenced; a parent becomes a
+candidate only when its last child is gone, so a shared prefix outlives the branches built on it.
+Candidates sit in a heap with lazy invalidation (at most one entry per node): an entry is checked
+when popped and re-pushed if its node was touched since, so eviction never scans the tree.
+
+Counters (`num_cached_blocks`, `num_evictable_blocks`, per-node referenced counts) are maintained
+incrementally in acquire/release/insert/evict; `check_invariants` recounts them for tests.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from kvserve.kv.block_allocator import BlockAllocator
+from kvserve.prefix.base import Namespace
+
+
+@dataclass(slots=True, eq=False)
+class RadixNode:
+    """One edge of the tree: whole blocks of tokens and the block ids caching them."""
+
+    key: tuple[int, ...]
+    blocks: list[int]
+    parent: RadixNode | None
+    last_access: float
+    children: dict[tuple[int, ...], RadixNode] = field(default_factory=dict)
+    num_referenced: int = 0  # blocks of this node with ref count > 0
+    in_heap: bool = False  # an eviction-heap entry exists for this node
+    removed: bool = False
+    namespace: Namespace | None = None  # set on roots only
+
+
+class RadixCache:
+    """Prefix cache as a radix tree of whole blocks; see the module docstring."""
+
+    def __init__(
+        self, allocator: BlockAllocator, block_size: int, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.allocator = allocator
+        self.block_size = block_size
+        self.num_evictions = 0
+        self._clock = clock
+        self._roots: dict[Namespace, RadixNode] = {}
+        self._node_of: dict[int, RadixNode] = {}  # registered block id -> its node
+        self._num_evictable = 0
+        self._heap: list[tuple[float, int, RadixNode]] = []
+        self._tiebreak = itertools.count()
+
+    # ---- sizes -----------------------------------------------------------------------------------
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Registered blocks, referenced or not."""
+        return len(self._node_of)
+
+    @property
+    def num_evictable_blocks(self) -> int:
+        """Registered blocks with ref count 0."""
+        return self._num_evictable
+
+    @property
+    def num_protected_blocks(self) -> int:
+        """Registered blocks some request references."""
+        return len(self._node_of) - self._num_evictable
+
+    # ---- lookup ----------------------------------------------------------------------------------
+
+    def match(self, tokens: Sequence[int], block_hashes: Sequence[bytes], namespace: Namespace) -> list[int]:
+        """Blocks caching the longest run of whole leading blocks of `tokens` (hashes unused).
+
+        Touches the matched nodes' recency and splits the last one when the match ends inside it.
+        """
+        root = self._roots.get(namespace)
+        if root is None:
+            return []
+        tokens = tokens if isinstance(tokens, tuple) else tuple(tokens)
+        blocks: list[int] = []
+        self._walk(root, tokens, len(tokens) // self.block_size * self.block_size, blocks)
+        return blocks
+
+    def _walk(
+        self, root: RadixNode, tokens: tuple[int, ...], limit: int, blocks: list[int] | None = None
+    ) -> tuple[RadixNode, int]:
+        """Follow `tokens[:limit]` (whole blocks) down from `root`; returns the deepest node reached and
+        the number of tokens it covers, appending the path's block ids to `blocks` if given. Splits a
+        partially matched node and touches the path."""
+        bs, now = self.block_size, self._clock()
+        node, pos = root, 0
+        while pos < limit:
+            child = node.children.get(tokens[pos : pos + bs])
+            if child is None:
+                break
+            end = pos + len(child.key)
+            # Common case first: the whole edge matches (one C-level tuple comparison).
+            if end > limit or tokens[pos:end] != child.key:
+                # The match ends inside this edge: split it so the request holds whole nodes. The
+                # next lookup (in the upper node's only child) then misses and ends the walk.
+                child = self._split(child, self._common_blocks(child.key, tokens, pos, limit))
+                end = pos + len(child.key)
+            child.last_access = now
+            if blocks is not None:
+                blocks.extend(child.blocks)
+            node, pos = child, end
+        return node, pos
+
+    def _common_blocks(self, key: tuple[int, ...], tokens: tuple[int, ...], pos: int, limit: int) -> int:
+        """How many whole leading blocks of `key` equal `tokens[pos:limit]` (>= 1 by the child lookup).
+
+        Prefix equality is monotone in length, so binary search over whole-block lengths."""
+        bs = self.block_size
+        lo, hi = 1, min(len(key), limit - pos) // bs
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if tokens[pos : pos + mid * bs] == key[: mid * bs]:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def _split(self, node: RadixNode, num_blocks: int) -> RadixNode:
+        """Cut `node` after `num_blocks` blocks; returns the new upper node. `node` keeps the lower
+        part, its children and its heap entry (still valid: the lower part is the same leaf)."""
+        cut = num_blocks * self.block_size
+        parent = node.parent
+        assert parent is not None
+        upper = RadixNode(node.key[:cut], node.blocks[:num_blocks], parent, node.last_access)
+        refs = self.allocator.ref_counts
+        upper.num_referenced = sum(1 for b in upper.blocks if refs[b] > 0)
+        for block_id in upper.blocks:
+            self._node_of[block_id] = upper
+        parent.children[node.key[: self.block_size]] = upper
+        node.key, node.blocks = node.key[cut:], node.blocks[num_blocks:]
+        node.num_referenced -= upper.num_referenced
+        node.parent = upper
+        upper.children[node.key[: self.block_size]] = node
+        return upper
+
+    # ---- registration ----------------------------------------------------------------------------
+
+    def insert(
+        self,
+        tokens: Sequence[int],
+        block_hashes: Sequence[bytes],
+        blocks: Sequence[int],
+        namespace: Namespace,
+    ) -> int:
+        """Register `blocks` (block i holds tokens[i*bs:(i+1)*bs]); returns how many leading blocks
+        were already present. Those keep their cached ids; the caller's duplicates are not registered
+        (the caller swaps them for `match`'s ids). The rest becomes one new leaf."""
+        num_blocks = min(len(blocks), len(tokens) // self.block_size)
+        if num_blocks == 0:
+            return 0
+        tokens = tuple(tokens[: num_blocks * self.block_size])
+        root = self._roots.get(namespace)
+        if root is None:
+            root = self._roots[namespace] = RadixNode((), [], None, self._clock(), namespace=namespace)
+        node, pos = self._walk(root, tokens, len(tokens))
+        present = pos // self.block_size
+        if present < num_blocks:
+            self._add_leaf(node, tokens[pos:], list(blocks[present:num_blocks]))
+        return present
+
+    def _add_leaf(self, parent: RadixNode, key: tuple[int, ...], blocks: list[int]) -> None:
+        for block_id in blocks:
+            if block_id in self._node_of:
+                raise ValueError(f"block {block_id} is already registered")
+        leaf = RadixNode(key, blocks, parent, self._clock())
+        refs = self.allocator.ref_counts
+        leaf.num_referenced = sum(1 for b in blocks if refs[b] > 0)
+        for block_id in blocks:
+            self._node_of[block_id] = leaf
+        parent.children[key[: self.block_size]] = leaf
+        self._num_evictable += len(blocks) - leaf.num_referenced
+        self._push_if_candidate(leaf)
+
+    # ---- references ------------------------------------------------------------------------------
+
+    def acquire(self, blocks: Sequence[int]) -> None:
+        """One more reference to each block; a registered block stops being evictable."""
+        for block_id in blocks:
+            if self.allocator.incref(block_id) == 1:
+                node = self._node_of.get(block_id)
+                if node is not None:
+                    node.num_referenced += 1
+                    self._num_evictable -= 1
+
+    def release(self, blocks: Sequence[int]) -> None:
+        """Drop one reference from each block; at 0 a registered block becomes evictable, an
+        unregistered one goes back to the free list."""
+        for block_id in blocks:
+            if self.allocator.decref(block_id) != 0:
+                continue
+            node = self._node_of.get(block_id)
+            if node is None:
+                self.allocator.free(block_id)
+                continue
+            node.num_referenced -= 1
+            self._num_evictable += 1
+            self._push_if_candidate(node)
+
+    # ---- eviction --------------------------------------------------------------------------------
+
+    @staticmethod
+    def _is_evictable_leaf(node: RadixNode) -> bool:
+        return not node.children and node.num_referenced == 0 and node.parent is not None
+
+    def _push_if_candidate(self, node: RadixNode) -> None:
+        if not node.in_heap and self._is_evictable_leaf(node):
+            node.in_heap = True
+            heapq.heappush(self._heap, (node.last_access, next(self._tiebreak), node))
+
+    def evict(self, num_blocks: int) -> list[int]:
+        """Free at least `num_blocks` blocks when that many are evictable (whole LRU leaves, so
+        possibly more); returns the freed ids."""
+        freed: list[int] = []
+        while len(freed) < num_blocks and self._heap:
+            stamp, _, node = heapq.heappop(self._heap)
+            node.in_heap = False
+            if node.removed or not self._is_evictable_leaf(node):
+                continue  # stale entry; the node is pushed again when it becomes a candidate
+            if stamp != node.last_access:
+                self._push_if_candidate(node)  # touched since it was pushed: reorder
+                continue
+            freed.extend(node.blocks)
+            self._remove_leaf(node)
+        self.num_evictions += len(freed)
+        return freed
+
+    def _remove_leaf(self, node: RadixNode) -> None:
+        parent = node.parent
+        assert parent is not None
+        del parent.children[node.key[: self.block_size]]
+        for block_id in node.blocks:
+            del self._node_of[block_id]
+            self.allocator.free(block_id)
+        self._num_evictable -= len(node.blocks)
+        node.removed, node.parent = True, None
+        if parent.parent is not None:
+            self._push_if_candidate(parent)
+        elif not parent.children:
+            del self._roots[parent.namespace]  # type: ignore[arg-type]
+
+    def reset(self) -> bool:
+        """Unregister and free every block; refused (False) while a registered block is referenced."""
+        if self.num_protected_blocks:
+            return False
+        for block_id in self._node_of:
+            self.allocator.free(block_id)
+        self._roots.clear()
+        self._node_of.clear()
+        self._heap.clear()
+        self._num_evictable = 0
+        return True
+
+    # ---- checks (tests) --------------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """Recount everything from the tree and the allocator; raises AssertionError on a mismatch."""
+        bs, refs, alloc = self.block_size, self.allocator.ref_counts, self.allocator
+        in_heap = {id(entry[2]) for entry in self._heap}
+        seen: set[int] = set()
+        for namespace, root in self._roots.items():
+            assert root.parent is None and not root.blocks and root.namespace == namespace
+            assert root.children, f"empty root kept for {namespace}"
+            stack = list(root.children.items())
+            while stack:
+                first, node = stack.pop()
+                assert not node.removed and node.parent is not None
+                assert node.parent.children.get(first) is node and node.key[:bs] == first
+                assert node.blocks and len(node.key) == len(node.blocks) * bs
+                assert node.num_referenced == sum(1 for b in node.blocks if refs[b] > 0)
+                assert node.in_heap == (id(node) in in_heap)
+                if self._is_evictable_leaf(node):
+                    assert node.in_heap, "evictable leaf missing from the eviction heap"
+                for block_id in node.blocks:
+                    assert self._node_of.get(block_id) is node and block_id not in seen
+                    assert not alloc.is_free(block_id), f"block {block_id} both free and registered"
+                    seen.add(block_id)
+                stack.extend(node.children.items())
+        assert seen == set(self._node_of), "block map and tree disagree"
+        check_accounting(alloc, seen, self._num_evictable)
+
+
+def check_accounting(alloc: BlockAllocator, registered: set[int], num_evictable: int) -> None:
+    """Shared by both caches: ref counts, free list and the accounting invariant."""
+    refs = alloc.ref_counts
+    assert all(count >= 0 for count in refs), "negative ref count"
+    assert num_evictable == sum(1 for b in registered if refs[b] == 0), "evictable count drifted"
+    for block_id in range(alloc.num_blocks):
+        if alloc.is_free(block_id):
+            assert refs[block_id] == 0, f"block {block_id} both free and referenced"
+    assert alloc.num_free + num_evictable + alloc.num_referenced() == alloc.num_blocks, "accounting"

@@ -1,0 +1,131 @@
+"""The FastAPI app factory and `run_server`, the production entry point behind `kvserve serve`."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import threading
+from collections.abc import AsyncIterator, Iterator
+
+import uvicorn
+from fastapi import FastAPI
+
+from kvserve.config import EngineConfig
+from kvserve.engine.async_engine import AsyncEngine
+from kvserve.engine.engine import LLMEngine
+from kvserve.server import admin_routes, openai_routes
+from kvserve.server.auth import ApiKeys, load_api_keys
+from kvserve.server.errors import install_error_handlers
+from kvserve.server.metrics import ServerMetrics
+from kvserve.server.responses import TokenTexts
+from kvserve.server.state import ServerState
+
+logger = logging.getLogger("uvicorn.error")  # shows up alongside uvicorn's own lines
+DEFAULT_MAX_QUEUE = 256
+GRACEFUL_SHUTDOWN_S = 30.0
+
+
+def build_app(
+    async_engine: AsyncEngine, served_model_name: str, api_keys: ApiKeys | None, max_queue: int
+) -> FastAPI:
+    """An app serving `async_engine`; its lifespan starts the engine thread and shuts it down.
+
+    `api_keys` None is single-tenant mode (no auth; `cache_salt` alone picks the namespace).
+    More than `max_queue` waiting requests are refused with 429.
+    """
+    if max_queue < 1:
+        raise ValueError(f"max_queue must be >= 1, got {max_queue}")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        async_engine.start()
+        try:
+            yield
+        finally:
+            # In-flight handlers were finished or cancelled (and aborted) by uvicorn's graceful shutdown.
+            await asyncio.to_thread(async_engine.shutdown, False)
+
+    app = FastAPI(title="kvserve", summary="OpenAI-compatible LLM server", lifespan=lifespan)
+    app.state.server = ServerState(
+        engine=async_engine, model_name=served_model_name, api_keys=api_keys, max_queue=max_queue,
+        metrics=ServerMetrics(async_engine.stats), token_texts=TokenTexts(async_engine.tokenizer),
+    )
+    install_error_handlers(app)
+    app.include_router(openai_routes.router)
+    app.include_router(admin_routes.router)
+    return app
+
+
+def run_server(
+    config: EngineConfig, host: str, port: int, api_keys_path: str | None, max_queue: int,
+    shutdown_timeout: float = GRACEFUL_SHUTDOWN_S,
+) -> None:
+    """Load the model and serve until SIGTERM/SIGINT; then stop accepting, let in-flight requests
+    finish for up to `shutdown_timeout` seconds, abort the rest, and return (exit status 0)."""
+    api_keys = load_api_keys(api_keys_path) if api_keys_path else None  # fail before the slow model load
+    with _graceful_signals() as signals:
+        engine = AsyncEngine(LLMEngine(config))
+        try:
+            app = build_app(engine, engine.info.model_name, api_keys, max_queue)
+            mode = f"{len(api_keys)} API keys" if api_keys else "single tenant, no auth"
+            logger.info("kvserve: model %s, %d KV blocks of %d tokens, %s", engine.info.model_name,
+                        engine.info.num_blocks, engine.info.block_size, mode)
+            server = _GracefulServer(engine, shutdown_timeout, uvicorn.Config(
+                # uvicorn's own limit is a backstop: by then our abort has ended every stream.
+                app, host=host, port=port, timeout_graceful_shutdown=shutdown_timeout + 10, log_level="info",
+            ))
+            signals.serving = True
+            server.run()
+        finally:
+            engine.shutdown(drain=False)
+
+
+class _GracefulServer(uvicorn.Server):
+    """uvicorn, plus: `grace` seconds into a shutdown, abort the engine's remaining requests.
+
+    uvicorn stops accepting at once and waits for open responses; aborting in the engine ends each
+    remaining stream properly (finish_reason "abort", then `[DONE]`) instead of cutting the socket.
+    """
+
+    def __init__(self, engine: AsyncEngine, grace: float, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self._engine = engine
+        self._grace = grace
+
+    async def shutdown(self, sockets: list | None = None) -> None:
+        timer = asyncio.get_running_loop().call_later(self._grace, self._engine.stop, False)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()
+
+
+class _SignalHandler:
+    """SIGTERM/SIGINT before serving: exit 0 at once. While serving uvicorn owns both signals; when it
+    is done it re-raises the caught signal to the handler installed before it -- with the default
+    handler SIGTERM would then kill the process (status -15) after a clean shutdown, so this
+    handler takes that call and does nothing."""
+
+    def __init__(self) -> None:
+        self.serving = False
+
+    def __call__(self, signum: int, _frame: object) -> None:
+        if not self.serving:
+            raise SystemExit(0)
+        logger.info("kvserve: stopped on %s", signal.Signals(signum).name)
+
+
+@contextlib.contextmanager
+def _graceful_signals() -> Iterator[_SignalHandler]:
+    handler = _SignalHandler()
+    if threading.current_thread() is not threading.main_thread():
+        yield handler  # signals can only be handled on the main thread
+        return
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield handler
+    finally:
+        for sig, handler_before in previous.items():
+            signal.signal(sig, handler_before)

@@ -1,0 +1,109 @@
+"""OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` with a 4xx for caller mistakes.
+
+Every route raises `ApiError`; the handlers installed here turn it (and FastAPI's / Starlette's own
+errors) into that body, so a caller never sees a bare 500 for bad input.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger(__name__)
+
+# Leading words of engine ValueErrors -> the request field they are about.
+_PARAM_OF_ENGINE_FIELD = {
+    "max_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+    "min_p": "min_p", "logprobs": "logprobs", "stop": "stop", "prompt": "prompt", "request": "max_tokens",
+    "cache_salt": "cache_salt",
+}
+
+
+class ApiError(Exception):
+    """An error answered to the caller as an OpenAI error body with `status`."""
+
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None,
+        type_: str = "invalid_request_error",
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type_
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param, code)
+
+
+def from_engine_value_error(err: ValueError, prompt_param: str = "prompt") -> ApiError:
+    """A 400 for an engine validation error, naming the field its message starts with."""
+    message = str(err)
+    first_word = message.split(" ", 1)[0]
+    param = _PARAM_OF_ENGINE_FIELD.get(first_word)
+    if param == "prompt":
+        param = prompt_param
+    return bad_request(message, param)
+
+
+def from_validation_error(err: ValidationError | RequestValidationError) -> ApiError:
+    """A 400 naming the first offending field of a pydantic error (e.g. `max_tokens`)."""
+    errors = err.errors()
+    if not errors:
+        return bad_request("invalid request body")
+    first = errors[0]
+    loc = [part for part in first.get("loc", ()) if part != "body"]
+    if first.get("type") == "json_invalid":
+        return bad_request(f"request body is not valid JSON: {first.get('msg')}", code="invalid_json")
+    if not loc:
+        return bad_request(f"request body must be a JSON object: {first.get('msg')}")
+    param = str(loc[0])
+    same_field = [e for e in errors if [p for p in e.get("loc", ()) if p != "body"][:1] == [loc[0]]]
+    message = f"{_format_loc(loc)}: {first.get('msg')}"
+    if len(same_field) > 1:  # a union: say which shapes are accepted instead of the first mismatch
+        shapes = sorted({str(e["loc"][1]) for e in same_field if len(e.get("loc", ())) > 1})
+        message = f"{param}: invalid type; expected one of {', '.join(shapes)}"
+    return bad_request(message, param)
+
+
+def _format_loc(loc: list) -> str:
+    text = ""
+    for part in loc:
+        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
+    return text
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Route every error through the OpenAI error body."""
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return from_validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = "not_found" if exc.status_code == 404 else None
+        return ApiError(exc.status_code, str(exc.detail), code=code).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error", exc_info=exc)
+        return ApiError(500, "internal server error", type_="server_error").response()

@@ -1,0 +1,128 @@
+"""Running one HTTP request's choices on the engine: admission, collection, and SSE streaming.
+
+Every path ends with `group.abort()`, a no-op once all choices finished: a client that disconnects
+(or a handler cancelled at shutdown) aborts its engine requests so their blocks come back at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+
+from fastapi import Request
+from pydantic import BaseModel
+
+from kvserve.engine.async_engine import AsyncEngine, EngineDeadError, RequestGroup, RequestSpec
+from kvserve.engine.params import SamplingParams
+from kvserve.engine.request import RequestOutput
+from kvserve.server.errors import ApiError, from_engine_value_error
+from kvserve.server.metrics import ServerMetrics
+from kvserve.server.protocol import Usage
+from kvserve.server.responses import ResponseContext, usage_of
+
+logger = logging.getLogger(__name__)
+SSE_DONE = "data: [DONE]\n\n"
+
+
+class ClientDisconnected(Exception):
+    """The caller hung up before its non-streaming response was ready."""
+
+
+@dataclass(slots=True)
+class StreamFormat:
+    """How one endpoint turns outputs into SSE chunks."""
+
+    first_chunks: Callable[[ResponseContext], list[BaseModel]]
+    chunk: Callable[[ResponseContext, int, RequestOutput], BaseModel | None]
+    usage_chunk: Callable[[ResponseContext, Usage], BaseModel] | None  # None: usage not requested
+
+
+async def submit(
+    engine: AsyncEngine, ctx: ResponseContext, prompts: Sequence[list[int]], params: Sequence[SamplingParams],
+    namespace: tuple[str, ...], max_queue: int, prompt_param: str,
+) -> RequestGroup:
+    """Queue prompts × choices as one group (choice index = prompt × n + i); 429 when the queue is full."""
+    if engine.num_waiting >= max_queue:
+        raise ApiError(429, f"the server's request queue is full ({max_queue} waiting); retry later",
+                       code="queue_full", type_="rate_limit_error")
+    specs = [
+        RequestSpec(prompt_ids, choice_params, ctx.request_id(p * ctx.n + i), namespace)
+        for p, prompt_ids in enumerate(prompts)
+        for i, choice_params in enumerate(params)
+    ]
+    try:
+        return await engine.add_requests(specs)
+    except ValueError as err:
+        raise from_engine_value_error(err, prompt_param) from err
+    except EngineDeadError as err:
+        raise engine_unavailable(err) from err
+
+
+def engine_unavailable(err: Exception) -> ApiError:
+    return ApiError(503, f"the engine is not running: {err}", code="engine_unavailable", type_="server_error")
+
+
+async def collect(group: RequestGroup, request: Request, metrics: ServerMetrics) -> dict[int, RequestOutput]:
+    """Final output of every choice; aborts the group if the client disconnects first."""
+    collector = asyncio.ensure_future(_final_outputs(group, metrics))
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({collector, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        collector.cancel()  # no-op when done
+        metrics.observe_aborted(group.abort())
+    if collector not in done:
+        raise ClientDisconnected
+    try:
+        return collector.result()
+    except EngineDeadError as err:
+        raise engine_unavailable(err) from err
+
+
+async def _final_outputs(group: RequestGroup, metrics: ServerMetrics) -> dict[int, RequestOutput]:
+    finals: dict[int, RequestOutput] = {}
+    async for index, output in group:
+        if output.finished:
+            finals[index] = output
+            metrics.observe_finished(output)
+    return finals
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    # After the body is read, the ASGI server's receive() blocks until the client goes away.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def sse_stream(
+    group: RequestGroup, ctx: ResponseContext, fmt: StreamFormat, metrics: ServerMetrics
+) -> AsyncIterator[str]:
+    """Server-sent events for a group: role chunks, deltas, optional usage, then `[DONE]`."""
+    latest: dict[int, RequestOutput] = {}
+    try:
+        for chunk in fmt.first_chunks(ctx):
+            yield _event(chunk)
+        async for index, output in group:
+            latest[index] = output
+            if output.finished:
+                metrics.observe_finished(output)
+            chunk = fmt.chunk(ctx, index, output)
+            if chunk is not None:
+                yield _event(chunk)
+        if fmt.usage_chunk is not None:
+            yield _event(fmt.usage_chunk(ctx, usage_of(ctx, latest)))
+        yield SSE_DONE
+    except EngineDeadError as err:
+        # Headers are out already: report in-band, as OpenAI does for mid-stream errors.
+        yield f"data: {json.dumps(engine_unavailable(err).body())}\n\n"
+        yield SSE_DONE
+    finally:
+        metrics.observe_aborted(group.abort())
+
+
+def _event(chunk: BaseModel) -> str:
+    return f"data: {chunk.model_dump_json()}\n\n"

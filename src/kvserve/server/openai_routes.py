@@ -1,0 +1,103 @@
+"""OpenAI-compatible routes: chat completions, text completions, models."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from functools import partial
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from kvserve.server import inputs, responses
+from kvserve.server.auth import Principal, cache_namespace
+from kvserve.server.errors import ApiError, bad_request
+from kvserve.server.generation import ClientDisconnected, StreamFormat, collect, sse_stream, submit
+from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from kvserve.server.state import Caller, ServerState, parse_body, server_state
+
+router = APIRouter()
+CLIENT_CLOSED_REQUEST = 499  # nginx's code: nobody reads it, but logs show what happened
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+@router.get("/v1/models")
+async def list_models(request: Request, _: Caller) -> JSONResponse:
+    state = server_state(request)
+    card = ModelCard(id=state.model_name, created=0, max_model_len=state.engine.info.max_model_len)
+    return JSONResponse(ModelList(data=[card]).model_dump())
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request, caller: Caller) -> Response:
+    state = server_state(request)
+    body = await parse_body(request, ChatCompletionRequest)
+    _check_request(state, body)
+    prompt_ids = inputs.chat_prompt_ids(state.engine.tokenizer, body.messages)
+    requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    max_tokens = inputs.resolve_max_tokens(requested, [len(prompt_ids)], state.engine.info, None, "messages")
+    params = inputs.choice_params(body, max_tokens, inputs.chat_logprobs(body))
+    ctx = responses.ResponseContext.new(
+        "chatcmpl", state.model_name, body.n, [len(prompt_ids)], state.token_texts
+    )
+    group = await submit(state.engine, ctx, [prompt_ids], params, _namespace(caller, body.cache_salt),
+                         state.max_queue, "messages")
+    if body.stream:
+        fmt = StreamFormat(
+            first_chunks=responses.chat_role_chunks,
+            chunk=partial(responses.chat_chunk, logprobs=body.logprobs),
+            usage_chunk=responses.chat_usage_chunk if body.include_usage else None,
+        )
+        return _streaming_response(sse_stream(group, ctx, fmt, state.metrics))
+    try:
+        finals = await collect(group, request, state.metrics)
+    except ClientDisconnected:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    return JSONResponse(responses.chat_completion(ctx, finals, body.logprobs).model_dump())
+
+
+@router.post("/v1/completions")
+async def completions(request: Request, caller: Caller) -> Response:
+    state = server_state(request)
+    body = await parse_body(request, CompletionRequest)
+    _check_request(state, body)
+    prompts = inputs.completion_prompt_ids(state.engine.tokenizer, body.prompt, state.engine.info.vocab_size)
+    inputs.check_choice_count(len(prompts), body.n)
+    prompt_lens = [len(p) for p in prompts]
+    max_tokens = inputs.resolve_max_tokens(
+        body.max_tokens, prompt_lens, state.engine.info, inputs.DEFAULT_COMPLETION_MAX_TOKENS, "prompt"
+    )
+    params = inputs.choice_params(body, max_tokens, body.logprobs)
+    ctx = responses.ResponseContext.new("cmpl", state.model_name, body.n, prompt_lens, state.token_texts)
+    group = await submit(state.engine, ctx, prompts, params, _namespace(caller, body.cache_salt),
+                         state.max_queue, "prompt")
+    want_logprobs = body.logprobs is not None
+    if body.stream:
+        fmt = StreamFormat(
+            first_chunks=lambda _: [],
+            chunk=partial(responses.completion_chunk, logprobs=want_logprobs),
+            usage_chunk=responses.completion_usage_chunk if body.include_usage else None,
+        )
+        return _streaming_response(sse_stream(group, ctx, fmt, state.metrics))
+    try:
+        finals = await collect(group, request, state.metrics)
+    except ClientDisconnected:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    return JSONResponse(responses.text_completion(ctx, finals, want_logprobs).model_dump())
+
+
+def _check_request(state: ServerState, body: ChatCompletionRequest | CompletionRequest) -> None:
+    if body.model != state.model_name:
+        raise ApiError(404, f"model {body.model!r} does not exist; this server serves {state.model_name!r}",
+                       "model", "model_not_found")
+    inputs.reject_unsupported(body)
+
+
+def _namespace(caller: Principal, cache_salt: str | None) -> tuple[str, ...]:
+    try:
+        return cache_namespace(caller, cache_salt)
+    except ValueError as err:
+        raise bad_request(str(err), "cache_salt") from err
+
+
+def _streaming_response(events: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)

@@ -1,0 +1,69 @@
+"""Shared fixtures: a tiny random Llama saved as a Hugging Face directory, and an HF greedy oracle."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+TINY_VOCAB = 512
+
+
+def make_tiny_llama_dir(path: Path, tie_word_embeddings: bool = False, seed: int = 0) -> Path:
+    """Save a small random LlamaForCausalLM (HF format, safetensors, fp32) under `path`."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=tie_word_embeddings,
+        # Wider weights than HF's default 0.02 make logits peaked, so greedy picks are never near-ties.
+        initializer_range=0.3, bos_token_id=1, eos_token_id=2,
+    )
+    model = LlamaForCausalLM(config).to(torch.float32)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_llama_dir(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_model(tiny_model_dir: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32).eval()
+
+
+@torch.inference_mode()
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """Greedy continuation by a plain forward loop (EOS ignored, explicit all-ones attention mask)."""
+    input_ids = torch.tensor([prompt_ids])
+    past = None
+    generated: list[int] = []
+    for _ in range(max_new_tokens):
+        mask = torch.ones(1, len(prompt_ids) + len(generated), dtype=torch.long)
+        out = model(input_ids=input_ids, attention_mask=mask, past_key_values=past, use_cache=True)
+        past = out.past_key_values
+        next_id = int(out.logits[0, -1].argmax())
+        generated.append(next_id)
+        input_ids = torch.tensor([[next_id]])
+    return generated
+
+
+def random_prompts(count: int, min_len: int, max_len: int, seed: int = 0, vocab: int = TINY_VOCAB) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(min_len, max_len + 1, (count,), generator=generator).tolist()
+    return [torch.randint(3, vocab, (n,), generator=generator).tolist() for n in lengths]
+
+
+def assert_pool_drained(engine) -> None:
+    """After all requests finish: nothing referenced, and free + cached = total."""
+    stats = engine.stats()
+    assert stats["used_blocks"] == 0, stats
+    assert stats["free_blocks"] + stats["cached_blocks"] == stats["num_blocks"], stats
+    assert not engine.has_unfinished_requests()

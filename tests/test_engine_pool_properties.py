@@ -1,0 +1,73 @@
+"""Pool accounting under random mixes of requests, steps, aborts and preemptions (hypothesis)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import assert_pool_drained
+from kvserve import LLM, SamplingParams
+
+SHARED_PREFIX = list(range(10, 58))  # 48 tokens: three blocks of 16 that requests may share
+
+
+def check_pool(engine) -> None:
+    manager = engine.block_manager
+    allocator, cache = manager.allocator, manager.prefix_cache
+    assert all(count >= 0 for count in allocator.ref_counts)
+    for block_id in range(allocator.num_blocks):
+        if allocator.is_free(block_id):
+            assert allocator.ref_counts[block_id] == 0, f"block {block_id} free and referenced"
+    assert allocator.num_free + cache.num_evictable_blocks + allocator.num_referenced() == allocator.num_blocks
+    held: dict[int, int] = {}
+    for request in engine.scheduler.running:
+        for block_id in request.block_table:
+            assert not allocator.is_free(block_id), f"running request holds free block {block_id}"
+            held[block_id] = held.get(block_id, 0) + 1
+    for block_id, holders in held.items():
+        assert allocator.ref_counts[block_id] == holders  # exactly one reference per holder
+    for request in engine.scheduler.waiting:
+        assert request.block_table == []
+    if hasattr(cache, "check_invariants"):
+        cache.check_invariants()
+
+
+operation = st.one_of(
+    st.tuples(st.just("add"), st.integers(1, 70), st.integers(1, 20), st.booleans(), st.integers(0, 2)),
+    st.tuples(st.just("step"), st.integers(1, 4)),
+    st.tuples(st.just("abort"), st.integers(0, 50)),
+)
+
+
+@pytest.fixture(scope="module", params=["radix", "hash", "off"])
+def engine(request, tiny_model_dir):
+    # 10 blocks of 16 tokens: a few requests fill it, so preemption and eviction are common.
+    llm = LLM(str(tiny_model_dir), progress=False, num_blocks=10, block_size=16,
+              prefix_cache=request.param, max_num_batched_tokens=40)
+    return llm.engine
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=st.lists(operation, min_size=1, max_size=30), seed=st.integers(0, 2**16))
+def test_random_operations_keep_pool_consistent(engine, ops, seed):
+    ids: list[str] = []
+    for op in ops:
+        if op[0] == "add":
+            _, length, max_tokens, shared, salt = op
+            prompt = (SHARED_PREFIX + [seed % 400 + 60] * length) if shared else [(seed + i) % 500 + 3
+                                                                                    for i in range(length)]
+            prompt = prompt[: 150 - max_tokens]
+            params = SamplingParams(max_tokens=max_tokens, temperature=0.0 if salt else 0.8, seed=seed,
+                                    ignore_eos=True)
+            ids.append(engine.add_request(prompt, params, cache_salt=f"s{salt}" if salt else None))
+        elif op[0] == "step":
+            for _ in range(op[1]):
+                engine.step()
+        elif ids:
+            engine.abort_request(ids[op[1] % len(ids)])
+        check_pool(engine)
+    while engine.has_unfinished_requests():
+        engine.step()
+        check_pool(engine)
+    assert_pool_drained(engine)
