@@ -252,6 +252,16 @@ def test_client_disconnect_aborts_and_frees_blocks(server, client):  # noqa: F81
     assert metric_value(server.url, 'kvserve_requests_finished_total{finish_reason="abort"}') >= 1
 
 
+def test_non_streaming_client_that_hangs_up_is_aborted(server):  # noqa: F811
+    aborted = 'kvserve_requests_finished_total{finish_reason="abort"}'
+    aborted_before = metric_value(server.url, aborted, default=0.0)
+    body = {"model": MODEL, "prompt": random_ids(40, seed=7), "max_tokens": 1500, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", json=body, timeout=httpx.Timeout(10, read=0.5))
+    wait_until_drained(server.url, timeout=10)
+    assert metric_value(server.url, aborted) == aborted_before + 1  # aborted, not run to its 1,500 tokens
+
+
 def test_metrics_names(server, client):  # noqa: F811
     hits_before = metric_value(server.url, "kvserve_prefix_cache_hits_total")
     prompt = random_ids(40, seed=6)

@@ -125,10 +125,12 @@ def server(chat_model_dir: Path) -> Iterator[ServerProcess]:
         yield process
 
 
-def metric_value(url: str, name: str, headers: dict | None = None) -> float:
-    """One sample of /metrics, e.g. `kvserve_kv_cache_blocks{state="used"}`."""
+def metric_value(url: str, name: str, headers: dict | None = None, default: float | None = None) -> float:
+    """One sample of /metrics, e.g. `kvserve_kv_cache_blocks{state="used"}` (`default` if absent)."""
     text = httpx.get(f"{url}/metrics", headers=headers, timeout=10).text
     match = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.MULTILINE)
+    if match is None and default is not None:
+        return default
     assert match, f"{name} missing from /metrics"
     return float(match.group(1))
 

@@ -122,7 +122,7 @@ class RequestGroup:
 class AsyncEngine:
     """Runs an `LLMEngine` on its own thread; async methods are called from one event loop or more."""
 
-    def __init__(self, engine: LLMEngine, idle_poll_s: float | None = None) -> None:
+    def __init__(self, engine: LLMEngine) -> None:
         """Take ownership of `engine`: after `start()` only the engine thread touches it."""
         self._engine = engine
         self.tokenizer = engine.tokenizer  # immutable after load; encode/decode are thread-safe
@@ -131,7 +131,6 @@ class AsyncEngine:
             vocab_size=engine.model_config.vocab_size, num_blocks=engine.block_manager.num_blocks,
             block_size=engine.block_manager.block_size,
         )
-        self._idle_poll_s = idle_poll_s  # None: sleep until notified
         self._cond = threading.Condition()
         self._inbox: deque[_Command] = deque()
         self._num_unadmitted = 0  # submissions still in the inbox (guarded by _cond)
@@ -283,7 +282,7 @@ class AsyncEngine:
     def _wait_for_work(self) -> tuple[list[_Command], str | None]:
         with self._cond:
             while not self._inbox and self._stop_mode is None and not self._engine.has_unfinished_requests():
-                self._cond.wait(self._idle_poll_s)
+                self._cond.wait()  # notified by _post and stop
             commands = list(self._inbox)
             self._inbox.clear()
             return commands, self._stop_mode

@@ -11,6 +11,10 @@ class SamplingParams:
 
     temperature 0 means greedy. top_k -1 (or 0) disables top-k; top_p 1 and min_p 0 disable theirs.
     A request with a `seed` draws the same tokens whatever else shares its batch.
+
+    `n` > 1 or `best_of` > 1 asks for several completions of one prompt (parallel sampling): the prompt
+    is prefilled once and its blocks are shared; sample i draws from seed `(seed + i) % 2**63`.
+    `best_of` (default n) samples are drawn and the n with the highest cumulative log-probability kept.
     """
 
     max_tokens: int = 16
@@ -24,6 +28,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; 0: the sampled token's; N: plus the top N
     skip_special_tokens: bool = True
+    n: int = 1
+    best_of: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -48,6 +54,15 @@ class SamplingParams:
             raise ValueError("stop must be a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative integers")
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+        if self.best_of is not None and (not isinstance(self.best_of, int) or self.best_of < self.n):
+            raise ValueError(f"best_of must be an integer >= n ({self.n}), got {self.best_of!r}")
+
+    @property
+    def num_samples(self) -> int:
+        """How many sequences are sampled: best_of if set, else n."""
+        return self.best_of if self.best_of is not None else self.n
 
     @property
     def is_greedy(self) -> bool:

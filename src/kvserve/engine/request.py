@@ -5,10 +5,15 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvserve.engine.params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvserve.engine.beam_search import BeamGroup
+    from kvserve.engine.parallel import ParallelGroup
 
 
 class RequestStatus(enum.Enum):
@@ -48,8 +53,29 @@ class RequestMetrics:
 
 
 @dataclass(slots=True)
+class CompletionOutput:
+    """One completion of a request: a sample of a parallel (n / best_of) request or a beam hypothesis."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    cumulative_logprob: float | None = None  # sum of the raw model log-probs of token_ids
+    score: float | None = None  # beam search: cumulative_logprob / len(token_ids) ** length_penalty
+    logprobs: list[TokenLogprob] | None = None
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class RequestOutput:
-    """A request's result so far (cumulative); `delta_*` hold what the last step added."""
+    """A request's result so far (cumulative); `delta_*` hold what the last step added.
+
+    A plain request has one completion: the top-level fields. A parallel (n / best_of) or beam-search
+    request also carries `outputs`, its completions (in sample order, or best first when ranked:
+    best_of > n, beam search); the top-level fields then mirror `outputs[0]`. `completions` gives the
+    list for either kind.
+    """
 
     request_id: str
     prompt: str | None
@@ -63,6 +89,15 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
+    outputs: list[CompletionOutput] | None = None
+
+    @property
+    def completions(self) -> list[CompletionOutput]:
+        """Every completion: `outputs`, or the top-level fields as one completion for a plain request."""
+        if self.outputs is not None:
+            return self.outputs
+        return [CompletionOutput(0, self.text, self.token_ids, self.finish_reason, logprobs=self.logprobs,
+                                 delta_text=self.delta_text, delta_token_ids=self.delta_token_ids)]
 
 
 @dataclass(slots=True, eq=False)
@@ -91,6 +126,9 @@ class Request:
     num_sent_tokens: int = 0  # outputs already reported through deltas
     num_sent_chars: int = 0
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
+    group: ParallelGroup | BeamGroup | None = None  # the parallel / beam-search request it belongs to
+    may_share_tail: bool = False  # forked: the partial tail block may be shared (copy it before writing)
+    cumulative_logprob: float = 0.0  # kept for group members only
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

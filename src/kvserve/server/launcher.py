@@ -9,10 +9,10 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import httpx
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -31,6 +31,7 @@ class ServerProcess:
     port: int
     log_path: Path
     _log_file: object = field(default=None, repr=False)
+    _owns_log: bool = False  # a temporary log, removed after a clean exit
 
     @property
     def url(self) -> str:
@@ -49,13 +50,15 @@ class ServerProcess:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
         try:
-            return self.process.wait(timeout)
+            status = self.process.wait(timeout)
         except subprocess.TimeoutExpired:
             self.process.kill()
-            return self.process.wait()
-        finally:
-            if self._log_file is not None:
-                self._log_file.close()
+            status = self.process.wait()
+        if self._log_file is not None:
+            self._log_file.close()
+        if self._owns_log and status == 0:
+            self.log_path.unlink(missing_ok=True)  # keep it only when something went wrong
+        return status
 
     def __enter__(self) -> ServerProcess:
         return self
@@ -70,15 +73,17 @@ def launch_server(
 ) -> ServerProcess:
     """Run `python -m kvserve.server --host H --port P *args`; return once /health answers 200."""
     port = port or free_port(host)
+    owns_log = log_path is None
     if log_path is None:
-        log_path = tempfile.mkstemp(prefix="kvserve-server-", suffix=".log")[1]
+        handle, log_path = tempfile.mkstemp(prefix="kvserve-server-", suffix=".log")
+        os.close(handle)
     log_path = Path(log_path)
     log_file = open(log_path, "w")  # noqa: SIM115 - closed by ServerProcess.terminate
     command = [sys.executable, "-m", "kvserve.server", "--host", host, "--port", str(port), *args]
     process = subprocess.Popen(
         command, stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
     )
-    server = ServerProcess(process, host, port, log_path, log_file)
+    server = ServerProcess(process, host, port, log_path, log_file, owns_log)
     try:
         _wait_until_healthy(server, startup_timeout)
     except BaseException:
@@ -93,9 +98,11 @@ def _wait_until_healthy(server: ServerProcess, timeout: float) -> None:
         if server.process.poll() is not None:
             raise RuntimeError(f"server exited with {server.process.returncode}:\n{server.log_tail()}")
         try:
-            if httpx.get(f"{server.url}/health", timeout=2.0).status_code == 200:
-                return
-        except httpx.HTTPError:
+            # stdlib, not httpx: the server package must not need test-only dependencies
+            with urllib.request.urlopen(f"{server.url}/health", timeout=2.0) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
             pass
         time.sleep(0.1)
     raise TimeoutError(f"server not healthy after {timeout:.0f}s:\n{server.log_tail()}")

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import Callable
 from functools import partial
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
 
+from kvserve.engine.async_engine import RequestGroup
+from kvserve.engine.request import RequestOutput
 from kvserve.server import inputs, responses
 from kvserve.server.auth import Principal, cache_namespace
 from kvserve.server.errors import ApiError, bad_request
@@ -41,18 +44,13 @@ async def chat_completions(request: Request, caller: Caller) -> Response:
     )
     group = await submit(state.engine, ctx, [prompt_ids], params, _namespace(caller, body.cache_salt),
                          state.max_queue, "messages")
-    if body.stream:
-        fmt = StreamFormat(
-            first_chunks=responses.chat_role_chunks,
-            chunk=partial(responses.chat_chunk, logprobs=body.logprobs),
-            usage_chunk=responses.chat_usage_chunk if body.include_usage else None,
-        )
-        return _streaming_response(sse_stream(group, ctx, fmt, state.metrics))
-    try:
-        finals = await collect(group, request, state.metrics)
-    except ClientDisconnected:
-        return Response(status_code=CLIENT_CLOSED_REQUEST)
-    return JSONResponse(responses.chat_completion(ctx, finals, body.logprobs).model_dump())
+    fmt = StreamFormat(
+        first_chunks=responses.chat_role_chunks,
+        chunk=partial(responses.chat_chunk, logprobs=body.logprobs),
+        usage_chunk=responses.chat_usage_chunk if body.include_usage else None,
+    )
+    final = partial(responses.chat_completion, ctx, logprobs=body.logprobs)
+    return await _respond(request, state, group, ctx, fmt if body.stream else None, final)
 
 
 @router.post("/v1/completions")
@@ -71,18 +69,13 @@ async def completions(request: Request, caller: Caller) -> Response:
     group = await submit(state.engine, ctx, prompts, params, _namespace(caller, body.cache_salt),
                          state.max_queue, "prompt")
     want_logprobs = body.logprobs is not None
-    if body.stream:
-        fmt = StreamFormat(
-            first_chunks=lambda _: [],
-            chunk=partial(responses.completion_chunk, logprobs=want_logprobs),
-            usage_chunk=responses.completion_usage_chunk if body.include_usage else None,
-        )
-        return _streaming_response(sse_stream(group, ctx, fmt, state.metrics))
-    try:
-        finals = await collect(group, request, state.metrics)
-    except ClientDisconnected:
-        return Response(status_code=CLIENT_CLOSED_REQUEST)
-    return JSONResponse(responses.text_completion(ctx, finals, want_logprobs).model_dump())
+    fmt = StreamFormat(
+        first_chunks=lambda _: [],
+        chunk=partial(responses.completion_chunk, logprobs=want_logprobs),
+        usage_chunk=responses.completion_usage_chunk if body.include_usage else None,
+    )
+    final = partial(responses.text_completion, ctx, logprobs=want_logprobs)
+    return await _respond(request, state, group, ctx, fmt if body.stream else None, final)
 
 
 def _check_request(state: ServerState, body: ChatCompletionRequest | CompletionRequest) -> None:
@@ -99,5 +92,17 @@ def _namespace(caller: Principal, cache_salt: str | None) -> tuple[str, ...]:
         raise bad_request(str(err), "cache_salt") from err
 
 
-def _streaming_response(events: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
+async def _respond(
+    request: Request, state: ServerState, group: RequestGroup, ctx: responses.ResponseContext,
+    stream_format: StreamFormat | None, final: Callable[[dict[int, RequestOutput]], BaseModel],
+) -> Response:
+    """SSE when `stream_format` is given; otherwise wait for every choice and answer `final(outputs)`."""
+    if stream_format is not None:
+        events = sse_stream(group, ctx, stream_format, state.metrics)
+        return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
+    try:
+        finals = await collect(group, request, state.metrics)
+    except ClientDisconnected:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    # pydantic's JSON writes non-finite floats as null; json.dumps would emit invalid "-Infinity".
+    return Response(final(finals).model_dump_json(), media_type="application/json")

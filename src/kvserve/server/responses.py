@@ -57,7 +57,9 @@ class ResponseContext:
     created: int = field(default_factory=lambda: int(time.time()))
 
     @classmethod
-    def new(cls, prefix: str, model: str, n: int, prompt_lens: list[int], token_texts: TokenTexts):
+    def new(
+        cls, prefix: str, model: str, n: int, prompt_lens: list[int], token_texts: TokenTexts
+    ) -> ResponseContext:
         return cls(f"{prefix}-{uuid.uuid4().hex}", model, n, prompt_lens, token_texts)
 
     @property
