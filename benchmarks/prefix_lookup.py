@@ -139,6 +139,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--skip-worst-case", action="store_true", help="skip the 1-block-node radix row")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument("--write", action="store_true", help="write results/prefix_lookup.md and a plot")
     args = parser.parse_args()
 
     rng = random.Random(0)
@@ -173,6 +174,43 @@ def main() -> None:
         }
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
+    if args.write:
+        write_markdown(rows, hashing, cached_tokens)
+
+
+def write_markdown(rows: list[dict[str, object]], hashing: list[dict[str, object]], cached: dict) -> None:
+    """Section for BENCHMARKS.md plus docs/prefix_lookup.png (match time vs prompt length)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from common import ROOT, markdown_table, write_result
+
+    table = markdown_table(
+        ["cache", "case", "prompt tokens", "matched tokens", "match ms (median)"],
+        [[r["cache"], r["case"], r["prompt_tokens"], r["matched_tokens"], r["match_ms"]] for r in rows],
+    )
+    hash_table = markdown_table(
+        ["hash", "prompt tokens", "hashing ms (median)"],
+        [[h["algo"], h["prompt_tokens"], h["hash_ms"]] for h in hashing],
+    )
+    figure, axes = plt.subplots(figsize=(6, 4))
+    for name in ("radix", "hash"):
+        points = sorted((r["prompt_tokens"], r["match_ms"]) for r in rows if r["cache"] == name and r["case"] == "full")
+        axes.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=f"{name} (full hit)")
+    axes.axhline(5.0, color="grey", linestyle="--", label="5 ms target")
+    axes.set_xlabel("prompt tokens")
+    axes.set_ylabel("match time (ms)")
+    axes.set_title(f"Prefix lookup against a cache of {max(cached.values()):,} tokens")
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(ROOT / "docs" / "prefix_lookup.png", dpi=110)
+    write_result(
+        "prefix_lookup", "Prefix lookup cost: radix vs hash, cache of 1,000,000 tokens",
+        table + "\n\nHashing the prompt (only the hash cache needs it; the engine hashes incrementally "
+        "as blocks fill):\n\n" + hash_table + "\n\n![lookup cost](docs/prefix_lookup.png)",
+    )
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 Greedy tokens must be identical, token for token, for 8 varied prompts x 64 new tokens (EOS ignored):
 one at a time, batched, chunked prefill, under preemption, and with block sizes 1, 16 and 64.
+Beam search (width 4, HF's default length_penalty 1.0 and early_stopping False) returns HF's hypotheses.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 from conftest import assert_pool_drained, hf_greedy
 from kvserve import LLM, SamplingParams
 from kvserve.model.registry import resolve_model
+from test_beam_search import hf_beam_search
 
 pytestmark = pytest.mark.model
 
@@ -82,7 +84,8 @@ def test_batched(llm, prompts, reference):
 
 
 def test_chunked_prefill(prompts, reference):
-    chunked = LLM("smollm2-135m", progress=False, num_blocks=512, max_num_batched_tokens=24, prefix_cache="off")
+    chunked = LLM("smollm2-135m", progress=False, num_blocks=512, max_num_batched_tokens=24,
+                  prefix_cache="off")
     assert [o.token_ids for o in chunked.generate(prompts, GREEDY)] == reference
     assert_pool_drained(chunked.engine)
 
@@ -101,3 +104,14 @@ def test_block_sizes(prompts, reference, block_size):
     other = LLM("smollm2-135m", progress=False, block_size=block_size, num_blocks=8192 // block_size)
     assert [o.token_ids for o in other.generate(prompts, GREEDY)] == reference
     assert_pool_drained(other.engine)
+
+
+def test_beam_search_equals_hf(llm, hf_model, prompts):
+    eos_token_ids = sorted(llm.engine.eos_token_ids)  # <|endoftext|> and <|im_end|>: K = 3 x width
+    for prompt in prompts[:2]:  # the first answer ends on EOS, the second runs to max_tokens
+        output = llm.beam_search(prompt, 4, 16)[0]
+        with torch.inference_mode():
+            sequences, scores = hf_beam_search(hf_model, prompt, 4, 16, eos_token_ids=eos_token_ids)
+        assert [c.token_ids for c in output.outputs] == sequences
+        assert [c.score for c in output.outputs] == pytest.approx(scores, abs=1e-3)
+    assert_pool_drained(llm.engine)

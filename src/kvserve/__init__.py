@@ -1,8 +1,9 @@
 """kvserve: an LLM serving engine built around its KV cache."""
 
+from kvserve.engine.beam_search import BeamSearchParams
 from kvserve.engine.params import SamplingParams
-from kvserve.engine.request import RequestOutput
+from kvserve.engine.request import CompletionOutput, RequestOutput
 from kvserve.llm import LLM
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "BeamSearchParams", "CompletionOutput", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"

@@ -8,6 +8,7 @@ from typing import Any
 from tqdm import tqdm
 
 from kvserve.config import EngineConfig
+from kvserve.engine.beam_search import BeamSearchParams
 from kvserve.engine.engine import LLMEngine
 from kvserve.engine.params import SamplingParams
 from kvserve.engine.request import Request, RequestOutput
@@ -45,6 +46,23 @@ class LLM:
             self.engine.make_request(prompt, p, cache_salt=cache_salt)
             for prompt, p in zip(prompt_list, params, strict=True)
         ]
+        return self._run_to_completion(requests, use_tqdm)
+
+    def beam_search(
+        self, prompts: Prompt | Sequence[Prompt], beam_width: int, max_tokens: int,
+        length_penalty: float = 1.0, early_stopping: bool | str = False,
+        num_return_sequences: int | None = None, cache_salt: str | None = None, use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Beam search over every prompt, as Hugging Face `generate(num_beams=beam_width,
+        do_sample=False, length_penalty=..., early_stopping=...)`; outputs in input order.
+
+        Each output's `outputs` holds `num_return_sequences` (default beam_width) hypotheses, best
+        first, with `score` = cumulative_logprob / len(token_ids) ** length_penalty.
+        """
+        params = BeamSearchParams(
+            beam_width, max_tokens, length_penalty, early_stopping, num_return_sequences
+        )
+        requests = [self.engine.make_request(p, params, cache_salt=cache_salt) for p in _as_list(prompts)]
         return self._run_to_completion(requests, use_tqdm)
 
     def chat(

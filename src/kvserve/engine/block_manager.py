@@ -2,10 +2,12 @@
 
 It composes the allocator (free blocks, reference counts) with a prefix cache (registered blocks),
 and is the only place the engine touches either. Checks (`can_*`) have no side effects.
+Forked sequences share blocks; the shared tail block is copied on write (see fork.py).
 """
 
 from __future__ import annotations
 
+from kvserve.engine.fork import copy_tail_on_write, tail_is_shared
 from kvserve.engine.request import Request
 from kvserve.kv.block_allocator import BlockAllocator
 from kvserve.prefix.base import PrefixCache
@@ -23,6 +25,7 @@ class BlockManager:
         self.caching_enabled = caching_enabled
         self.hash_algo = hash_algo
         self.peak_used_blocks = 0
+        self.pending_copies: list[tuple[int, int]] = []  # copy-on-write (src, dst) for the next forward
 
     @property
     def num_blocks(self) -> int:
@@ -71,10 +74,15 @@ class BlockManager:
         request.num_published_blocks = len(matched)
 
     def can_grow(self, request: Request, num_new_tokens: int) -> bool:
-        return self._num_missing_blocks(request, num_new_tokens) <= self.num_available_blocks()
+        num_needed = self._num_missing_blocks(request, num_new_tokens)
+        if request.may_share_tail:  # forked: writing a shared tail block takes a copy first
+            num_needed += tail_is_shared(self, request)
+        return num_needed <= self.num_available_blocks()
 
     def grow(self, request: Request, num_new_tokens: int) -> None:
         """Allocate blocks so the next `num_new_tokens` tokens have slots; evicts cached blocks if needed."""
+        if request.may_share_tail:
+            copy_tail_on_write(self, request)
         num_missing = self._num_missing_blocks(request, num_new_tokens)
         if num_missing <= 0:
             return
@@ -125,6 +133,10 @@ class BlockManager:
         request.block_table = []
         request.num_published_blocks = 0
         request.num_computed_tokens = 0
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
 
     def reset_prefix_cache(self) -> bool:
         return self.prefix_cache.reset()

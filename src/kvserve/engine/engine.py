@@ -1,4 +1,8 @@
-"""LLMEngine.step(): schedule → batch → model → sample → publish blocks → report outputs."""
+"""LLMEngine.step(): schedule → batch → model → sample → publish blocks → report outputs.
+
+Parallel-sampling (n / best_of) and beam-search requests are groups of sequences sharing blocks
+(parallel.py, beam_search.py); while any is alive, sampling goes through `_step_with_groups`.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from kvserve.config import EngineConfig, default_kv_cache_memory
+from kvserve.engine.beam_search import BeamGroup, BeamSearchParams
 from kvserve.engine.block_manager import BlockManager
 from kvserve.engine.detokenizer import (
     DetokenizerState,
@@ -17,7 +22,9 @@ from kvserve.engine.detokenizer import (
     find_stop_string,
     streamable_length,
 )
+from kvserve.engine.fork import copy_blocks, enqueue_fork
 from kvserve.engine.model_runner import ModelRunner
+from kvserve.engine.parallel import ParallelGroup, add_cumulative_logprobs
 from kvserve.engine.params import SamplingParams
 from kvserve.engine.request import FinishReason, Request, RequestOutput, TokenLogprob
 from kvserve.engine.sampler import sample
@@ -46,7 +53,9 @@ class LLMEngine:
         self.max_model_len = self._resolve_max_model_len()
         self.kv_pool = KVPool(self._pool_shape(), self.model.dtype, self.model.device)
         allocator = BlockAllocator(self.kv_pool.num_blocks)
-        prefix_cache = make_prefix_cache(config.prefix_cache, allocator, config.block_size, config.prefix_hash)
+        prefix_cache = make_prefix_cache(
+            config.prefix_cache, allocator, config.block_size, config.prefix_hash
+        )
         self.block_manager = BlockManager(
             allocator, prefix_cache, config.block_size, config.prefix_cache != "off", config.prefix_hash
         )
@@ -54,7 +63,8 @@ class LLMEngine:
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.schedule_policy
         )
         self.runner = ModelRunner(self.model, self.kv_pool)
-        self.requests: dict[str, Request] = {}
+        self.requests: dict[str, Request] = {}  # by id as submitted (a group: its root sequence)
+        self.groups: dict[str, ParallelGroup | BeamGroup] = {}
         self._detokenizers: dict[str, DetokenizerState] = {}
         self._seed_rng = random.Random(config.seed)
         self._request_counter = itertools.count()
@@ -86,7 +96,7 @@ class LLMEngine:
     # --- requests ------------------------------------------------------------------------------------
 
     def make_request(
-        self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+        self, prompt: str | Sequence[int], params: SamplingParams | BeamSearchParams | None = None,
         request_id: str | None = None, cache_salt: str | None = None,
         namespace: tuple[str, ...] | None = None,
     ) -> Request:
@@ -100,14 +110,22 @@ class LLMEngine:
         request_id = request_id if request_id is not None else f"req-{next(self._request_counter)}"
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        beam_params = params if isinstance(params, BeamSearchParams) else None
+        if beam_params is not None:
+            params = beam_params.sampling_params()
         request = Request(
             request_id, prompt_ids, params,
             namespace=namespace if namespace is not None else namespace_for(cache_salt),
             prompt=text, eos_token_ids=self.eos_token_ids,
         )
+        seed = None
         if not params.is_greedy:
             seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
             request.generator = torch.Generator(device="cpu").manual_seed(seed)
+        if beam_params is not None:
+            request.group = BeamGroup(request, beam_params, self.tokenizer)
+        elif params.num_samples > 1:
+            request.group = ParallelGroup(request, params.n, params.num_samples, seed)
         return request
 
     def _encode(self, prompt: str | Sequence[int]) -> list[int]:
@@ -137,6 +155,8 @@ class LLMEngine:
         """Queue a request built by `make_request`."""
         self.requests[request.request_id] = request
         self._detokenizers[request.request_id] = DetokenizerState()
+        if request.group is not None:
+            self.groups[request.request_id] = request.group
         self.scheduler.add(request)
         return request.request_id
 
@@ -148,6 +168,8 @@ class LLMEngine:
         request = self.requests.get(request_id)
         if request is None:
             return None
+        if request.group is not None:
+            return self._abort_group(request.group)
         self._finish(request, FinishReason.ABORT)
         return self._output(request)
 
@@ -161,6 +183,8 @@ class LLMEngine:
         scheduler_output = self.scheduler.schedule()
         if not scheduler_output.scheduled:
             return []
+        if scheduler_output.blocks_to_copy:
+            copy_blocks(self.kv_pool, scheduler_output.blocks_to_copy)
         logits, sampling = self.runner.run(scheduler_output.scheduled)
         for item in scheduler_output.scheduled:
             item.request.num_computed_tokens += item.num_new_tokens
@@ -168,6 +192,8 @@ class LLMEngine:
         if not sampling:
             return []
         requests = [item.request for item in sampling]
+        if self.groups:
+            return self._step_with_groups(logits, requests)
         token_ids, logprobs = sample(logits, requests)
         now = time.monotonic()
         outputs = []
@@ -176,7 +202,9 @@ class LLMEngine:
             outputs.append(self._output(request))
         return outputs
 
-    def _append_token(self, request: Request, token_id: int, logprob: TokenLogprob | None, now: float) -> None:
+    def _append_token(
+        self, request: Request, token_id: int, logprob: TokenLogprob | None, now: float
+    ) -> None:
         request.append_token(token_id)
         if request.metrics.first_token_time is None:
             request.metrics.first_token_time = now
@@ -218,8 +246,9 @@ class LLMEngine:
         request.finish_reason = reason
         request.metrics.finished_time = time.monotonic()
         self.scheduler.finish(request)
-        del self.requests[request.request_id]
         self._detokenizers.pop(request.request_id, None)
+        if request.group is None:  # a group's entry goes when the whole group does (_close_group)
+            del self.requests[request.request_id]
 
     def _output(self, request: Request) -> RequestOutput:
         finished = request.is_finished
@@ -242,6 +271,75 @@ class LLMEngine:
             delta_text=delta_text,
             delta_token_ids=delta_tokens,
         )
+
+    # --- groups: parallel sampling and beam search -------------------------------------------------
+
+    def _step_with_groups(self, logits: torch.Tensor, requests: list[Request]) -> list[RequestOutput]:
+        """step()'s sampling while groups are alive: fork parallel roots at their first token, sample
+        plain requests and members, hand beam rows to their groups and step the groups that are ready."""
+        rows, to_sample, beam_groups = self._route_rows(logits, requests)
+        outputs: list[RequestOutput] = []
+        touched: dict[ParallelGroup | BeamGroup, None] = {}  # ordered set
+        if to_sample:
+            logits = logits[rows]
+            token_ids, logprobs = sample(logits, to_sample)
+            add_cumulative_logprobs(logits, to_sample, token_ids)
+            now = time.monotonic()
+            for request, token_id, logprob in zip(to_sample, token_ids, logprobs, strict=True):
+                self._append_token(request, token_id, logprob, now)
+                if request.group is None:
+                    outputs.append(self._output(request))
+                else:
+                    touched[request.group] = None
+        for group in beam_groups:
+            if group.ready:
+                group.step(self.scheduler)
+                touched[group] = None
+        for group in touched:
+            output = group.output()
+            if group.finished:
+                self._close_group(group)
+            if output is not None:
+                outputs.append(output)
+        return outputs
+
+    def _route_rows(
+        self, logits: torch.Tensor, requests: list[Request]
+    ) -> tuple[list[int], list[Request], list[BeamGroup]]:
+        """Logits rows to sample (a parallel root's row once per member) and the beam groups fed."""
+        rows: list[int] = []
+        to_sample: list[Request] = []
+        beam_groups: dict[BeamGroup, None] = {}
+        for row, request in enumerate(requests):
+            group = request.group
+            if isinstance(group, BeamGroup):
+                group.add_row(request, logits[row])
+                beam_groups[group] = None
+                continue
+            members = [request]
+            if group is not None and not group.forked:
+                members = group.fork(self.block_manager)
+                for child in members[1:]:
+                    self._detokenizers[child.request_id] = DetokenizerState()
+                    enqueue_fork(self.scheduler, request, child)
+            rows.extend([row] * len(members))
+            to_sample.extend(members)
+        return rows, to_sample, list(beam_groups)
+
+    def _abort_group(self, group: ParallelGroup | BeamGroup) -> RequestOutput | None:
+        for sequence in group.sequences():
+            if not sequence.is_finished:
+                self._finish(sequence, FinishReason.ABORT)
+        group.mark_aborted()
+        output = group.output()
+        self._close_group(group)
+        return output
+
+    def _close_group(self, group: ParallelGroup | BeamGroup) -> None:
+        group.root.metrics.finished_time = time.monotonic()
+        del self.groups[group.request_id]
+        del self.requests[group.request_id]
+        self._detokenizers.pop(group.request_id, None)
 
     # --- introspection -------------------------------------------------------------------------------
 

@@ -74,7 +74,8 @@ class RequestOutput:
     A plain request has one completion: the top-level fields. A parallel (n / best_of) or beam-search
     request also carries `outputs`, its completions (in sample order, or best first when ranked:
     best_of > n, beam search); the top-level fields then mirror `outputs[0]`. `completions` gives the
-    list for either kind.
+    list for either kind. A ranked request reports once, when finished; the others after every step
+    (each completion with its own `delta_*`).
     """
 
     request_id: str

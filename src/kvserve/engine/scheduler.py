@@ -4,6 +4,10 @@ Every step, running requests go first (one decode token each, or their next pref
 waiting ones are admitted while the token budget, `max_num_seqs` and the pool allow. When a running
 request cannot get a block, the newest running request is preempted: its blocks are released (full
 ones stay in the prefix cache) and it goes back to the front of the queue, to be recomputed.
+
+A running request with nothing to compute is a beam waiting for its siblings' logits (beam search
+advances all beams of a request together); it is skipped. If nothing at all could run, such beams are
+preempted (queued behind the head) until the head of the queue fits, so a group never deadlocks.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write, before the forward
 
     @property
     def num_tokens(self) -> int:
@@ -83,6 +88,10 @@ class Scheduler:
         budget = self._schedule_running(output, self.max_num_batched_tokens)
         if not output.preempted:
             self._schedule_waiting(output, budget)
+        if not output.scheduled and self.waiting and self.running:
+            self._unblock_waiting(output)
+        if self.block_manager.pending_copies:
+            output.blocks_to_copy = self.block_manager.take_pending_copies()
         return output
 
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
@@ -90,6 +99,9 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new == 0:  # a beam holding its logits until its siblings have theirs
+                index += 1
+                continue
             while not self.block_manager.can_grow(request, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -142,12 +154,25 @@ class Scheduler:
         fresh.sort(key=lambda r: len(self.block_manager.match_prefix(r)), reverse=True)  # stable sort
         self.waiting = deque(resumed + fresh)
 
-    def _preempt(self, request: Request) -> None:
+    def _unblock_waiting(self, output: SchedulerOutput) -> None:
+        """Nothing ran: every running request is a beam holding its logits while the queue's head (say a
+        preempted sibling) does not fit. Preempt from the newest until the head is admitted. The victims
+        keep their logits and go to the back: they need no compute before their group's next step."""
+        while self.running and not output.scheduled:
+            victim = self.running.pop()
+            self._preempt(victim, front=False)
+            output.preempted.append(victim)
+            self._schedule_waiting(output, self.max_num_batched_tokens)
+
+    def _preempt(self, request: Request, front: bool = True) -> None:
         self.block_manager.free(request)
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        if front:
+            self.waiting.appendleft(request)
+        else:
+            self.waiting.append(request)
 
     def finish(self, request: Request) -> None:
         """Remove a finished or aborted request and release its blocks."""

