@@ -19,7 +19,6 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import load_workloads, markdown_table, write_result  # noqa: E402
-
 from kvserve import LLM, SamplingParams  # noqa: E402
 
 

@@ -21,7 +21,6 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import Timer, hf_generate, load_hf_model, load_workloads, markdown_table, write_result  # noqa: E402
-
 from kvserve import LLM, SamplingParams  # noqa: E402
 
 MODES = ("radix", "hash", "off")

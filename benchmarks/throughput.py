@@ -19,7 +19,6 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import Timer, hf_generate, load_hf_model, load_workloads, markdown_table, write_result  # noqa: E402
-
 from kvserve import LLM, SamplingParams  # noqa: E402
 
 
@@ -95,7 +94,9 @@ def measure(runner, workloads: dict, repeats: int, progress: tqdm) -> dict[str, 
         single = workloads["decode_single"]
         record("decode 1 req tok/s", runner.decode_rate(single["prompt"], single["new_tokens"]))
         batch = workloads["batch"]["32"]
-        record("decode batch 32 tok/s", 32 * 128 / runner.generate(batch, [128] * 32))
+        new_tokens = batch["new_tokens"]
+        seconds = runner.generate(batch["prompts"], [new_tokens] * len(batch["prompts"]))
+        record("decode batch 32 tok/s", len(batch["prompts"]) * new_tokens / seconds)
         total_tokens = sum(len(p) + m for p, m in mixed)
         seconds = runner.generate([p for p, _ in mixed], [m for _, m in mixed])
         record("64 mixed requests tok/s", total_tokens / seconds)

@@ -23,6 +23,7 @@ from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from kvserve.engine.beam_search import BeamSearchParams
 from kvserve.engine.engine import LLMEngine
 from kvserve.engine.params import SamplingParams
 from kvserve.engine.request import RequestOutput
@@ -37,10 +38,11 @@ class EngineDeadError(RuntimeError):
 
 @dataclass(slots=True)
 class RequestSpec:
-    """One engine request to submit: a prompt (text or token ids) and how to sample it."""
+    """One engine request to submit: a prompt (text or token ids) and how to sample it (n / best_of
+    samples: one parallel request) or beam-search it."""
 
     prompt: str | list[int]
-    params: SamplingParams
+    params: SamplingParams | BeamSearchParams
     request_id: str
     namespace: tuple[str, ...] = ()
 

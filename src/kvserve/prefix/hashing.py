@@ -35,7 +35,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Callable, Sequence
-from enum import Enum
+from enum import StrEnum
 
 import xxhash
 
@@ -46,7 +46,7 @@ SEED_LABEL = b"kvserve-block-hash-v1"
 _U32 = struct.Struct("<I")
 
 
-class HashFunction(str, Enum):
+class HashFunction(StrEnum):
     """Which H to chain; the string values are what the config and CLI accept."""
 
     SHA256 = "sha256"

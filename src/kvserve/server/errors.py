@@ -20,7 +20,8 @@ logger = logging.getLogger(__name__)
 _PARAM_OF_ENGINE_FIELD = {
     "max_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
     "min_p": "min_p", "logprobs": "logprobs", "stop": "stop", "prompt": "prompt", "request": "max_tokens",
-    "cache_salt": "cache_salt",
+    "cache_salt": "cache_salt", "n": "n", "best_of": "best_of", "beam_width": "beam_width",
+    "length_penalty": "length_penalty", "early_stopping": "early_stopping", "num_return_sequences": "n",
 }
 
 

@@ -1,5 +1,9 @@
 """Running one HTTP request's choices on the engine: admission, collection, and SSE streaming.
 
+Each prompt is one engine request carrying all n of its choices (parallel samples or beams), so the
+group iterated here yields `(prompt index, RequestOutput)`; `responses.choices_of` splits each output
+into its choices.
+
 Every path ends with `group.abort()`, a no-op once all choices finished: a client that disconnects
 (or a handler cancelled at shutdown) aborts its engine requests so their blocks come back at once.
 """
@@ -16,12 +20,13 @@ from fastapi import Request
 from pydantic import BaseModel
 
 from kvserve.engine.async_engine import AsyncEngine, EngineDeadError, RequestGroup, RequestSpec
+from kvserve.engine.beam_search import BeamSearchParams
 from kvserve.engine.params import SamplingParams
-from kvserve.engine.request import RequestOutput
+from kvserve.engine.request import CompletionOutput, RequestOutput
 from kvserve.server.errors import ApiError, from_engine_value_error
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.protocol import Usage
-from kvserve.server.responses import ResponseContext, usage_of
+from kvserve.server.responses import ResponseContext, choices_of, usage_of
 
 logger = logging.getLogger(__name__)
 SSE_DONE = "data: [DONE]\n\n"
@@ -36,23 +41,20 @@ class StreamFormat:
     """How one endpoint turns outputs into SSE chunks."""
 
     first_chunks: Callable[[ResponseContext], list[BaseModel]]
-    chunk: Callable[[ResponseContext, int, RequestOutput], BaseModel | None]
+    chunk: Callable[[ResponseContext, int, CompletionOutput], BaseModel | None]  # (ctx, choice index, ...)
     usage_chunk: Callable[[ResponseContext, Usage], BaseModel] | None  # None: usage not requested
 
 
 async def submit(
-    engine: AsyncEngine, ctx: ResponseContext, prompts: Sequence[list[int]], params: Sequence[SamplingParams],
-    namespace: tuple[str, ...], max_queue: int, prompt_param: str,
+    engine: AsyncEngine, ctx: ResponseContext, prompts: Sequence[list[int]],
+    params: SamplingParams | BeamSearchParams, namespace: tuple[str, ...], max_queue: int, prompt_param: str,
 ) -> RequestGroup:
-    """Queue prompts × choices as one group (choice index = prompt × n + i); 429 when the queue is full."""
+    """Queue one engine request per prompt (each carries its n choices) as one group; 429 when the
+    queue is full."""
     if engine.num_waiting >= max_queue:
         raise ApiError(429, f"the server's request queue is full ({max_queue} waiting); retry later",
                        code="queue_full", type_="rate_limit_error")
-    specs = [
-        RequestSpec(prompt_ids, choice_params, ctx.request_id(p * ctx.n + i), namespace)
-        for p, prompt_ids in enumerate(prompts)
-        for i, choice_params in enumerate(params)
-    ]
+    specs = [RequestSpec(ids, params, ctx.request_id(p), namespace) for p, ids in enumerate(prompts)]
     try:
         return await engine.add_requests(specs)
     except ValueError as err:
@@ -66,7 +68,7 @@ def engine_unavailable(err: Exception) -> ApiError:
 
 
 async def collect(group: RequestGroup, request: Request, metrics: ServerMetrics) -> dict[int, RequestOutput]:
-    """Final output of every choice; aborts the group if the client disconnects first."""
+    """Final output of every prompt; aborts the group if the client disconnects first."""
     collector = asyncio.ensure_future(_final_outputs(group, metrics))
     watcher = asyncio.ensure_future(_wait_for_disconnect(request))
     try:
@@ -101,18 +103,28 @@ async def _wait_for_disconnect(request: Request) -> None:
 async def sse_stream(
     group: RequestGroup, ctx: ResponseContext, fmt: StreamFormat, metrics: ServerMetrics
 ) -> AsyncIterator[str]:
-    """Server-sent events for a group: role chunks, deltas, optional usage, then `[DONE]`."""
+    """Server-sent events for a group: role chunks, per-choice deltas, optional usage, then `[DONE]`.
+
+    A parallel request reports all its samples after every step, so a choice that already finished
+    is skipped afterwards; beam search reports once, at the end: one whole chunk per choice.
+    """
     latest: dict[int, RequestOutput] = {}
+    finished_choices: set[int] = set()
     try:
         for chunk in fmt.first_chunks(ctx):
             yield _event(chunk)
-        async for index, output in group:
-            latest[index] = output
+        async for prompt_index, output in group:
+            latest[prompt_index] = output
             if output.finished:
                 metrics.observe_finished(output)
-            chunk = fmt.chunk(ctx, index, output)
-            if chunk is not None:
-                yield _event(chunk)
+            for index, completion in choices_of(ctx, prompt_index, output):
+                if index in finished_choices:
+                    continue
+                if completion.finish_reason is not None:
+                    finished_choices.add(index)
+                chunk = fmt.chunk(ctx, index, completion)
+                if chunk is not None:
+                    yield _event(chunk)
         if fmt.usage_chunk is not None:
             yield _event(fmt.usage_chunk(ctx, usage_of(ctx, latest)))
         yield SSE_DONE

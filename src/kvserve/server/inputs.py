@@ -1,26 +1,30 @@
-"""OpenAI request → engine inputs: token-id prompts and one SamplingParams per choice.
+"""OpenAI request → engine inputs: token-id prompts and the params of one engine request per prompt.
 
 Everything a caller can get wrong is checked here, before anything reaches the engine, so each
 problem is a 400 naming its field: empty or over-long prompts, token ids outside the vocabulary,
-a max_tokens that does not fit the context, unsupported options.
+a max_tokens that does not fit the context, unsupported options or combinations of them.
+
+A prompt's n choices are one engine request: `SamplingParams(n=..., best_of=...)` (the prompt is
+prefilled once and its blocks shared; choice i samples with seed + i) or, with `use_beam_search`,
+`BeamSearchParams(num_return_sequences=n)`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
 import jinja2
 
 from kvserve.engine.async_engine import EngineInfo
+from kvserve.engine.beam_search import BeamSearchParams
 from kvserve.engine.params import SamplingParams
 from kvserve.server.errors import ApiError, bad_request, from_engine_value_error
 from kvserve.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-MAX_CHOICES = 64  # prompts × n per HTTP request
-_SEED_MODULUS = 2**63
+MAX_SEQUENCES = 64  # prompts × max(n, best_of, beam_width) per HTTP request
+_SEED_MODULUS = 2**63  # the engine's member seeds: (seed + i) % 2**63
 
 
 def chat_prompt_ids(tokenizer: Any, messages: Sequence[ChatMessage]) -> list[int]:
@@ -66,9 +70,61 @@ def _prompt_ids(tokenizer: Any, prompt: str | list[int], vocab_size: int) -> lis
     return prompt
 
 
-def check_choice_count(num_prompts: int, n: int) -> None:
-    if num_prompts * n > MAX_CHOICES:
-        raise bad_request(f"{num_prompts} prompts × n={n} exceeds {MAX_CHOICES} choices per request", "n")
+def check_choice_count(num_prompts: int, body: SamplingFields) -> None:
+    """Bound the sequences one HTTP request runs at once: prompts × the widest of n, best_of, beam_width."""
+    width, param = body.n, "n"
+    if body.best_of is not None and body.best_of > width:
+        width, param = body.best_of, "best_of"
+    if isinstance(body, CompletionRequest) and body.use_beam_search and beam_width_of(body) > width:
+        width, param = beam_width_of(body), "beam_width"
+    if num_prompts * width > MAX_SEQUENCES:
+        message = f"{num_prompts} prompts × {param}={width} exceeds {MAX_SEQUENCES} sequences per request"
+        raise bad_request(message, param)
+
+
+def beam_width_of(body: CompletionRequest) -> int:
+    """The beams to run: `beam_width`, or n when unset."""
+    return body.beam_width if body.beam_width is not None else body.n
+
+
+def check_group_options(body: SamplingFields) -> None:
+    """n / best_of / beam-search combinations the engine cannot run; a 400 naming the field."""
+    if body.use_beam_search:
+        if not isinstance(body, CompletionRequest):
+            raise bad_request("use_beam_search is only supported on /v1/completions", "use_beam_search")
+        _check_beam_search(body)
+        return
+    if isinstance(body, CompletionRequest):
+        for name, default in (("beam_width", None), ("length_penalty", 1.0), ("early_stopping", False)):
+            if getattr(body, name) != default:
+                raise bad_request(f"{name} needs use_beam_search=true", name)
+    if body.best_of is not None and body.best_of < body.n:
+        raise bad_request(f"best_of ({body.best_of}) must be >= n ({body.n})", "best_of")
+    if body.stream and body.best_of is not None and body.best_of > body.n:
+        raise bad_request("best_of > n cannot be streamed: which samples are returned is known only at the "
+                          "end", "best_of")
+
+
+def _check_beam_search(body: CompletionRequest) -> None:
+    width = beam_width_of(body)
+    if body.n > width:
+        raise bad_request(f"n ({body.n}) must be <= beam_width ({width}) with use_beam_search", "n")
+    if body.best_of is not None:
+        raise bad_request("best_of cannot be combined with use_beam_search (beam_width sets the beams)",
+                          "best_of")
+    if body.stop:
+        raise bad_request("stop strings are not supported with use_beam_search (beams end at EOS or "
+                          "max_tokens)", "stop")
+    if body.ignore_eos:
+        raise bad_request("ignore_eos is not supported with use_beam_search", "ignore_eos")
+    if body.logprobs is not None:
+        raise bad_request("logprobs is not supported with use_beam_search", "logprobs")
+    # Beams are chosen by log-probability, never sampled: sampling settings would be ignored.
+    for name, neutral in (("temperature", (None, 0)), ("top_p", (None, 1)), ("top_k", (None, 0, -1)),
+                          ("min_p", (None, 0))):
+        if getattr(body, name) not in neutral:
+            raise bad_request(f"{name} has no effect with use_beam_search (beam search does not sample)",
+                              name)
 
 
 def resolve_max_tokens(
@@ -104,24 +160,32 @@ def reject_unsupported(body: SamplingFields) -> None:
         raise bad_request("suffix is not supported", "suffix")
 
 
-def choice_params(body: SamplingFields, max_tokens: int, logprobs: int | None) -> list[SamplingParams]:
-    """SamplingParams for each of the n choices; choice i samples with seed + i (reproducible, distinct)."""
-    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+def engine_params(
+    body: SamplingFields, max_tokens: int, logprobs: int | None
+) -> SamplingParams | BeamSearchParams:
+    """The params of each prompt's engine request: its n choices (best_of samples, or beams) together.
+
+    Call `check_group_options` first. Choice i of a sampled prompt draws with seed `(seed + i) % 2**63`
+    (reproducible, distinct), as separate requests with those seeds would.
+    """
     try:
-        base = SamplingParams(
+        if isinstance(body, CompletionRequest) and body.use_beam_search:
+            return BeamSearchParams(
+                beam_width=beam_width_of(body), max_tokens=max_tokens, length_penalty=body.length_penalty,
+                early_stopping=body.early_stopping, num_return_sequences=body.n,
+            )
+        return SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p,
             top_k=-1 if body.top_k in (None, 0) else body.top_k,
             min_p=0.0 if body.min_p is None else body.min_p,
-            seed=body.seed, stop=stop, ignore_eos=body.ignore_eos, logprobs=logprobs,
+            seed=None if body.seed is None else body.seed % _SEED_MODULUS,
+            stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
+            ignore_eos=body.ignore_eos, logprobs=logprobs, n=body.n, best_of=body.best_of,
         )
     except ValueError as err:
         raise from_engine_value_error(err) from err
-    if body.seed is None:
-        return [dataclasses.replace(base, stop=list(stop)) for _ in range(body.n)]
-    seeds = [(body.seed + i) % _SEED_MODULUS for i in range(body.n)]
-    return [dataclasses.replace(base, stop=list(stop), seed=seed) for seed in seeds]
 
 
 def chat_logprobs(body: ChatCompletionRequest) -> int | None:

@@ -85,14 +85,16 @@ class ServerMetrics:
         )
 
     def observe_finished(self, output: RequestOutput) -> None:
-        """Record one finished engine request (each of n choices counts)."""
+        """Record one finished engine request: one per prompt, whatever its n (its prompt was prefilled
+        once); output tokens of all its returned completions count."""
         self.finished.labels(output.finish_reason or "unknown").inc()
         self.prompt_tokens.inc(len(output.prompt_token_ids))
-        self.generation_tokens.inc(len(output.token_ids))
+        completion_lengths = [len(c.token_ids) for c in output.completions]
+        self.generation_tokens.inc(sum(completion_lengths))
         metrics = output.metrics
         if metrics.ttft is not None:
             self.ttft.observe(metrics.ttft)
-        num_tokens = len(output.token_ids)
+        num_tokens = max(completion_lengths, default=0)  # the longest: it decoded until finished_time
         if num_tokens > 1 and metrics.first_token_time is not None and metrics.finished_time is not None:
             self.tpot.observe((metrics.finished_time - metrics.first_token_time) / (num_tokens - 1))
 

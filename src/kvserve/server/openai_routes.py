@@ -38,7 +38,7 @@ async def chat_completions(request: Request, caller: Caller) -> Response:
     prompt_ids = inputs.chat_prompt_ids(state.engine.tokenizer, body.messages)
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_tokens = inputs.resolve_max_tokens(requested, [len(prompt_ids)], state.engine.info, None, "messages")
-    params = inputs.choice_params(body, max_tokens, inputs.chat_logprobs(body))
+    params = inputs.engine_params(body, max_tokens, inputs.chat_logprobs(body))
     ctx = responses.ResponseContext.new(
         "chatcmpl", state.model_name, body.n, [len(prompt_ids)], state.token_texts
     )
@@ -59,12 +59,12 @@ async def completions(request: Request, caller: Caller) -> Response:
     body = await parse_body(request, CompletionRequest)
     _check_request(state, body)
     prompts = inputs.completion_prompt_ids(state.engine.tokenizer, body.prompt, state.engine.info.vocab_size)
-    inputs.check_choice_count(len(prompts), body.n)
+    inputs.check_choice_count(len(prompts), body)
     prompt_lens = [len(p) for p in prompts]
     max_tokens = inputs.resolve_max_tokens(
         body.max_tokens, prompt_lens, state.engine.info, inputs.DEFAULT_COMPLETION_MAX_TOKENS, "prompt"
     )
-    params = inputs.choice_params(body, max_tokens, body.logprobs)
+    params = inputs.engine_params(body, max_tokens, body.logprobs)
     ctx = responses.ResponseContext.new("cmpl", state.model_name, body.n, prompt_lens, state.token_texts)
     group = await submit(state.engine, ctx, prompts, params, _namespace(caller, body.cache_salt),
                          state.max_queue, "prompt")
@@ -83,6 +83,7 @@ def _check_request(state: ServerState, body: ChatCompletionRequest | CompletionR
         raise ApiError(404, f"model {body.model!r} does not exist; this server serves {state.model_name!r}",
                        "model", "model_not_found")
     inputs.reject_unsupported(body)
+    inputs.check_group_options(body)
 
 
 def _namespace(caller: Principal, cache_salt: str | None) -> tuple[str, ...]:

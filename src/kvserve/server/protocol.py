@@ -3,7 +3,8 @@
 Requests are parsed in pydantic strict mode, so a wrong JSON type ("5" for an integer, 1 for a bool)
 is a 400 naming the field instead of a silent coercion. Unknown fields are ignored, as OpenAI
 clients send extras (`user`, `metadata`, ...). Extensions beyond OpenAI follow vLLM's names:
-`top_k`, `min_p`, `ignore_eos`, `cache_salt`.
+`top_k`, `min_p`, `ignore_eos`, `cache_salt`, `best_of` (chat too), and on /v1/completions beam search:
+`use_beam_search`, `beam_width`, `length_penalty`, `early_stopping`.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-MAX_N = 16  # choices per request: each is a full engine request, so this bounds one caller's share
+# n, best_of and beam_width: each sample / beam is a sequence holding KV blocks, so this bounds one
+# caller's share (the prompt itself is prefilled once and shared).
+MAX_N = 16
 MAX_LOGPROBS = 20
 
 # --- requests ----------------------------------------------------------------------------------------
@@ -56,6 +59,7 @@ class SamplingFields(StrictModel):
     min_p: float | None = Field(None, ge=0, le=1)
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)
     n: int = Field(1, ge=1, le=MAX_N)
+    best_of: int | None = Field(None, ge=1, le=MAX_N)  # samples drawn; the n most likely are returned
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -63,6 +67,7 @@ class SamplingFields(StrictModel):
     cache_salt: str | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    use_beam_search: bool = False  # kvserve extension; only /v1/completions runs it (chat: 400)
 
     @property
     def include_usage(self) -> bool:
@@ -81,6 +86,10 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
+    # Beam search (with use_beam_search): the n best of `beam_width` beams come back, best first.
+    beam_width: int | None = Field(None, ge=1, le=MAX_N)  # default: n
+    length_penalty: float = Field(1.0, allow_inf_nan=False)
+    early_stopping: bool | Literal["never"] = False
 
 
 # --- responses -----------------------------------------------------------------------------------------
@@ -160,11 +169,20 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
+class BeamInfo(BaseModel):
+    """`kvserve` extension of a beam-search choice: its hypothesis' tokens and scores."""
+
+    score: float  # cumulative_logprob / len(token_ids) ** length_penalty (what beams are ranked by)
+    cumulative_logprob: float
+    token_ids: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    kvserve: BeamInfo | None = Field(None, exclude_if=lambda value: value is None)  # beam search only
 
 
 class Completion(BaseModel):

@@ -1,4 +1,8 @@
-"""Engine outputs → OpenAI responses and stream chunks (chat and text completions), plus usage."""
+"""Engine outputs → OpenAI responses and stream chunks (chat and text completions), plus usage.
+
+Each prompt is one engine request whose `completions` are its n choices: choice index
+= prompt index × n + completion index.
+"""
 
 from __future__ import annotations
 
@@ -10,9 +14,10 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from kvserve.engine.request import RequestOutput, TokenLogprob
+from kvserve.engine.request import CompletionOutput, RequestOutput, TokenLogprob
 from kvserve.server.protocol import (
     AssistantMessage,
+    BeamInfo,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletion,
@@ -66,25 +71,56 @@ class ResponseContext:
     def num_choices(self) -> int:
         return self.n * len(self.prompt_lens)
 
-    def request_id(self, index: int) -> str:
-        return f"{self.id}-{index}"
+    def request_id(self, prompt_index: int) -> str:
+        """The engine request id of one prompt (all its choices)."""
+        return f"{self.id}-{prompt_index}"
+
+
+Choice = tuple[int, CompletionOutput]  # (choice index, completion)
+
+
+def choices_of(ctx: ResponseContext, prompt_index: int, output: RequestOutput) -> list[Choice]:
+    """`(choice index, completion)` for one prompt's output. A finished output with fewer than n
+    completions (aborted before the samples forked or before any beam finished) is padded with empty
+    ones, so every choice still ends with a finish_reason."""
+    base = prompt_index * ctx.n
+    completions = output.completions
+    choices = [(base + c.index, c) for c in completions]
+    if output.finished and len(completions) < ctx.n:
+        present = {c.index for c in completions}
+        reason = output.finish_reason or "abort"
+        choices += [(base + i, CompletionOutput(i, "", [], reason)) for i in range(ctx.n) if i not in present]
+    return choices
+
+
+def final_choices(ctx: ResponseContext, finals: dict[int, RequestOutput]) -> list[Choice]:
+    """Every choice of a finished HTTP request, by choice index."""
+    choices = [choice for p, output in finals.items() for choice in choices_of(ctx, p, output)]
+    return sorted(choices, key=lambda choice: choice[0])
 
 
 def usage_of(ctx: ResponseContext, latest: dict[int, RequestOutput]) -> Usage:
-    """Prompt tokens count once per prompt (not per choice); cached tokens are the first choice's."""
-    completion = sum(len(output.token_ids) for output in latest.values())
-    first_choices = (p * ctx.n for p in range(len(ctx.prompt_lens)))
-    cached = sum(latest[index].num_cached_tokens for index in first_choices if index in latest)
+    """Prompt and cached tokens count once per prompt (not per choice: its choices share one prefill);
+    completion tokens are summed over the returned choices."""
+    completion = sum(len(c.token_ids) for output in latest.values() for c in output.completions)
+    cached = sum(output.num_cached_tokens for output in latest.values())
     prompt = sum(ctx.prompt_lens)
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                  prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
-def delta_logprobs(output: RequestOutput) -> list[TokenLogprob]:
+def delta_logprobs(completion: CompletionOutput) -> list[TokenLogprob]:
     """Logprobs of the tokens this output added (`delta_token_ids`)."""
-    if not output.logprobs or not output.delta_token_ids:
+    if not completion.logprobs or not completion.delta_token_ids:
         return []
-    return output.logprobs[len(output.token_ids) - len(output.delta_token_ids):]
+    return completion.logprobs[len(completion.token_ids) - len(completion.delta_token_ids):]
+
+
+def _beam_info(completion: CompletionOutput) -> BeamInfo | None:
+    if completion.score is None or completion.cumulative_logprob is None:
+        return None
+    return BeamInfo(score=completion.score, cumulative_logprob=completion.cumulative_logprob,
+                    token_ids=completion.token_ids)
 
 
 # --- chat ----------------------------------------------------------------------------------------------
@@ -105,10 +141,10 @@ def chat_logprobs(entries: Sequence[TokenLogprob], texts: TokenTexts) -> ChatLog
 def chat_completion(ctx: ResponseContext, finals: dict[int, RequestOutput], logprobs: bool) -> ChatCompletion:
     choices = [
         ChatChoice(
-            index=index, message=AssistantMessage(content=output.text), finish_reason=output.finish_reason,
-            logprobs=chat_logprobs(output.logprobs or [], ctx.token_texts) if logprobs else None,
+            index=index, message=AssistantMessage(content=c.text), finish_reason=c.finish_reason,
+            logprobs=chat_logprobs(c.logprobs or [], ctx.token_texts) if logprobs else None,
         )
-        for index, output in sorted(finals.items())
+        for index, c in final_choices(ctx, finals)
     ]
     return ChatCompletion(id=ctx.id, created=ctx.created, model=ctx.model, choices=choices,
                           usage=usage_of(ctx, finals))
@@ -123,13 +159,15 @@ def chat_role_chunks(ctx: ResponseContext) -> list[BaseModel]:
     ]
 
 
-def chat_chunk(ctx: ResponseContext, index: int, output: RequestOutput, logprobs: bool) -> BaseModel | None:
-    """A chunk with what `output` added; None when it added nothing visible and did not finish."""
-    entries = delta_logprobs(output) if logprobs else []
-    if not output.delta_text and not entries and not output.finished:
+def chat_chunk(
+    ctx: ResponseContext, index: int, completion: CompletionOutput, logprobs: bool
+) -> BaseModel | None:
+    """A chunk with what `completion` added; None when it added nothing visible and did not finish."""
+    entries = delta_logprobs(completion) if logprobs else []
+    if not completion.delta_text and not entries and completion.finish_reason is None:
         return None
     choice = ChatChunkChoice(
-        index=index, delta=ChatDelta(content=output.delta_text), finish_reason=output.finish_reason,
+        index=index, delta=ChatDelta(content=completion.delta_text), finish_reason=completion.finish_reason,
         logprobs=chat_logprobs(entries, ctx.token_texts) if logprobs else None,
     )
     return ChatCompletionChunk(id=ctx.id, created=ctx.created, model=ctx.model, choices=[choice])
@@ -159,24 +197,27 @@ def completion_logprobs(
 def text_completion(ctx: ResponseContext, finals: dict[int, RequestOutput], logprobs: bool) -> Completion:
     choices = [
         CompletionChoice(
-            index=index, text=output.text, finish_reason=output.finish_reason,
-            logprobs=completion_logprobs(output.logprobs or [], ctx.token_texts) if logprobs else None,
+            index=index, text=c.text, finish_reason=c.finish_reason,
+            logprobs=completion_logprobs(c.logprobs or [], ctx.token_texts) if logprobs else None,
+            kvserve=_beam_info(c),
         )
-        for index, output in sorted(finals.items())
+        for index, c in final_choices(ctx, finals)
     ]
     return Completion(id=ctx.id, created=ctx.created, model=ctx.model, choices=choices,
                       usage=usage_of(ctx, finals))
 
 
 def completion_chunk(
-    ctx: ResponseContext, index: int, output: RequestOutput, logprobs: bool
+    ctx: ResponseContext, index: int, completion: CompletionOutput, logprobs: bool
 ) -> BaseModel | None:
-    entries = delta_logprobs(output) if logprobs else []
-    if not output.delta_text and not entries and not output.finished:
+    """As `chat_chunk`; a beam-search choice comes whole in one chunk (with its `kvserve` scores)."""
+    entries = delta_logprobs(completion) if logprobs else []
+    if not completion.delta_text and not entries and completion.finish_reason is None:
         return None
     choice = CompletionChoice(
-        index=index, text=output.delta_text, finish_reason=output.finish_reason,
+        index=index, text=completion.delta_text, finish_reason=completion.finish_reason,
         logprobs=completion_logprobs(entries, ctx.token_texts) if logprobs else None,
+        kvserve=_beam_info(completion),
     )
     return Completion(id=ctx.id, created=ctx.created, model=ctx.model, choices=[choice])
 
