@@ -23,7 +23,12 @@ HEADER = """# Benchmarks
 Every number below was produced by the command printed under its heading, on the machine named there
 (2-core VM, shared and noisy: compare ratios measured side by side in one run, not absolute numbers
 across sections). Peer baselines for the same workloads: `../shared/bench/PEERS.md`.
-Re-run everything with `python benchmarks/run_all.py` (or `make bench`).
+Re-run everything with `python benchmarks/run_all.py` (or `make bench`); plots are redrawn from the
+result tables by `benchmarks/plot_results.py`.
+
+![kvserve / transformers](docs/throughput.png)
+
+![shared prefix](docs/shared_prefix.png)
 
 """
 
@@ -46,6 +51,7 @@ def main() -> None:
             print(f"== {name}", flush=True)
             extra = ["--write"] if name == "prefix_lookup" else []
             subprocess.run([sys.executable, str(HERE / f"{name}.py"), *extra], check=True, cwd=ROOT)
+    subprocess.run([sys.executable, str(HERE / "plot_results.py")], check=True, cwd=ROOT)
     print(f"wrote {assemble()}")
 
 
