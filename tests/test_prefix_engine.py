@@ -209,3 +209,26 @@ def test_multi_turn_conversation_matches_hf(tiny_model_dir, tiny_hf_model):
         history = history + expected
     for llm in llms.values():
         assert_pool_drained(llm.engine)
+
+
+def test_request_admitted_alongside_adopts_blocks_cached_meanwhile(llm, tiny_hf_model):
+    engine = llm.engine
+    engine.scheduler.max_num_batched_tokens = 116  # step 1: A's whole 100-token prompt, and 16 of B's
+    prompt = list(range(200, 300))
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    first = engine.make_request(prompt, params)
+    second = engine.make_request(prompt, params)
+    engine.add(first)
+    engine.add(second)
+    engine.step()  # both admitted with nothing cached; A publishes 6 full blocks, B its first one
+    assert second.num_cached_tokens == 0 and second.num_computed_tokens == 16
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out
+    # At its block boundary B adopted A's blocks 1-5 instead of computing them again.
+    assert second.num_cached_tokens == 80
+    expected = hf_greedy(tiny_hf_model, prompt, 6)
+    assert outputs[first.request_id].token_ids == expected == outputs[second.request_id].token_ids
+    assert_pool_drained(engine)

@@ -73,6 +73,31 @@ class BlockManager:
         request.num_computed_tokens = len(matched) * self.block_size
         request.num_published_blocks = len(matched)
 
+    def adopt_cached_continuation(self, request: Request) -> int:
+        """A request still prefilling takes the next blocks another request has cached since it was admitted.
+
+        Two requests with one long prefix often arrive together: both are admitted before either has
+        published anything. At a block boundary the later one re-matches and skips what the other
+        computed meanwhile. Returns the number of tokens adopted (0 when nothing applies).
+        """
+        if not self.caching_enabled or request.group is not None:
+            return 0
+        num_held = len(request.block_table)
+        aligned = request.num_computed_tokens == num_held * self.block_size
+        if not aligned or request.num_published_blocks != num_held or request.num_computed_tokens == 0:
+            return 0
+        if request.num_tokens - request.num_computed_tokens <= self.block_size:
+            return 0  # nothing left that a whole cached block could cover
+        matched = self.match_prefix(request)
+        if len(matched) <= num_held or matched[:num_held] != request.block_table:
+            return 0
+        extra = matched[num_held:]
+        self.prefix_cache.acquire(extra)
+        request.block_table.extend(extra)
+        request.num_computed_tokens += len(extra) * self.block_size
+        request.num_published_blocks = len(request.block_table)
+        return len(extra) * self.block_size
+
     def can_grow(self, request: Request, num_new_tokens: int) -> bool:
         num_needed = self._num_missing_blocks(request, num_new_tokens)
         if request.may_share_tail:  # forked: writing a shared tail block takes a copy first

@@ -98,6 +98,7 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
+            self._adopt_cached_continuation(request)
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if num_new == 0:  # a beam holding its logits until its siblings have theirs
                 index += 1
@@ -137,6 +138,15 @@ class Scheduler:
             self.running.append(request)
             output.scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
+
+    def _adopt_cached_continuation(self, request: Request) -> None:
+        adopted = self.block_manager.adopt_cached_continuation(request)
+        if adopted:
+            request.num_cached_tokens += adopted
+            if request.num_preemptions:
+                self.counters.preempted_hits += adopted
+            else:
+                self.counters.hits += adopted
 
     def _record_match(self, request: Request, num_matched_tokens: int) -> None:
         if request.num_cached_tokens < 0:
