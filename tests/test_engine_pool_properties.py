@@ -33,6 +33,24 @@ def check_pool(engine) -> None:
         cache.check_invariants()
 
 
+def apply_step_or_abort(engine, op: tuple, ids: list[str]) -> None:
+    """The operations every pool property test shares: ("step", n) runs n steps, ("abort", i) aborts one."""
+    if op[0] == "step":
+        for _ in range(op[1]):
+            engine.step()
+    elif ids:
+        engine.abort_request(ids[op[1] % len(ids)])
+
+
+def drain_checking(engine, *checks) -> None:
+    """Step until idle, running every check after each step; then every block must be back."""
+    while engine.has_unfinished_requests():
+        engine.step()
+        for check in checks:
+            check(engine)
+    assert_pool_drained(engine)
+
+
 operation = st.one_of(
     st.tuples(st.just("add"), st.integers(1, 70), st.integers(1, 20), st.booleans(), st.integers(0, 2)),
     st.tuples(st.just("step"), st.integers(1, 4)),
@@ -61,13 +79,7 @@ def test_random_operations_keep_pool_consistent(engine, ops, seed):
             params = SamplingParams(max_tokens=max_tokens, temperature=0.0 if salt else 0.8, seed=seed,
                                     ignore_eos=True)
             ids.append(engine.add_request(prompt, params, cache_salt=f"s{salt}" if salt else None))
-        elif op[0] == "step":
-            for _ in range(op[1]):
-                engine.step()
-        elif ids:
-            engine.abort_request(ids[op[1] % len(ids)])
+        else:
+            apply_step_or_abort(engine, op, ids)
         check_pool(engine)
-    while engine.has_unfinished_requests():
-        engine.step()
-        check_pool(engine)
-    assert_pool_drained(engine)
+    drain_checking(engine, check_pool)

@@ -7,9 +7,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import assert_pool_drained
 from kvserve import LLM, BeamSearchParams, SamplingParams
-from test_engine_pool_properties import check_pool
+from test_engine_pool_properties import apply_step_or_abort, check_pool, drain_checking
 
 SHARED_PREFIX = list(range(10, 45))  # 35 tokens: two full blocks and a partial one
 
@@ -58,15 +57,9 @@ def test_random_group_operations_keep_pool_consistent(engine, ops, seed):
         if op[0] in ("plain", "parallel", "beam"):
             prompt = (SHARED_PREFIX + [seed % 400 + 60] * op[1])[: 120 - op[2]]
             ids.append(engine.add_request(prompt, params_for(op, seed)))
-        elif op[0] == "step":
-            for _ in range(op[1]):
-                engine.step()
-        elif ids:
-            engine.abort_request(ids[op[1] % len(ids)])
+        else:
+            apply_step_or_abort(engine, op, ids)
         check_pool(engine)
         check_groups(engine)
-    while engine.has_unfinished_requests():
-        engine.step()
-        check_pool(engine)
+    drain_checking(engine, check_pool)
     assert not engine.groups and not engine.requests
-    assert_pool_drained(engine)
