@@ -15,13 +15,13 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
-WORKLOADS = ROOT.parent / "shared" / "bench" / "workloads.json"
+WORKLOADS = ROOT / "benchmarks" / "data" / "workloads.json"
 
 
 def load_workloads() -> dict:
-    """The fixed token-id workloads in ../shared/bench (same work the peers in PEERS.md ran)."""
+    """The fixed token-id workloads in benchmarks/data (same work the peers in PEERS.md ran)."""
     if not WORKLOADS.exists():
-        raise SystemExit(f"missing {WORKLOADS}: the shared workloads are needed for this benchmark")
+        raise SystemExit(f"missing {WORKLOADS}: the workloads file ships with the repository for this benchmark")
     return json.loads(WORKLOADS.read_text())
 
 

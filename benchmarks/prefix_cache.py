@@ -2,7 +2,7 @@
 
 1. The seed's example: a 2,000-token prompt, then one sharing its first 1,900 tokens; TTFT of miss and
    hit against the TTFT of a fresh 100-token prompt.
-2. shared_prefix (../shared/bench): 1,900-token prefix + 16 distinct 100-token suffixes, 32 new tokens
+2. shared_prefix (benchmarks/data): 1,900-token prefix + 16 distinct 100-token suffixes, 32 new tokens
    each: total time and mean TTFT for radix, hash, off (all 16 at once, and one at a time) and
    transformers (one at a time).
 3. Multi-turn chat: 8 users x 6 turns, each turn resends the history plus the previous answer:

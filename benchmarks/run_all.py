@@ -22,7 +22,7 @@ HEADER = """# Benchmarks
 
 Every number below was produced by the command printed under its heading, on the machine named there
 (2-core VM, shared and noisy: compare ratios measured side by side in one run, not absolute numbers
-across sections). Peer baselines for the same workloads: `../shared/bench/PEERS.md`.
+across sections). Peer baselines for the same workloads: `benchmarks/data/PEERS.md`.
 Re-run everything with `python benchmarks/run_all.py` (or `make bench`); plots are redrawn from the
 result tables by `benchmarks/plot_results.py`.
 
