@@ -1,4 +1,4 @@
-"""`kvserve generate | chat | serve`: the command line over the same engine flags everywhere."""
+"""`kvserve generate | chat | serve | router | cluster`: the command line over the same engine flags everywhere."""
 
 from __future__ import annotations
 
@@ -47,6 +47,13 @@ def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--ignore-eos", action="store_true")
 
 
+def add_kv_events_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--kv-events-endpoint", default=None,
+                        help="publish KV events (vLLM format, ZMQ PUB) on this address, e.g. tcp://*:5557")
+    parser.add_argument("--kv-events-replay-endpoint", default=None,
+                        help="serve replays of recent KV-event batches on this ZMQ ROUTER address")
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     names = EngineConfig.field_names()
     return EngineConfig(**{name: getattr(args, name) for name in names if hasattr(args, name)})
@@ -80,7 +87,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-keys", default=None, help="TOML/JSON file: API key -> tenant (enables auth)")
     serve.add_argument("--max-queue", type=int, default=256, help="waiting requests beyond this get 429")
+    add_kv_events_flags(serve)
     add_engine_flags(serve)
+
+    from kvserve.router.cli import add_cluster_parser, add_router_parser
+
+    add_router_parser(commands)
+    add_cluster_parser(commands, add_engine_flags)
     return parser
 
 
@@ -128,7 +141,9 @@ def run_chat(args: argparse.Namespace) -> int:
 def run_serve(args: argparse.Namespace) -> int:
     from kvserve.server.app import run_server
 
-    run_server(engine_config_from_args(args), args.host, args.port, args.api_keys, args.max_queue)
+    run_server(engine_config_from_args(args), args.host, args.port, args.api_keys, args.max_queue,
+               kv_events_endpoint=args.kv_events_endpoint,
+               kv_events_replay_endpoint=args.kv_events_replay_endpoint)
     return 0
 
 
@@ -138,7 +153,10 @@ def _config_kwargs(config: EngineConfig) -> dict:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    runners = {"generate": run_generate, "chat": run_chat, "serve": run_serve}
+    from kvserve.router.cli import run_cluster, run_router
+
+    runners = {"generate": run_generate, "chat": run_chat, "serve": run_serve, "router": run_router,
+               "cluster": run_cluster}
     try:
         return runners[args.command](args)
     except ValueError as error:

@@ -15,12 +15,14 @@ from fastapi import FastAPI
 from kvserve.config import EngineConfig
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.engine import LLMEngine
+from kvserve.events.format import AllBlocksCleared
+from kvserve.events.publisher import KVEventPublisher
 from kvserve.server import admin_routes, openai_routes
 from kvserve.server.auth import ApiKeys, load_api_keys
 from kvserve.server.errors import install_error_handlers
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.responses import TokenTexts
-from kvserve.server.state import ServerState
+from kvserve.server.state import ReplicaInfo, ServerState
 
 logger = logging.getLogger("uvicorn.error")  # shows up alongside uvicorn's own lines
 DEFAULT_MAX_QUEUE = 256
@@ -28,7 +30,8 @@ GRACEFUL_SHUTDOWN_S = 30.0
 
 
 def build_app(
-    async_engine: AsyncEngine, served_model_name: str, api_keys: ApiKeys | None, max_queue: int
+    async_engine: AsyncEngine, served_model_name: str, api_keys: ApiKeys | None, max_queue: int,
+    replica: ReplicaInfo | None = None,
 ) -> FastAPI:
     """An app serving `async_engine`; its lifespan starts the engine thread and shuts it down.
 
@@ -51,6 +54,7 @@ def build_app(
     app.state.server = ServerState(
         engine=async_engine, model_name=served_model_name, api_keys=api_keys, max_queue=max_queue,
         metrics=ServerMetrics(async_engine.stats), token_texts=TokenTexts(async_engine.tokenizer),
+        replica=replica or ReplicaInfo(),
     )
     install_error_handlers(app)
     app.include_router(openai_routes.router)
@@ -60,15 +64,24 @@ def build_app(
 
 def run_server(
     config: EngineConfig, host: str, port: int, api_keys_path: str | None, max_queue: int,
-    shutdown_timeout: float = GRACEFUL_SHUTDOWN_S,
+    shutdown_timeout: float = GRACEFUL_SHUTDOWN_S, kv_events_endpoint: str | None = None,
+    kv_events_replay_endpoint: str | None = None,
 ) -> None:
     """Load the model and serve until SIGTERM/SIGINT; then stop accepting, let in-flight requests
-    finish for up to `shutdown_timeout` seconds, abort the rest, and return (exit status 0)."""
+    finish for up to `shutdown_timeout` seconds, abort the rest, and return (exit status 0).
+
+    With `kv_events_endpoint`, KV events are published there (vLLM's format; the first batch is an
+    AllBlocksCleared: a fresh process holds nothing)."""
     api_keys = load_api_keys(api_keys_path) if api_keys_path else None  # fail before the slow model load
-    with _graceful_signals() as signals:
+    publisher = (KVEventPublisher(kv_events_endpoint, kv_events_replay_endpoint)
+                 if kv_events_endpoint else None)
+    with _graceful_signals() as signals, _closing(publisher):
         engine = AsyncEngine(LLMEngine(config))
+        if publisher is not None:
+            publisher.publish([AllBlocksCleared()])
         try:
-            app = build_app(engine, engine.info.model_name, api_keys, max_queue)
+            replica = ReplicaInfo(prefix_hash=config.prefix_hash, kv_events=publisher)
+            app = build_app(engine, engine.info.model_name, api_keys, max_queue, replica)
             mode = f"{len(api_keys)} API keys" if api_keys else "single tenant, no auth"
             logger.info("kvserve: model %s, %d KV blocks of %d tokens, %s", engine.info.model_name,
                         engine.info.num_blocks, engine.info.block_size, mode)
@@ -80,6 +93,15 @@ def run_server(
             server.run()
         finally:
             engine.shutdown(drain=False)
+
+
+@contextlib.contextmanager
+def _closing(publisher: KVEventPublisher | None) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        if publisher is not None:
+            publisher.close()
 
 
 class _GracefulServer(uvicorn.Server):

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import uuid
+from dataclasses import dataclass, field
 from typing import Annotated, TypeVar
 
 from fastapi import Depends, Request
 from pydantic import BaseModel, ValidationError
 
 from kvserve.engine.async_engine import AsyncEngine
+from kvserve.events.publisher import KVEventPublisher
 from kvserve.server.auth import ApiKeys, AuthError, Principal, authenticate, require_admin
 from kvserve.server.errors import ApiError, from_validation_error
 from kvserve.server.metrics import ServerMetrics
@@ -16,6 +18,16 @@ from kvserve.server.responses import TokenTexts
 
 MAX_BODY_BYTES = 16 * 1024 * 1024  # a 128k-token prompt is ~1 MB of JSON; this only stops abuse
 ModelT = TypeVar("ModelT", bound=BaseModel)
+
+
+@dataclass(slots=True)
+class ReplicaInfo:
+    """What a router needs to know about this worker (`GET /load`): how it hashes blocks, where it
+    publishes KV events, and an id that changes when the process restarts (its cache is then empty)."""
+
+    prefix_hash: str = "sha256"
+    kv_events: KVEventPublisher | None = None
+    instance: str = field(default_factory=lambda: uuid.uuid4().hex)
 
 
 @dataclass(slots=True)
@@ -28,6 +40,7 @@ class ServerState:
     max_queue: int
     metrics: ServerMetrics
     token_texts: TokenTexts
+    replica: ReplicaInfo = field(default_factory=ReplicaInfo)
 
 
 def server_state(request: Request) -> ServerState:
