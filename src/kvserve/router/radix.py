@@ -81,9 +81,9 @@ class TokenTree:
                 self._size += len(leaf.key)
                 break
             common = _common_length(child.key, tokens, i)
-            child.last_access = tick
             if common < len(child.key):
-                child = self._split(child, common)
+                child = self._split(child, common)  # the part below keeps its own age
+            child.last_access = tick
             node, i = child, i + common
         if self._size > self.budget:
             self.evict(int(self.budget * LOW_WATER))
@@ -92,7 +92,7 @@ class TokenTree:
         """Cut `child`'s edge after `at` tokens; return the new upper node."""
         parent = child.parent
         assert parent is not None and 0 < at < len(child.key)
-        upper = _Node(key=child.key[:at], parent=parent, last_access=child.last_access)
+        upper = _Node(key=child.key[:at], parent=parent)
         parent.children[upper.key[0]] = upper
         child.key = child.key[at:]
         child.parent = upper
