@@ -64,7 +64,7 @@ def test_tree_evicts_least_recently_used_to_budget():
 sequences = st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=12), min_size=1, max_size=25)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(sequences, st.lists(st.integers(0, 3), max_size=12))
 def test_tree_match_equals_brute_force_without_eviction(inserted, probe):
     tree = TokenTree(budget=10_000)
@@ -76,7 +76,7 @@ def test_tree_match_equals_brute_force_without_eviction(inserted, probe):
     assert tree.num_tokens <= sum(map(len, inserted))
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(sequences, st.integers(8, 40))
 def test_tree_under_budget_keeps_invariants_and_the_latest_insert(inserted, budget):
     tree = TokenTree(budget=budget)

@@ -40,7 +40,8 @@ class KvEventsPolicy(Policy):
         self.balance_abs = balance_abs
         self.balance_rel = balance_rel
         self._ties = LoadTieBreaker()
-        self._streams: dict[Worker, asyncio.Task] = {}
+        self.streams: dict[Worker, EventStream] = {}
+        self._tasks: dict[Worker, asyncio.Task] = {}
         self.handlers: dict[Worker, WorkerEvents] = {}
         self._running = False
 
@@ -89,7 +90,7 @@ class KvEventsPolicy(Policy):
 
     async def stop(self) -> None:
         self._running = False
-        for worker in list(self._streams):
+        for worker in list(self._tasks):
             self._stop_stream(worker)
 
     def _start_stream(self, worker: Worker) -> None:
@@ -101,10 +102,12 @@ class KvEventsPolicy(Policy):
         replay = worker.load.kv_events_replay_endpoint
         stream = EventStream(connectable(endpoint, worker.url), handler,
                              connectable(replay, worker.url) if replay else None)
-        self._streams[worker] = asyncio.get_running_loop().create_task(stream.run())
+        self.streams[worker] = stream
+        self._tasks[worker] = asyncio.get_running_loop().create_task(stream.run())
 
     def _stop_stream(self, worker: Worker) -> None:
-        task = self._streams.pop(worker, None)
+        self.streams.pop(worker, None)
+        task = self._tasks.pop(worker, None)
         if task is not None:
             task.cancel()
 
