@@ -172,21 +172,34 @@ def test_router_health_and_metrics(router, workers):
                       headers={"Authorization": "Bearer sk-wrong"}).status_code == 401  # the worker's answer
 
 
-def test_kv_events_reach_the_router(workers, chat_model_dir, keys):  # noqa: F811
+def test_kv_events_keep_an_exact_index_and_route_by_it(workers, chat_model_dir, keys):  # noqa: F811
     processes, _ = workers
     config = RouterConfig(workers=[w.url for w in processes], model=str(chat_model_dir), api_keys=str(keys),
                           policy="kv_events", poll_interval=0.2)
     with RouterThread(config) as thread:
         policy = thread.router.policy
-        wait_for(lambda: len(policy.handlers) == 2 and all(
+        wait_for(lambda: len(policy.streams) == 2 and all(
             s.stats.last_seq is not None for s in _streams(policy)), timeout=20)
-        seen = {w.url: _stream_of(policy, w.url).stats.last_seq for w in processes}
-        assert httpx.post(processes[0].url + "/reset_prefix_cache", headers=OPS).status_code == 200
-        wait_for(lambda: _stream_of(policy, processes[0].url).stats.last_seq > seen[processes[0].url])
-        reply = post(thread.url, "/v1/completions", {"model": MODEL, "prompt": list(range(3, 40)), "max_tokens": 4,
-                                                     **GREEDY})
-        assert reply["choices"][0]["finish_reason"] == "length"
-        assert metric(thread.url, "kvserve_router_decisions_total", {"policy": "kv_events"}) >= 1
+        for worker in processes:  # start from empty caches: AllBlocksCleared / BlockRemoved reach the index
+            assert httpx.post(worker.url + "/reset_prefix_cache", headers=OPS).status_code == 200
+        wait_for(lambda: all(policy.index.num_blocks(w.url) == 0 for w in processes))
+        prompt = list(range(3, 73))  # 70 tokens: 4 full blocks of 16
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, **GREEDY}
+        post(thread.url, "/v1/completions", body)
+        wait_for(lambda: max(policy.index.num_blocks(w.url) for w in processes) >= 4)  # BlockStored arrived
+        holder = next(w.url for w in processes if policy.index.num_blocks(w.url) >= 4)
+        hits = metric(thread.url, "kvserve_router_decisions_total", {"reason": "cache_hit"})
+        follow_up = post(thread.url, "/v1/completions", {**body, "prompt": prompt + [80, 81, 82]})
+        assert follow_up["usage"]["prompt_tokens_details"]["cached_tokens"] >= 64
+        assert metric(thread.url, "kvserve_router_decisions_total", {"reason": "cache_hit"}) == hits + 1
+        assert metric(thread.url, "kvserve_router_matched_tokens_total", {"worker": holder}) >= 64
+        # Tenant B, same tokens: other block hashes, so nothing in the index matches.
+        matched = metric(thread.url, "kvserve_router_matched_tokens_total")
+        bob = post(thread.url, "/v1/completions", body, BOB)
+        assert bob["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert metric(thread.url, "kvserve_router_matched_tokens_total") == matched
+        assert httpx.post(holder + "/reset_prefix_cache", headers=OPS).status_code == 200
+        wait_for(lambda: policy.index.num_blocks(holder) == 0)
 
 
 def _streams(policy):

@@ -7,6 +7,8 @@ Forked sequences share blocks; the shared tail block is copied on write (see for
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from kvserve.engine.fork import copy_tail_on_write, tail_is_shared
 from kvserve.engine.request import Request
 from kvserve.kv.block_allocator import BlockAllocator
@@ -26,6 +28,8 @@ class BlockManager:
         self.hash_algo = hash_algo
         self.peak_used_blocks = 0
         self.pending_copies: list[tuple[int, int]] = []  # copy-on-write (src, dst) for the next forward
+        # Called with (new block hashes, parent hash or None, their tokens) when blocks enter the cache.
+        self.on_stored: Callable[[list[bytes], bytes | None, list[int]], None] | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -137,6 +141,9 @@ class BlockManager:
         )
         if num_present > request.num_published_blocks:
             self._adopt_cached_duplicates(request, tokens, hashes, num_present)
+        if self.on_stored is not None and num_present < num_full_blocks:
+            parent = hashes[num_present - 1] if num_present else None
+            self.on_stored(hashes[num_present:], parent, tokens[num_present * self.block_size :])
         request.num_published_blocks = num_full_blocks
 
     def _adopt_cached_duplicates(

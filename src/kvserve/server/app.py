@@ -15,6 +15,7 @@ from fastapi import FastAPI
 from kvserve.config import EngineConfig
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.engine import LLMEngine
+from kvserve.events.engine_hook import attach_kv_events
 from kvserve.events.format import AllBlocksCleared
 from kvserve.events.publisher import KVEventPublisher
 from kvserve.server import admin_routes, openai_routes
@@ -76,9 +77,11 @@ def run_server(
     publisher = (KVEventPublisher(kv_events_endpoint, kv_events_replay_endpoint)
                  if kv_events_endpoint else None)
     with _graceful_signals() as signals, _closing(publisher):
-        engine = AsyncEngine(LLMEngine(config))
+        llm_engine = LLMEngine(config)
         if publisher is not None:
             publisher.publish([AllBlocksCleared()])
+            attach_kv_events(llm_engine.block_manager, publisher)
+        engine = AsyncEngine(llm_engine)
         try:
             replica = ReplicaInfo(prefix_hash=config.prefix_hash, kv_events=publisher)
             app = build_app(engine, engine.info.model_name, api_keys, max_queue, replica)
