@@ -20,8 +20,9 @@ import httpx
 import pytest
 
 from kvserve.router.config import RouterConfig
+from kvserve.router.thread import RouterThread
 from kvserve.server.launcher import launch_server
-from test_router_support import RouterThread, metric, wait_for, write_keys
+from test_router_support import metric, wait_for, write_keys
 from test_server_support import chat_model_dir, metric_value, wait_until_drained  # noqa: F401
 
 MODEL = "tiny-chat"
