@@ -259,3 +259,27 @@ def test_keyer_single_tenant_and_text_fallback():
     assert chat.usable and not chat.exact
     assert not keyer.key("/v1/chat/completions", {"messages": "nope"}, None).usable
     assert not keyer.key("/v1/completions", [1, 2], None).usable
+
+
+# --- command line ----------------------------------------------------------------------------------------
+
+
+def test_router_and_cluster_commands_parse():
+    from kvserve.cli import build_parser, engine_config_from_args
+    from kvserve.router.cli import router_config
+    from kvserve.router.cluster import engine_argv
+
+    args = build_parser().parse_args(["router", "--worker", "http://a:1", "--worker", "http://b:2", "--policy",
+                                      "kv_events", "--cache-threshold", "0.7"])
+    config = router_config(args, args.workers)
+    assert config.workers == ["http://a:1", "http://b:2"] and config.policy == "kv_events"
+    assert config.cache_threshold == 0.7
+    cluster = build_parser().parse_args(["cluster", "--replicas", "3", "--num-blocks", "128", "--block-size", "8"])
+    engine = engine_config_from_args(cluster)
+    assert cluster.replicas == 3
+    rebuilt = engine_config_from_args(build_parser().parse_args(["serve", *engine_argv(engine)]))
+    assert rebuilt == engine  # the workers get exactly the engine flags the cluster was given
+    serve = build_parser().parse_args(["serve", "--kv-events-endpoint", "tcp://*:5557"])
+    assert serve.kv_events_endpoint == "tcp://*:5557"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["router", "--policy", "kv_events"])  # --worker is required
