@@ -31,7 +31,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import markdown_table, write_result  # noqa: E402
+from common import RESULTS, command_line, markdown_table, write_result  # noqa: E402
 from kvserve.prefix.hashing import block_hashes  # noqa: E402
 from kvserve.router.cluster import Cluster  # noqa: E402
 from kvserve.router.config import RouterConfig  # noqa: E402
@@ -223,29 +223,37 @@ def decision_latency(tokens_per_tree: int, num_workers: int = 4, prompt_len: int
 
 
 def proxy_overhead(cluster: Cluster, model: str, count: int) -> list[list[object]]:
-    """TTFT of small unique prompts (no cache hits), direct to a worker vs. through a router in front of it."""
+    """TTFT of tiny unique prompts (4 tokens, 1 output token: almost no model work), alternating direct to
+    a worker and through a router in front of it, so drift in the machine's load hits both alike."""
     rng = random.Random(4)
     url = cluster.urls[0]
-    rows = []
     with RouterThread(RouterConfig(workers=[url], policy="cache_aware", poll_interval=0.5)) as router:
-        results = {}
-        for label, target in (("direct", url), ("router", router.url), ("direct again", url)):
-            stats = RunStats()
+        direct, routed = RunStats(), RunStats()
 
-            async def run(target: str = target, stats: RunStats = stats) -> None:
-                async with httpx.AsyncClient(timeout=120) as client:
-                    for _ in range(count):
-                        await one_request(client, target, model, random_ids(rng, 32), 1, stats)
+        async def run() -> None:
+            async with httpx.AsyncClient(timeout=120) as client:
+                for _ in range(count):
+                    await one_request(client, url, model, random_ids(rng, 4), 1, direct)
+                    await one_request(client, router.url, model, random_ids(rng, 4), 1, routed)
 
-            asyncio.run(run())
-            results[label] = stats.ttfts
-        direct = results["direct"] + results["direct again"]
-        for label, ttfts in (("direct", direct), ("through the router", results["router"])):
-            rows.append([label, len(ttfts), f"{1000 * percentile(ttfts, 0.5):.1f}",
-                         f"{1000 * percentile(ttfts, 0.9):.1f}"])
-        difference = percentile(results["router"], 0.5) - percentile(direct, 0.5)
-        rows.append(["difference (p50)", "", f"{1000 * difference:+.1f}", ""])
+        asyncio.run(run())
+        routing = _histogram_mean(router.url, "kvserve_router_routing_seconds")
+    rows = [[label, len(stats.ttfts), f"{1000 * percentile(stats.ttfts, 0.5):.1f}",
+             f"{1000 * percentile(stats.ttfts, 0.9):.1f}"] for label, stats in (("direct", direct),
+                                                                                ("through the router", routed))]
+    difference = percentile(routed.ttfts, 0.5) - percentile(direct.ttfts, 0.5)
+    rows.append(["difference (p50)", "", f"{1000 * difference:+.1f}", ""])
+    rows.append(["router's own work per request (mean: parse, key, decide)", "", f"{1000 * routing:.2f}", ""])
     return rows
+
+
+def _histogram_mean(url: str, name: str) -> float:
+    values = {}
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        for suffix in ("_sum", "_count"):
+            if line.startswith(name + suffix + " "):
+                values[suffix] = float(line.rsplit(" ", 1)[1])
+    return values.get("_sum", 0.0) / max(values.get("_count", 0.0), 1.0)
 
 
 def main() -> None:
@@ -264,7 +272,9 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=2)
     parser.add_argument("--tree-tokens", type=int, default=100_000)
-    parser.add_argument("--overhead-requests", type=int, default=20)
+    parser.add_argument("--overhead-requests", type=int, default=40)
+    parser.add_argument("--reuse-policies", action="store_true",
+                        help="take the policy table from the last run's results/router.json (re-measure the rest)")
     parser.add_argument("--token-range", type=int, nargs=2, default=TOKEN_RANGE, help="prompt ids: [low, high)")
     args = parser.parse_args()
     TOKEN_RANGE[:] = args.token_range
@@ -276,21 +286,29 @@ def main() -> None:
         model = httpx.get(f"{cluster.urls[0]}/v1/models").json()["data"][0]["id"]
         overhead = proxy_overhead(cluster, model, args.overhead_requests)
         print(overhead, flush=True)
-        rows = compare_policies(cluster, model, args)
+        saved = RESULTS / "router.json"
+        if args.reuse_policies:
+            rows = json.loads(saved.read_text())["rows"]
+        else:
+            rows = compare_policies(cluster, model, args)
+            saved.write_text(json.dumps({"command": command_line(), "rows": rows}))
 
     table = markdown_table(["workload", "workers", "policy", "hit rate", "TTFT p50 ms", "TTFT p90 ms",
                             "requests per worker", "errors", "wall s"], rows)
     decision_table = markdown_table(["policy", "workers", "tokens indexed per worker", "prompt tokens",
                                      "decision p50 µs", "decision p99 µs"], decisions)
     overhead_table = markdown_table(["path", "requests", "TTFT p50 ms", "TTFT p90 ms"], overhead)
-    notes = (
+    earlier = json.loads((RESULTS / "router.json").read_text())["command"] if args.reuse_policies else ""
+    policy_source = f"Policy table from an earlier run: `{earlier}`\n\n" if earlier else ""
+    notes = policy_source + (
         f"Sizes: chat {args.users} users × {args.turns} turns (system {args.system}, question {args.user}, "
         f"simulated reply {args.reply} tokens); RAG {args.queries} questions over {args.docs} shared documents of "
         f"{args.doc_len} tokens, {args.concurrency} at a time; {args.max_tokens} output tokens per request; "
         f"{args.num_blocks} KV blocks and 1 torch thread per worker; model {args.model}. All workers share the "
         "same 2 cores, so more workers add no compute here: TTFT differences come from cache hits and queueing, "
         "not from parallel hardware.\n\n**Router decision latency** (in process, no HTTP):\n\n"
-        f"{decision_table}\n\n**Proxied vs direct TTFT** (unique 32-token prompts, 1 output token, sequential):\n\n"
+        f"{decision_table}\n\n**Proxied vs direct TTFT** (unique 4-token prompts, 1 output token, alternating "
+        "direct / router):\n\n"
         f"{overhead_table}"
     )
     path = write_result("router", "Router: policies over replicas", table, notes)
