@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 
 logger = logging.getLogger("kvserve.router")
+POLL_TIMEOUT_S = 5.0
 
 
 @dataclass(slots=True)
@@ -118,7 +119,7 @@ class WorkerPool:
             self._join(worker)
 
     async def _fetch_load(self, worker: Worker) -> WorkerLoad:
-        timeout = max(self._interval, 1.0)
+        timeout = max(2 * self._interval, POLL_TIMEOUT_S)  # a busy worker answers late, not never
         response = await self._client.get(f"{worker.url}/load", headers=self._poll_headers, timeout=timeout)
         if response.status_code in (401, 403, 404):  # no admin key, or an older worker: health only
             response = await self._client.get(f"{worker.url}/health", timeout=timeout)
