@@ -220,6 +220,23 @@ def test_kv_events_policy_weighs_load_against_cached_blocks():
     assert policy.choose(key(tokens), pool).worker is pool[0]
 
 
+def test_kv_events_policy_counts_what_it_just_sent_until_the_worker_reports():
+    from kvserve.router.index import WorkerEvents
+
+    policy, pool = KvEventsPolicy(), workers(2, block_size=4)
+    tokens = list(range(300, 332))
+    first = policy.choose(key(tokens), pool)
+    assert first.reason == "least_load"
+    policy.on_routed(key(tokens), first.worker)
+    burst = policy.choose(key(tokens + [1, 2]), pool)  # no event yet: the prefill is still queued
+    assert burst.worker is first.worker and burst.reason == "cache_hit" and burst.matched_tokens == 32
+    assert policy.choose(key(tokens, BOB), pool).matched_tokens == 0  # pending entries are namespaced too
+    hashes = block_hashes(tokens, 4, ALICE, "sha256")
+    events = WorkerEvents(policy.index, first.worker.url, policy.pending)
+    events.apply(KVEventBatch(ts=0.0, events=[BlockRemoved(hashes[2:3])]))  # reported: the index decides
+    assert policy.choose(key(tokens), pool).matched_tokens == 8
+
+
 def test_kv_events_policy_needs_exact_tokens():
     policy, pool = KvEventsPolicy(), workers(2)
     approximate = RouteKey(tokens=(1, 2, 3, 4), namespace=ALICE, exact=False)

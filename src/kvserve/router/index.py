@@ -21,6 +21,9 @@ class BlockIndex:
         self._holders: dict[bytes, dict[Hashable, str]] = {}
         self._by_worker: dict[Hashable, set[bytes]] = {}
 
+    def holds(self, worker: Hashable, block_hash: bytes) -> bool:
+        return block_hash in self._by_worker.get(worker, ())
+
     def num_blocks(self, worker: Hashable) -> int:
         return len(self._by_worker.get(worker, ()))
 
@@ -85,16 +88,57 @@ class BlockIndex:
                 assert block_hash in self._by_worker.get(worker, ()), "holder does not own the hash"
 
 
+class PendingBlocks:
+    """Blocks the router has just sent a worker to compute, before its BlockStored events arrive.
+
+    Events lag the routing decision by a whole queue wait and prefill; without this, every request
+    for a hot prefix that arrives in that window looks uncached everywhere and is spread by load, so
+    the prefix gets computed on several workers. An entry lives `ttl` seconds (or until the worker
+    reports the block stored or removed)."""
+
+    def __init__(self, ttl: float) -> None:
+        self.ttl = ttl
+        self._expiry: dict[Hashable, dict[bytes, float]] = {}
+
+    def add(self, worker: Hashable, hashes: Sequence[bytes], now: float) -> None:
+        entries = self._expiry.setdefault(worker, {})
+        for block_hash in hashes:
+            entries[block_hash] = now + self.ttl
+        if len(entries) > 4 * len(hashes) + 1024:  # drop what expired, now and then
+            self._expiry[worker] = {h: t for h, t in entries.items() if t > now}
+
+    def holds(self, worker: Hashable, block_hash: bytes, now: float) -> bool:
+        return self._expiry.get(worker, {}).get(block_hash, 0.0) > now
+
+    def settle(self, worker: Hashable, batch: KVEventBatch) -> None:
+        """The worker reported on these blocks: the index is the truth for them now."""
+        entries = self._expiry.get(worker)
+        if not entries:
+            return
+        for event in batch.events:
+            if isinstance(event, (BlockStored, BlockRemoved)):
+                for block_hash in event.block_hashes:
+                    entries.pop(block_hash, None)
+            elif isinstance(event, AllBlocksCleared):
+                entries.clear()
+
+    def clear(self, worker: Hashable) -> None:
+        self._expiry.pop(worker, None)
+
+
 @dataclass(slots=True)
 class WorkerEvents:
     """The event handler for one worker: applies its batches to the shared index under its key."""
 
     index: BlockIndex
     worker: Hashable
+    pending: PendingBlocks | None = None
     resets: int = 0
 
     def apply(self, batch: KVEventBatch) -> None:
         self.index.apply(self.worker, batch)
+        if self.pending is not None:
+            self.pending.settle(self.worker, batch)
 
     def reset(self, reason: str) -> None:
         self.resets += 1

@@ -6,7 +6,9 @@ worker's longest run of leading cached blocks in the exact index, and scores
 
     score = cached fraction of the prompt − load_weight × load / max load
 
-(the imbalance guard of cache_aware comes first). Without usable tokens (no tokenizer, bad body) or
+(the imbalance guard of cache_aware comes first). Blocks the router sent a worker moments ago count as
+cached there until its events report them (`PendingBlocks`), so a burst for one hot prefix is not
+spread before the first prefill finishes. Without usable tokens (no tokenizer, bad body) or
 before a worker has said how it hashes, it routes by load.
 
 The policy owns one event subscription per healthy worker that publishes events (its `/load` names
@@ -17,17 +19,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from urllib.parse import urlsplit
 
 from kvserve.events.subscriber import EventStream
 from kvserve.prefix.hashing import block_hashes
 from kvserve.router.config import BALANCE_ABS, BALANCE_REL, LOAD_WEIGHT
-from kvserve.router.index import BlockIndex, WorkerEvents
+from kvserve.router.index import BlockIndex, PendingBlocks, WorkerEvents
 from kvserve.router.keys import RouteKey
 from kvserve.router.policies.base import Decision, LoadTieBreaker, Policy, is_imbalanced
 from kvserve.router.workers import Worker
 
 logger = logging.getLogger("kvserve.router")
+PENDING_TTL_S = 30.0
 
 
 class KvEventsPolicy(Policy):
@@ -36,6 +40,8 @@ class KvEventsPolicy(Policy):
     def __init__(self, load_weight: float = LOAD_WEIGHT, balance_abs: int = BALANCE_ABS,
                  balance_rel: float = BALANCE_REL) -> None:
         self.index = BlockIndex()
+        self.pending = PendingBlocks(PENDING_TTL_S)
+        self._last_hashes: tuple[RouteKey, dict[Worker, list[bytes]]] | None = None
         self.load_weight = load_weight
         self.balance_abs = balance_abs
         self.balance_rel = balance_rel
@@ -60,30 +66,56 @@ class KvEventsPolicy(Policy):
         return Decision(chosen, "cache_hit" if runs[chosen] else "least_load", runs[chosen])
 
     def cached_tokens(self, key: RouteKey, workers: list[Worker]) -> dict[Worker, int]:
-        """Tokens of the prompt each worker holds as leading cached blocks; {} when not computable."""
+        """Tokens of the prompt each worker holds (or was just sent) as leading blocks; {} when not
+        computable."""
+        hashes = self._hashes(key, workers)
+        if not hashes:
+            return {}
+        now = time.monotonic()
+        runs: dict[Worker, int] = {}
+        for worker in workers:
+            run = 0
+            for block_hash in hashes.get(worker, ()):
+                if not (self.index.holds(worker.url, block_hash) or self.pending.holds(worker.url, block_hash, now)):
+                    break
+                run += 1
+            runs[worker] = run * (worker.load.block_size or 0)
+        return runs
+
+    def _hashes(self, key: RouteKey, workers: list[Worker]) -> dict[Worker, list[bytes]]:
+        """The prompt's chained block hashes as each worker computes them (per block size and function)."""
         if not key.usable or not key.exact:
             return {}
+        if self._last_hashes is not None and self._last_hashes[0] is key:
+            return self._last_hashes[1]
         assert key.tokens is not None and key.namespace is not None
-        runs: dict[Worker, int] = {}
-        by_layout: dict[tuple[int, str], list[Worker]] = {}
+        by_layout: dict[tuple[int, str], list[bytes]] = {}
+        hashes: dict[Worker, list[bytes]] = {}
         for worker in workers:
-            if worker.load.block_size and worker.load.prefix_hash:
-                by_layout.setdefault((worker.load.block_size, worker.load.prefix_hash), []).append(worker)
-        for (size, algo), group in by_layout.items():
-            hashes = block_hashes(key.tokens, size, key.namespace, algo)
-            for worker, run in self.index.longest_runs(hashes, [w.url for w in group]).items():
-                runs[next(w for w in group if w.url == worker)] = run * size
-        return {worker: runs.get(worker, 0) for worker in workers}
+            size, algo = worker.load.block_size, worker.load.prefix_hash
+            if size and algo:
+                if (size, algo) not in by_layout:
+                    by_layout[(size, algo)] = block_hashes(key.tokens, size, key.namespace, algo)
+                hashes[worker] = by_layout[(size, algo)]
+        self._last_hashes = (key, hashes)
+        return hashes
+
+    def on_routed(self, key: RouteKey, worker: Worker) -> None:
+        hashes = self._hashes(key, [worker])  # the ones choose() computed, for the same key
+        if worker in hashes:
+            self.pending.add(worker.url, hashes[worker], time.monotonic())
 
     def on_join(self, worker: Worker) -> None:
         self._stop_stream(worker)
         self.index.clear(worker.url)
+        self.pending.clear(worker.url)
         if self._running:
             self._start_stream(worker)
 
     def on_leave(self, worker: Worker) -> None:
         self._stop_stream(worker)
         self.index.clear(worker.url)
+        self.pending.clear(worker.url)
 
     async def start(self) -> None:
         self._running = True
@@ -98,7 +130,7 @@ class KvEventsPolicy(Policy):
         if not endpoint:
             logger.warning("router: worker %s publishes no KV events; kv_events sees it as empty", worker.url)
             return
-        handler = self.handlers[worker] = WorkerEvents(self.index, worker.url)
+        handler = self.handlers[worker] = WorkerEvents(self.index, worker.url, self.pending)
         replay = worker.load.kv_events_replay_endpoint
         stream = EventStream(connectable(endpoint, worker.url), handler,
                              connectable(replay, worker.url) if replay else None)
