@@ -9,7 +9,7 @@ import logging
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvserve.cli import _take_positional_model, build_parser, server_options_from_args
+from kvserve.cli import build_parser, main, server_options_from_args, take_positional_model
 from kvserve.engine.request import CompletionOutput, RequestMetrics, RequestOutput
 from kvserve.server.auth import ApiKeys, Principal, add_operator_keys
 from kvserve.server.metrics import TTFT_BUCKETS, ServerMetrics, build_1_2_5_buckets
@@ -63,12 +63,34 @@ def test_bad_environment_value_is_named():
 
 
 def test_positional_model_as_vllm_serve():
-    args = serve_parser().parse_args(["my-model", "--served-model-name", "x", "y"])
-    _take_positional_model(args)
+    argv = ["my-model", "--served-model-name", "x", "y"]
+    args = serve_parser().parse_args(argv)
+    take_positional_model(args, argv)
     assert args.model == "my-model" and args.served_model_name == ["x", "y"]
-    clash = serve_parser().parse_args(["my-model", "--model", "other"])
+    parser = serve_parser()
+    apply_sources(parser, argv, environ={"KVSERVE_MODEL": "from-env"})
+    args = parser.parse_args(argv)
+    take_positional_model(args, argv)
+    assert args.model == "my-model"  # the command line beats the environment
+    clash = ["my-model", "--model", "other"]
     with pytest.raises(ValueError, match="two models"):
-        _take_positional_model(clash)
+        take_positional_model(serve_parser().parse_args(clash), clash)
+
+
+def test_version_flag(capsys):
+    from kvserve import __version__
+
+    for argv in (["--version"], ["serve", "--version"]):
+        with pytest.raises(SystemExit) as info:
+            main(argv)
+        assert info.value.code == 0 and capsys.readouterr().out.strip() == f"kvserve {__version__}"
+
+
+def test_bad_setting_exits_2_naming_it(tmp_path, capsys):
+    config = tmp_path / "bad.yaml"
+    config.write_text("max-num-seqs: many\n")
+    assert main(["serve", "--config", str(config)]) == 2
+    assert "max-num-seqs" in capsys.readouterr().err
 
 
 def test_serve_help_lists_every_flag_with_its_default():

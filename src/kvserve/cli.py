@@ -182,17 +182,18 @@ def run_chat(args: argparse.Namespace) -> int:
 def run_serve(args: argparse.Namespace) -> int:
     from kvserve.server.app import run_server
 
-    _take_positional_model(args)
     config = engine_config_from_args(args)
     run_server(config, args.host, args.port, args.api_keys, args.max_queue, args.shutdown_timeout,
                options=server_options_from_args(args))
     return 0
 
 
-def _take_positional_model(args: argparse.Namespace) -> None:
-    if args.model_tag is None:
+def take_positional_model(args: argparse.Namespace, argv: Sequence[str]) -> None:
+    """`kvserve serve MODEL`: MODEL beats a config file or KVSERVE_MODEL; with --model too, they must agree."""
+    if getattr(args, "model_tag", None) is None:
         return
-    if args.model not in (EngineConfig().model, args.model_tag):
+    explicit = any(word == "--model" or word.startswith("--model=") for word in argv)
+    if explicit and args.model != args.model_tag:
         raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
     args.model = args.model_tag
 
@@ -225,6 +226,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     runners = {"generate": run_generate, "chat": run_chat, "serve": run_serve}
     try:
+        take_positional_model(args, argv)
         return runners[args.command](args)
     except ValueError as error:
         print(f"kvserve: error: {error}", file=sys.stderr)
