@@ -10,7 +10,7 @@ request prefills `--prompt-tokens` and decodes `--output-tokens`.
 Keeps the summary with TTFT / ITL / e2e percentiles per rate (benchmarks/results/serve_sweep.json), a plot
 (docs/serve_sweep.png) and the table (benchmarks/results/serve_sweep.md).
 
-    python benchmarks/serve_sweep.py                        # about 4 minutes on 2 cores
+    python benchmarks/serve_sweep.py                        # about 3-4 minutes on 2 cores
     python benchmarks/serve_sweep.py --seconds 10 --sweep-size 3   # a quick look
 """
 
@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -172,10 +173,10 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--prompt-tokens", type=int, default=128)
-    parser.add_argument("--output-tokens", type=int, default=64)
-    parser.add_argument("--seconds", type=float, default=30.0, help="duration of each benchmark of the sweep")
-    parser.add_argument("--sweep-size", type=int, default=5, help="synchronous + throughput + constant rates")
-    parser.add_argument("--max-concurrency", type=int, default=32)
+    parser.add_argument("--output-tokens", type=int, default=32)
+    parser.add_argument("--seconds", type=float, default=40.0, help="duration of each benchmark of the sweep")
+    parser.add_argument("--sweep-size", type=int, default=4, help="synchronous + throughput + constant rates")
+    parser.add_argument("--max-concurrency", type=int, default=8, help="streams of the throughput benchmark")
     parser.add_argument("--client-workers", type=int, default=1, help="GuideLLM worker processes")
     parser.add_argument("--server-args", default="", help="extra `kvserve serve` flags")
     return parser.parse_args()
@@ -183,6 +184,8 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> int:
     args = parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: stop the server and GuideLLM too
+    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="kvserve-sweep-") as tmp:
         tokenizer_dir = export_tokenizer(args.model, Path(tmp) / "tokenizer")
         server_args = [args.model, "--served-model-name", "kvserve", "--disable-log-stats",
@@ -194,11 +197,13 @@ def main() -> int:
     summary = {"command": " ".join(sys.argv), "machine": machine(), "date": today(), "tool": "guidellm",
                "model": args.model, "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
                "seconds_per_benchmark": args.seconds, "benchmarks": rows}
+    summary["load_average_at_start"] = load_before
     (RESULTS / "serve_sweep.json").write_text(json.dumps(summary, indent=2) + "\n")
     plot(rows, ROOT / "docs" / "serve_sweep.png")
     notes = (f"GuideLLM {_guidellm_version()} sweep against `kvserve serve {args.model}` (streaming /v1/completions, "
              f"{args.prompt_tokens} prompt + {args.output_tokens} output tokens, EOS ignored, {args.seconds:.0f} s per "
-             "benchmark, loopback). Latencies are client-side; ITL is the gap between streamed tokens. Full "
+             f"benchmark, loopback; load average {load_before:.1f} when it started, from other work on the "
+             "machine). Latencies are client-side; ITL is the gap between streamed tokens. Full "
              "percentiles in `benchmarks/results/serve_sweep.json`; plot `docs/serve_sweep.png`.\n\n"
              "**Against llama.cpp** (benchmarks/data/PEERS.md, same model, its Q4_1 weights):\n\n"
              + comparison(rows, args))

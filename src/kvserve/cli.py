@@ -61,7 +61,7 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--port", type=int, default=8000)
     group.add_argument("--served-model-name", nargs="+", default=None,
                        help="names clients may use in `model`; the first is reported (default: the model's name)")
-    group.add_argument("--api-key", nargs="+", action="extend", default=[],
+    group.add_argument("--api-key", nargs="+", default=[],
                        help="operator API keys: full access, shared cache namespace (as vLLM's)")
     group.add_argument("--api-keys", default=None, help="TOML/JSON file: API key -> tenant (enables auth)")
     group.add_argument("--chat-template", default=None, help="a Jinja chat template: a file or the template inline")
