@@ -27,7 +27,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, ROOT, machine, markdown_table, today, write_result  # noqa: E402
+from common import RESULTS, ROOT, command_line, machine, markdown_table, today  # noqa: E402
 from kvserve.server.launcher import launch_server  # noqa: E402
 
 PERCENTILES = ("p50", "p90", "p99")
@@ -108,35 +108,38 @@ def table(rows: list[dict]) -> str:
     body = [[label(r), f"{r['completed']} / {r['errored']}", round(r["requests_per_s"], 2),
              round(r["output_tokens_per_s"], 1), f"{r['ttft_s']['p50']:.2f} / {r['ttft_s']['p99']:.2f}",
              f"{1e3 * r['itl_s']['p50']:.0f} / {1e3 * r['itl_s']['p99']:.0f}",
-             f"{r['e2e_s']['p50']:.2f} / {r['e2e_s']['p99']:.2f}"] for r in rows]
+             f"{r['e2e_s']['p50']:.2f} / {r['e2e_s']['p99']:.2f}"] for r in sweep_order(rows)]
     return markdown_table(header, body)
 
 
-def comparison(rows: list[dict], args: argparse.Namespace) -> str:
+def comparison(summary: dict) -> str:
     """The plain comparison with llama.cpp's figures in PEERS.md (another machine: ratios, not exact)."""
-    by = {r["strategy"]: r for r in rows}
-    lines = []
+    by = {r["strategy"]: r for r in summary["benchmarks"]}
+    prompt_tokens, lines = summary["prompt_tokens"], []
     if "synchronous" in by:
         one = by["synchronous"]
         decode = 1.0 / one["itl_s"]["mean"] if one["itl_s"]["mean"] else float("nan")
-        prefill = args.prompt_tokens / one["ttft_s"]["p50"] if one["ttft_s"]["p50"] else float("nan")
         lines.append(f"- **One request at a time**: kvserve decodes at {decode:.1f} tokens/s (1 / mean ITL) "
                      f"where llama.cpp decodes {PEER_DECODE_ONE} tokens/s: kvserve is "
-                     f"{_ratio(decode, PEER_DECODE_ONE)}. Its TTFT for a {args.prompt_tokens}-token prompt "
-                     f"is {one['ttft_s']['p50']:.2f} s ({prefill:.0f} prompt tokens/s including HTTP) against "
-                     f"llama.cpp's prefill of {PEER_PREFILL_128:.0f} tokens/s "
-                     f"({args.prompt_tokens / PEER_PREFILL_128:.2f} s).")
+                     f"{_ratio(decode, PEER_DECODE_ONE)}. Its median TTFT for a {prompt_tokens}-token prompt is "
+                     f"{one['ttft_s']['p50']:.2f} s (HTTP included) against "
+                     f"{prompt_tokens / PEER_PREFILL_128:.2f} s at llama.cpp's prefill rate of "
+                     f"{PEER_PREFILL_128:.0f} tokens/s.")
     if "throughput" in by:
         peak = by["throughput"]
-        lines.append(f"- **Saturated** ({args.max_concurrency} streams): {peak['output_tokens_per_s']:.1f} output "
-                     f"tokens/s against llama.cpp's batched {PEER_DECODE_BATCH[0]:.0f}–{PEER_DECODE_BATCH[1]:.0f} "
-                     f"tokens/s (batch 8 / 32): kvserve reaches "
-                     f"{peak['output_tokens_per_s'] / PEER_DECODE_BATCH[1]:.0%} of llama.cpp's batch-32 rate, "
-                     f"with TTFT p99 {peak['ttft_s']['p99']:.1f} s as requests queue.")
-    lines.append("- Why: kvserve runs the model in fp32 PyTorch (every weight read as 4 bytes per step), "
-                 "llama.cpp runs the Q4_1 weights with hand-written kernels (about 0.6 bytes per weight); on a "
-                 "2-core CPU decode is bound by reading the weights. The peers' figures are from another "
-                 "2-core machine (PEERS.md), and the load generator here shares the 2 cores with the server.")
+        lines.append(f"- **Saturated** ({summary['max_concurrency']} streams): {peak['output_tokens_per_s']:.1f} "
+                     f"output tokens/s against llama.cpp's batched {PEER_DECODE_BATCH[0]:.0f} tokens/s at batch 8: "
+                     f"kvserve is {_ratio(peak['output_tokens_per_s'], PEER_DECODE_BATCH[0])}, with TTFT p99 "
+                     f"{peak['ttft_s']['p99']:.1f} s as requests queue.")
+    lines.append("- Why: kvserve runs the model in fp32 PyTorch, so one-request decode reads every weight as 4 "
+                 "bytes per step (PEERS.md puts that ceiling near 65 steps/s on its machine); llama.cpp reads the "
+                 "Q4_1 weights (about 0.6 bytes each) with hand-written kernels. The load generator shares the "
+                 "cores with the server here.")
+    if summary["load_average_at_start"] > summary["cpu_count"]:
+        lines.append(f"- **Caveat**: the machine was busy with other work (load average "
+                     f"{summary['load_average_at_start']:.0f} on {summary['cpu_count']} cores), so kvserve had a "
+                     "fraction of the CPU and these figures understate it, most of all when saturated; rerun on "
+                     "an idle machine before comparing with PEERS.md.")
     return "\n".join(lines)
 
 
@@ -146,24 +149,30 @@ def _ratio(ours: float, theirs: float) -> str:
     return f"{ours / theirs:.1f}x faster"
 
 
+def sweep_order(rows: list[dict]) -> list[dict]:
+    """Synchronous, then the constant rates ascending, then throughput (the load rises left to right)."""
+    rank = {"synchronous": 0, "constant": 1, "throughput": 2}
+    return sorted(rows, key=lambda r: (rank.get(r["strategy"], 1), r["target_rate"] or 0.0))
+
+
 def plot(rows: list[dict], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = sorted(rows, key=lambda r: r["requests_per_s"])
-    rates = [r["requests_per_s"] for r in rows]
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    rows = sweep_order(rows)
+    labels = [f"{label(r)}\n({r['requests_per_s']:.2f} done/s)" for r in rows]
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
     for axis, key, title, scale in ((axes[0], "ttft_s", "TTFT (s)", 1), (axes[1], "itl_s", "ITL (ms)", 1e3),
                                     (axes[2], "e2e_s", "end-to-end latency (s)", 1)):
         for p in PERCENTILES:
-            axis.plot(rates, [scale * r[key][p] for r in rows], marker="o", label=p)
-        axis.set_xlabel("achieved requests/s")
+            axis.plot(range(len(rows)), [scale * r[key][p] for r in rows], marker="o", label=p)
+        axis.set_xticks(range(len(rows)), labels, fontsize=7)
         axis.set_title(title)
         axis.grid(alpha=0.3)
     axes[0].legend()
-    fig.suptitle("kvserve serve: GuideLLM rate sweep")
+    fig.suptitle("kvserve serve: GuideLLM sweep (load rises left to right)")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -179,12 +188,21 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-concurrency", type=int, default=8, help="streams of the throughput benchmark")
     parser.add_argument("--client-workers", type=int, default=1, help="GuideLLM worker processes")
     parser.add_argument("--server-args", default="", help="extra `kvserve serve` flags")
+    parser.add_argument("--from-json", type=Path, default=None,
+                        help="only redraw the table and plot from a saved serve_sweep.json")
     return parser.parse_args()
 
 
 def main() -> int:
     args = parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: stop the server and GuideLLM too
+    summary = json.loads(args.from_json.read_text()) if args.from_json else run_sweep(args)
+    (RESULTS / "serve_sweep.json").write_text(json.dumps(summary, indent=2) + "\n")
+    report(summary)
+    return 0
+
+
+def run_sweep(args: argparse.Namespace) -> dict:
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="kvserve-sweep-") as tmp:
         tokenizer_dir = export_tokenizer(args.model, Path(tmp) / "tokenizer")
@@ -194,21 +212,30 @@ def main() -> int:
         with launch_server(server_args, startup_timeout=600) as server:
             run_guidellm(args, server.url, "kvserve", tokenizer_dir, raw)
         rows = summarize(json.loads(raw.read_text()))
-    summary = {"command": " ".join(sys.argv), "machine": machine(), "date": today(), "tool": "guidellm",
-               "model": args.model, "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
-               "seconds_per_benchmark": args.seconds, "benchmarks": rows}
-    summary["load_average_at_start"] = load_before
-    (RESULTS / "serve_sweep.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return {"command": command_line(), "machine": machine(), "date": today(), "tool": "guidellm",
+            "tool_version": _guidellm_version(), "model": args.model, "prompt_tokens": args.prompt_tokens,
+            "output_tokens": args.output_tokens, "seconds_per_benchmark": args.seconds,
+            "max_concurrency": args.max_concurrency, "load_average_at_start": load_before,
+            "cpu_count": os.cpu_count(), "benchmarks": rows}
+
+
+def report(summary: dict) -> None:
+    rows = summary["benchmarks"]
     plot(rows, ROOT / "docs" / "serve_sweep.png")
-    notes = (f"GuideLLM {_guidellm_version()} sweep against `kvserve serve {args.model}` (streaming /v1/completions, "
-             f"{args.prompt_tokens} prompt + {args.output_tokens} output tokens, EOS ignored, {args.seconds:.0f} s per "
-             f"benchmark, loopback; load average {load_before:.1f} when it started, from other work on the "
-             "machine). Latencies are client-side; ITL is the gap between streamed tokens. Full "
-             "percentiles in `benchmarks/results/serve_sweep.json`; plot `docs/serve_sweep.png`.\n\n"
+    header = f"`{summary['command']}` — {summary['machine']} — {summary['date']}"
+    notes = (f"GuideLLM {summary['tool_version']} sweep against `kvserve serve {summary['model']}` (streaming "
+             f"/v1/completions, {summary['prompt_tokens']} prompt + {summary['output_tokens']} output tokens, EOS "
+             f"ignored, {summary['seconds_per_benchmark']:.0f} s per benchmark, loopback; load average "
+             f"{summary['load_average_at_start']:.1f} on {summary['cpu_count']} cores when it started). Latencies "
+             "are client-side; ITL is the gap between streamed tokens; requests still running when a benchmark's "
+             "time is up are not counted. Full percentiles in `benchmarks/results/serve_sweep.json`; plot "
+             "`docs/serve_sweep.png`.\n\n![sweep](docs/serve_sweep.png)\n\n"
              "**Against llama.cpp** (benchmarks/data/PEERS.md, same model, its Q4_1 weights):\n\n"
-             + comparison(rows, args))
-    print(f"wrote {write_result('serve_sweep', 'Serving rate sweep (GuideLLM)', table(rows), notes)}")
-    return 0
+             + comparison(summary))
+    body = f"## Serving rate sweep (GuideLLM)\n\n{header}\n\n{table(rows)}\n\n{notes}\n"
+    path = RESULTS / "serve_sweep.md"
+    path.write_text(body)
+    print(f"wrote {path}")
 
 
 def _guidellm_version() -> str:
