@@ -17,7 +17,14 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -108,6 +115,7 @@ class ServerMetrics:
     """The server's registry: engine stats, token counters and vLLM's request histograms."""
 
     def __init__(self, stats: Callable[[], Stats], model_name: str, max_model_len: int) -> None:
+        disable_created_metrics()  # no `_created` timestamp series beside each counter (as vLLM; process-wide)
         self.model_name = model_name
         self.registry = CollectorRegistry()
         self.registry.register(EngineStatsCollector(stats, model_name))
