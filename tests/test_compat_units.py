@@ -173,6 +173,9 @@ def test_parallel_and_once_reported_outputs_count_every_completion():
     got = samples(metrics)
     assert got["kvserve_generation_tokens_total[]"] == 5 + 5
     assert got["kvserve_prompt_tokens_total[]"] == 20  # once per engine request, not per choice
+    # choice 0 grew by 1 token in 1 s, choice 1 by 2 tokens: gaps of 1.0, 0.5 and 0.5
+    assert got["kvserve_inter_token_latency_seconds_count[]"] == 3
+    assert got["kvserve_inter_token_latency_seconds_sum[]"] == pytest.approx(2.0)
     assert got["kvserve_request_params_n_sum[]"] == 4
     assert got["kvserve_request_max_num_generation_tokens_sum[]"] == 3 + 3
 

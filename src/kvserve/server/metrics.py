@@ -181,10 +181,7 @@ class ServerMetrics:
         new_tokens = self._count_new_tokens(progress, output)
         if new_tokens:
             if progress.last_token_time is not None:
-                gap = (now - progress.last_token_time) / new_tokens
-                for _ in range(new_tokens):
-                    self.itl.observe(gap)
-                    self.tpot.observe(gap)
+                self._observe_gaps(now - progress.last_token_time, new_tokens)
             progress.last_token_time = now
         if output.finished:
             del self._progress[output.request_id]
@@ -207,20 +204,28 @@ class ServerMetrics:
         self._prompt_tokens.inc(num_tokens)
         self.totals.prompt_tokens += num_tokens
 
-    def _count_new_tokens(self, progress: _Progress, output: RequestOutput) -> int:
-        """New tokens across the output's completions; counting lengths, not deltas, counts a
-        beam-search or best_of result (reported once, at the end) as well as a streamed one."""
-        new = 0
+    def _count_new_tokens(self, progress: _Progress, output: RequestOutput) -> list[int]:
+        """New tokens of each completion that grew; counting lengths, not deltas, counts a beam-search
+        or best_of result (reported once, at the end) as well as a streamed one."""
+        new = []
         for completion in output.completions:
             length = len(completion.token_ids)
             seen = progress.seen_tokens.get(completion.index, 0)
             if length > seen:
-                new += length - seen
+                new.append(length - seen)
                 progress.seen_tokens[completion.index] = length
         if new:
-            self._generation_tokens.inc(new)
-            self.totals.generation_tokens += new
+            self._generation_tokens.inc(sum(new))
+            self.totals.generation_tokens += sum(new)
         return new
+
+    def _observe_gaps(self, gap: float, new_tokens: list[int]) -> None:
+        """Each completion that grew saw `gap` spread over its new tokens (n samples decode side by side,
+        one token each per step: each observes the whole gap, as vLLM's per-sample requests do)."""
+        for count in new_tokens:
+            for _ in range(count):
+                self.itl.observe(gap / count)
+                self.tpot.observe(gap / count)
 
     def _observe_finished(self, output: RequestOutput) -> None:
         reason = output.finish_reason or "abort"
