@@ -14,6 +14,7 @@ from kvserve.config import (
     EngineConfig,
 )
 from kvserve.engine.params import SamplingParams
+from kvserve.settings import SettingsError, apply_sources
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -47,6 +48,41 @@ def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--ignore-eos", action="store_true")
 
 
+def add_server_flags(parser: argparse.ArgumentParser) -> None:
+    """`kvserve serve` flags beyond the engine's, named as vLLM's where vLLM has them."""
+    from kvserve.server.options import DEFAULT_MAX_QUEUE, GRACEFUL_SHUTDOWN_S, LOG_LEVELS, STATS_LOG_INTERVAL_S
+
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="the model to serve, as `vllm serve MODEL` (same as --model)")
+    group = parser.add_argument_group("server")
+    group.add_argument("--config", default=None, help="YAML file of settings (keys are flag names); "
+                       "command-line flags override it, KVSERVE_<FLAG> environment variables sit in between")
+    group.add_argument("--host", default="127.0.0.1")
+    group.add_argument("--port", type=int, default=8000)
+    group.add_argument("--served-model-name", nargs="+", default=None,
+                       help="names clients may use in `model`; the first is reported (default: the model's name)")
+    group.add_argument("--api-key", nargs="+", default=[],
+                       help="operator API keys: full access, shared cache namespace (as vLLM's)")
+    group.add_argument("--api-keys", default=None, help="TOML/JSON file: API key -> tenant (enables auth)")
+    group.add_argument("--chat-template", default=None, help="a Jinja chat template: a file or the template inline")
+    group.add_argument("--allowed-origins", nargs="+", default=[],
+                       help="CORS origins allowed to call the API from a browser ('*' for any)")
+    group.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    group.add_argument("--stats-log-interval", type=float, default=STATS_LOG_INTERVAL_S,
+                       help="seconds between the throughput / KV-usage log lines (0: never)")
+    group.add_argument("--disable-log-stats", action="store_true", help="no periodic stats log line")
+    group.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE, help="waiting requests beyond this get 429")
+    group.add_argument("--shutdown-timeout", type=float, default=GRACEFUL_SHUTDOWN_S,
+                       help="seconds in-flight requests may run after SIGTERM before they are aborted")
+    group.add_argument("--version", action="version", version=_version_text())
+
+
+def _version_text() -> str:
+    from kvserve import __version__
+
+    return f"kvserve {__version__}"
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     names = EngineConfig.field_names()
     return EngineConfig(**{name: getattr(args, name) for name in names if hasattr(args, name)})
@@ -60,28 +96,46 @@ def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvserve", description=__doc__)
+    parser = argparse.ArgumentParser(prog="kvserve", description=__doc__, formatter_class=DefaultsHelpFormatter)
+    parser.add_argument("--version", action="version", version=_version_text())
     commands = parser.add_subparsers(dest="command", required=True)
 
-    generate = commands.add_parser("generate", help="complete one prompt and print the result")
+    generate = commands.add_parser("generate", help="complete one prompt and print the result",
+                                   formatter_class=DefaultsHelpFormatter)
     generate.add_argument("prompt")
     generate.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     generate.add_argument("--stats", action="store_true", help="print engine stats afterwards")
     add_sampling_flags(generate)
     add_engine_flags(generate)
 
-    chat = commands.add_parser("chat", help="multi-turn chat in the terminal, streaming tokens")
+    chat = commands.add_parser("chat", help="multi-turn chat in the terminal, streaming tokens",
+                               formatter_class=DefaultsHelpFormatter)
     chat.add_argument("--system", default=None, help="system prompt")
     add_sampling_flags(chat)
     add_engine_flags(chat)
 
-    serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-keys", default=None, help="TOML/JSON file: API key -> tenant (enables auth)")
-    serve.add_argument("--max-queue", type=int, default=256, help="waiting requests beyond this get 429")
+    serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server", formatter_class=DefaultsHelpFormatter)
+    add_server_flags(serve)
     add_engine_flags(serve)
+    for command in (parser, generate, chat, serve):
+        _name_every_flag(command)
     return parser
+
+
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every flag with its default, unless its help already states one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.help and "default:" in action.help:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _name_every_flag(parser: argparse.ArgumentParser) -> None:
+    """argparse prints a default only beside help text: give every flag some, so --help shows them all."""
+    for action in parser._actions:
+        if not action.help and action.dest not in ("help", "version", argparse.SUPPRESS):
+            action.help = action.dest.replace("_", " ")
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -128,8 +182,31 @@ def run_chat(args: argparse.Namespace) -> int:
 def run_serve(args: argparse.Namespace) -> int:
     from kvserve.server.app import run_server
 
-    run_server(engine_config_from_args(args), args.host, args.port, args.api_keys, args.max_queue)
+    config = engine_config_from_args(args)
+    run_server(config, args.host, args.port, args.api_keys, args.max_queue, args.shutdown_timeout,
+               options=server_options_from_args(args))
     return 0
+
+
+def take_positional_model(args: argparse.Namespace, argv: Sequence[str]) -> None:
+    """`kvserve serve MODEL`: MODEL beats a config file or KVSERVE_MODEL; with --model too, they must agree."""
+    if getattr(args, "model_tag", None) is None:
+        return
+    explicit = any(word == "--model" or word.startswith("--model=") for word in argv)
+    if explicit and args.model != args.model_tag:
+        raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
+    args.model = args.model_tag
+
+
+def server_options_from_args(args: argparse.Namespace):  # -> ServerOptions (imported lazily: no FastAPI here)
+    from kvserve.server.options import ServerOptions, resolve_chat_template
+
+    template = resolve_chat_template(args.chat_template) if args.chat_template else None
+    return ServerOptions(
+        served_model_names=tuple(args.served_model_name or ()), api_keys=tuple(args.api_key),
+        chat_template=template, log_level=args.log_level, allowed_origins=tuple(args.allowed_origins),
+        stats_log_interval=0.0 if args.disable_log_stats else args.stats_log_interval,
+    )
 
 
 def _config_kwargs(config: EngineConfig) -> dict:
@@ -137,13 +214,30 @@ def _config_kwargs(config: EngineConfig) -> dict:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
+    try:
+        command = _command_parser(parser, argv)
+        if command is not None:
+            apply_sources(command, argv)  # --config FILE and KVSERVE_* become the command's defaults
+    except SettingsError as error:
+        print(f"kvserve: error: {error}", file=sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
     runners = {"generate": run_generate, "chat": run_chat, "serve": run_serve}
     try:
+        take_positional_model(args, argv)
         return runners[args.command](args)
     except ValueError as error:
         print(f"kvserve: error: {error}", file=sys.stderr)
         return 2
+
+
+def _command_parser(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.ArgumentParser | None:
+    """The sub-command's parser named in `argv` (its first word), if any."""
+    choices = next(a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    first = next((word for word in argv if not word.startswith("-")), None)
+    return choices.get(first) if first is not None else None
 
 
 if __name__ == "__main__":

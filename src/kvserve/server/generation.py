@@ -76,7 +76,7 @@ async def collect(group: RequestGroup, request: Request, metrics: ServerMetrics)
     finally:
         watcher.cancel()
         collector.cancel()  # no-op when done
-        metrics.observe_aborted(group.abort())
+        metrics.observe_aborted(group.abort(), group.request_ids)
     if collector not in done:
         raise ClientDisconnected
     try:
@@ -88,9 +88,9 @@ async def collect(group: RequestGroup, request: Request, metrics: ServerMetrics)
 async def _final_outputs(group: RequestGroup, metrics: ServerMetrics) -> dict[int, RequestOutput]:
     finals: dict[int, RequestOutput] = {}
     async for index, output in group:
+        metrics.observe_output(output)
         if output.finished:
             finals[index] = output
-            metrics.observe_finished(output)
     return finals
 
 
@@ -115,8 +115,7 @@ async def sse_stream(
             yield _event(chunk)
         async for prompt_index, output in group:
             latest[prompt_index] = output
-            if output.finished:
-                metrics.observe_finished(output)
+            metrics.observe_output(output)
             for index, completion in choices_of(ctx, prompt_index, output):
                 if index in finished_choices:
                     continue
@@ -133,7 +132,7 @@ async def sse_stream(
         yield f"data: {json.dumps(engine_unavailable(err).body())}\n\n"
         yield SSE_DONE
     finally:
-        metrics.observe_aborted(group.abort())
+        metrics.observe_aborted(group.abort(), group.request_ids)
 
 
 def _event(chunk: BaseModel) -> str:

@@ -28,6 +28,11 @@ class ServerState:
     max_queue: int
     metrics: ServerMetrics
     token_texts: TokenTexts
+    served_model_names: tuple[str, ...] = ()  # every name requests may use; model_name is the first
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        return self.served_model_names or (self.model_name,)
 
 
 def server_state(request: Request) -> ServerState:
