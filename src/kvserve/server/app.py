@@ -13,7 +13,6 @@ import uvicorn
 from fastapi import FastAPI
 
 from kvserve.config import EngineConfig
-from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.engine import LLMEngine
 from kvserve.server import admin_routes, openai_routes
 from kvserve.server.auth import ApiKeys, load_api_keys
@@ -21,6 +20,7 @@ from kvserve.server.errors import install_error_handlers
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.responses import TokenTexts
 from kvserve.server.state import ServerState
+from kvserve.serving.async_engine import AsyncEngine
 
 logger = logging.getLogger("uvicorn.error")  # shows up alongside uvicorn's own lines
 DEFAULT_MAX_QUEUE = 256
