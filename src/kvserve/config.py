@@ -8,7 +8,13 @@ from dataclasses import dataclass, fields
 
 from kvserve.prefix.factory import PREFIX_CACHE_KINDS, PREFIX_HASH_KINDS
 
-__all__ = ["DTYPES", "PREFIX_CACHE_KINDS", "PREFIX_HASH_KINDS", "SCHEDULE_POLICIES", "EngineConfig", "parse_size"]
+DEFAULT_MAX_QUEUE = 256  # server: waiting requests beyond this get 429
+GRACEFUL_SHUTDOWN_S = 30.0  # server: how long in-flight requests may run after SIGTERM
+
+__all__ = [
+    "DEFAULT_MAX_QUEUE", "DTYPES", "GRACEFUL_SHUTDOWN_S", "PREFIX_CACHE_KINDS", "PREFIX_HASH_KINDS",
+    "SCHEDULE_POLICIES", "EngineConfig", "parse_size",
+]
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 DTYPES = ("float32", "bfloat16", "float16")
 

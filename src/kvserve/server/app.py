@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Iterator
 import uvicorn
 from fastapi import FastAPI
 
-from kvserve.config import EngineConfig
+from kvserve.config import GRACEFUL_SHUTDOWN_S, EngineConfig
 from kvserve.engine.engine import LLMEngine
 from kvserve.server import admin_routes, openai_routes
 from kvserve.server.auth import ApiKeys, load_api_keys
@@ -23,8 +23,6 @@ from kvserve.server.state import ServerState
 from kvserve.serving.async_engine import AsyncEngine
 
 logger = logging.getLogger("uvicorn.error")  # shows up alongside uvicorn's own lines
-DEFAULT_MAX_QUEUE = 256
-GRACEFUL_SHUTDOWN_S = 30.0
 
 
 def build_app(
