@@ -6,22 +6,8 @@ from kvserve.engine.request import CompletionOutput, Request, RequestOutput
 
 
 def plain_output(request: Request) -> RequestOutput:
-    """A single sequence's output now (top-level fields only); takes its delta."""
-    delta_text, delta_tokens = request.take_delta()
-    return RequestOutput(
-        request_id=request.request_id,
-        prompt=request.prompt,
-        prompt_token_ids=request.prompt_token_ids,
-        text=request.output_text,
-        token_ids=list(request.output_token_ids),
-        finished=request.is_finished,
-        finish_reason=request.finish_reason.value if request.finish_reason else None,
-        num_cached_tokens=request.num_cached_tokens,
-        metrics=request.metrics,
-        logprobs=request.logprobs,
-        delta_text=delta_text,
-        delta_token_ids=delta_tokens,
-    )
+    """A single sequence's output now (top-level fields only, no `outputs`); takes its delta."""
+    return _request_output(request, [member_completion(0, request)], request.is_finished, grouped=False)
 
 
 def member_completion(index: int, request: Request) -> CompletionOutput:
@@ -40,6 +26,12 @@ def member_completion(index: int, request: Request) -> CompletionOutput:
 def group_output(root: Request, completions: list[CompletionOutput], finished: bool) -> RequestOutput:
     """A group's RequestOutput (`root`: the request as submitted); top-level fields mirror the first
     completion."""
+    return _request_output(root, completions, finished, grouped=True)
+
+
+def _request_output(
+    root: Request, completions: list[CompletionOutput], finished: bool, grouped: bool
+) -> RequestOutput:
     first = completions[0] if completions else CompletionOutput(0, "", [], None)
     return RequestOutput(
         request_id=root.request_id,
@@ -54,5 +46,5 @@ def group_output(root: Request, completions: list[CompletionOutput], finished: b
         logprobs=first.logprobs,
         delta_text=first.delta_text,
         delta_token_ids=first.delta_token_ids,
-        outputs=completions,
+        outputs=completions if grouped else None,
     )
