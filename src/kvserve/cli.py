@@ -18,34 +18,43 @@ from kvserve.settings import SettingsError, apply_sources
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """The engine flags, one per `EngineConfig` field; every command that runs an engine takes them."""
     defaults = EngineConfig()
     group = parser.add_argument_group("engine")
     group.add_argument("--model", default=defaults.model, help="registry name, .gguf file or HF directory")
-    group.add_argument("--dtype", default=defaults.dtype, choices=DTYPES)
+    group.add_argument("--dtype", default=defaults.dtype, choices=DTYPES, help="weights and KV cache dtype")
     group.add_argument("--device", default=defaults.device, help="cpu or cuda")
-    group.add_argument("--block-size", type=int, default=defaults.block_size)
-    group.add_argument("--kv-cache-memory", default=None, help="KV pool size, e.g. 2GiB (default: from RAM)")
-    group.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (overrides memory)")
-    group.add_argument("--prefix-cache", default=defaults.prefix_cache, choices=PREFIX_CACHE_KINDS)
-    group.add_argument("--prefix-hash", default=defaults.prefix_hash, choices=PREFIX_HASH_KINDS)
-    group.add_argument("--max-model-len", type=int, default=None)
-    group.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
-    group.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens)
-    group.add_argument("--schedule-policy", default=defaults.schedule_policy, choices=SCHEDULE_POLICIES)
-    group.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
-    group.add_argument("--seed", type=int, default=defaults.seed)
+    group.add_argument("--block-size", type=int, default=defaults.block_size, help="tokens per KV block")
+    group.add_argument("--kv-cache-memory", default=None,
+                       help="KV pool size, e.g. 2GiB; None: a quarter of free RAM, at most 2 GiB")
+    group.add_argument("--num-blocks", type=int, default=None,
+                       help="KV pool size in blocks (overrides --kv-cache-memory)")
+    group.add_argument("--prefix-cache", default=defaults.prefix_cache, choices=PREFIX_CACHE_KINDS,
+                       help="prefix cache: radix tree, block-hash map, or off")
+    group.add_argument("--prefix-hash", default=defaults.prefix_hash, choices=PREFIX_HASH_KINDS,
+                       help="block hash function of the prefix cache")
+    group.add_argument("--max-model-len", type=int, default=None,
+                       help="longest prompt + output in tokens; None: the model's context length")
+    group.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs,
+                       help="most sequences running at once")
+    group.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens,
+                       help="token budget of one step (prefill chunks + decodes)")
+    group.add_argument("--schedule-policy", default=defaults.schedule_policy, choices=SCHEDULE_POLICIES,
+                       help="admission order: first come first served, or longest cached prefix first")
+    group.add_argument("--num-threads", type=int, default=None, help="torch CPU threads; None: torch's default")
+    group.add_argument("--seed", type=int, default=defaults.seed, help="seed of unseeded random requests")
 
 
 def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("sampling")
-    group.add_argument("--max-tokens", type=int, default=128)
-    group.add_argument("--temperature", type=float, default=0.0)
-    group.add_argument("--top-k", type=int, default=-1)
-    group.add_argument("--top-p", type=float, default=1.0)
-    group.add_argument("--min-p", type=float, default=0.0)
-    group.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
+    group.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most")
+    group.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    group.add_argument("--top-k", type=int, default=-1, help="keep the k most likely tokens; -1: all")
+    group.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass; 1: off")
+    group.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top prob; 0: off")
+    group.add_argument("--sampling-seed", type=int, default=None, help="per-request seed; None: from --seed")
     group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    group.add_argument("--ignore-eos", action="store_true")
+    group.add_argument("--ignore-eos", action="store_true", help="keep generating after EOS")
 
 
 def add_server_flags(parser: argparse.ArgumentParser) -> None:

@@ -14,7 +14,6 @@ from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
 
 from kvserve.config import EngineConfig
-from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.engine import LLMEngine
 from kvserve.server import admin_routes, extra_routes, openai_routes
 from kvserve.server.auth import ApiKeys, add_operator_keys, load_api_keys
@@ -24,6 +23,7 @@ from kvserve.server.options import DEFAULT_MAX_QUEUE, GRACEFUL_SHUTDOWN_S, Serve
 from kvserve.server.responses import TokenTexts
 from kvserve.server.state import ServerState
 from kvserve.server.stats_log import StatsLogger, periodic_stats
+from kvserve.serving.async_engine import AsyncEngine
 
 logger = logging.getLogger("uvicorn.error")  # shows up alongside uvicorn's own lines
 __all__ = ["DEFAULT_MAX_QUEUE", "GRACEFUL_SHUTDOWN_S", "build_app", "run_server"]

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvserve.engine.validation import validate_cache_salt
+from kvserve.prefix.namespace import Namespace, make_namespace
 
 try:
     import tomllib
@@ -160,10 +160,6 @@ def require_admin(principal: Principal) -> None:
         raise AuthError("this endpoint needs an admin API key", status=403)
 
 
-def cache_namespace(principal: Principal, cache_salt: str | None) -> tuple[str, ...]:
+def cache_namespace(principal: Principal, cache_salt: str | None) -> Namespace:
     """The prefix-cache namespace of a request; ValueError (naming cache_salt) for a bad salt."""
-    if cache_salt is not None:
-        validate_cache_salt(cache_salt)
-    if principal.tenant is None:
-        return () if cache_salt is None else (cache_salt,)
-    return (principal.tenant, cache_salt or "")
+    return make_namespace(cache_salt, principal.tenant)

@@ -19,14 +19,14 @@ from dataclasses import dataclass
 from fastapi import Request
 from pydantic import BaseModel
 
-from kvserve.engine.async_engine import AsyncEngine, EngineDeadError, RequestGroup, RequestSpec
-from kvserve.engine.beam_search import BeamSearchParams
-from kvserve.engine.params import SamplingParams
+from kvserve.engine.params import BeamSearchParams, SamplingParams
 from kvserve.engine.request import CompletionOutput, RequestOutput
+from kvserve.prefix.namespace import Namespace
 from kvserve.server.errors import ApiError, from_engine_value_error
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.protocol import Usage
 from kvserve.server.responses import ResponseContext, choices_of, usage_of
+from kvserve.serving.async_engine import AsyncEngine, EngineDeadError, RequestGroup, RequestSpec
 
 logger = logging.getLogger(__name__)
 SSE_DONE = "data: [DONE]\n\n"
@@ -47,7 +47,7 @@ class StreamFormat:
 
 async def submit(
     engine: AsyncEngine, ctx: ResponseContext, prompts: Sequence[list[int]],
-    params: SamplingParams | BeamSearchParams, namespace: tuple[str, ...], max_queue: int, prompt_param: str,
+    params: SamplingParams | BeamSearchParams, namespace: Namespace, max_queue: int, prompt_param: str,
 ) -> RequestGroup:
     """Queue one engine request per prompt (each carries its n choices) as one group; 429 when the
     queue is full."""

@@ -9,14 +9,15 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
-from kvserve.engine.async_engine import RequestGroup
 from kvserve.engine.request import RequestOutput
+from kvserve.prefix.namespace import Namespace
 from kvserve.server import inputs, responses
 from kvserve.server.auth import Principal, cache_namespace
 from kvserve.server.errors import ApiError, bad_request
 from kvserve.server.generation import ClientDisconnected, StreamFormat, collect, sse_stream, submit
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from kvserve.server.state import Caller, ServerState, parse_body, server_state
+from kvserve.serving.async_engine import RequestGroup
 
 router = APIRouter()
 CLIENT_CLOSED_REQUEST = 499  # nginx's code: nobody reads it, but logs show what happened
@@ -87,7 +88,7 @@ def _check_request(state: ServerState, body: ChatCompletionRequest | CompletionR
     inputs.check_group_options(body)
 
 
-def _namespace(caller: Principal, cache_salt: str | None) -> tuple[str, ...]:
+def _namespace(caller: Principal, cache_salt: str | None) -> Namespace:
     try:
         return cache_namespace(caller, cache_salt)
     except ValueError as err:

@@ -8,11 +8,11 @@ from typing import Annotated, TypeVar
 from fastapi import Depends, Request
 from pydantic import BaseModel, ValidationError
 
-from kvserve.engine.async_engine import AsyncEngine
 from kvserve.server.auth import ApiKeys, AuthError, Principal, authenticate, require_admin
 from kvserve.server.errors import ApiError, from_validation_error
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.responses import TokenTexts
+from kvserve.serving.async_engine import AsyncEngine
 
 MAX_BODY_BYTES = 16 * 1024 * 1024  # a 128k-token prompt is ~1 MB of JSON; this only stops abuse
 ModelT = TypeVar("ModelT", bound=BaseModel)
