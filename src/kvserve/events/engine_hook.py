@@ -11,12 +11,16 @@ from typing import Any
 
 from kvserve.events.format import BlockRemoved, BlockStored
 from kvserve.events.publisher import KVEventPublisher
+from kvserve.prefix.base import NoPrefixCache
 
 
 def attach_kv_events(block_manager: Any, publisher: KVEventPublisher) -> None:
-    """Publish `block_manager`'s cache changes on `publisher` from now on."""
+    """Publish `block_manager`'s cache changes on `publisher` from now on (nothing with
+    `--prefix-cache off`: no block is ever cached, so none is announced)."""
     block_size = block_manager.block_size
     cache = block_manager.prefix_cache
+    if isinstance(cache, NoPrefixCache):
+        return
     previous = cache.on_evict
 
     def stored(hashes: list[bytes], parent: bytes | None, token_ids: list[int]) -> None:

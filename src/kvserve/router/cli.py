@@ -14,23 +14,28 @@ from kvserve.router import config as defaults
 from kvserve.router.config import POLICY_NAMES, RouterConfig
 
 
-def add_router_parser(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser("router", help="route OpenAI requests over kvserve workers")
+def add_router_parser(commands: argparse._SubParsersAction, formatter: type = argparse.HelpFormatter
+                      ) -> argparse.ArgumentParser:
+    parser = commands.add_parser("router", help="route OpenAI requests over kvserve workers", formatter_class=formatter)
     parser.add_argument("--worker", action="append", dest="workers", default=[], metavar="URL", required=True,
                         help="worker base URL, e.g. http://10.0.0.2:8000 (repeatable)")
     parser.add_argument("--model", default=None,
                         help="the workers' model: its tokenizer keys prompts (weights are not loaded)")
     _add_common_flags(parser, port=8080)
+    return parser
 
 
 def add_cluster_parser(
-    commands: argparse._SubParsersAction, add_engine_flags: Callable[[argparse.ArgumentParser], None]
-) -> None:
-    parser = commands.add_parser("cluster", help="start N workers on this machine and a router in front")
+    commands: argparse._SubParsersAction, add_engine_flags: Callable[[argparse.ArgumentParser], None],
+    formatter: type = argparse.HelpFormatter,
+) -> argparse.ArgumentParser:
+    parser = commands.add_parser("cluster", help="start N workers on this machine and a router in front",
+                                 formatter_class=formatter)
     parser.add_argument("--replicas", type=int, default=2, help="workers to start")
     parser.add_argument("--worker-host", default="127.0.0.1", help="address the workers bind")
     _add_common_flags(parser, port=8000)
     add_engine_flags(parser)
+    return parser
 
 
 def _add_common_flags(parser: argparse.ArgumentParser, port: int) -> None:
