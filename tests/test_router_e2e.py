@@ -23,7 +23,7 @@ from kvserve.router.config import RouterConfig
 from kvserve.router.thread import RouterThread
 from kvserve.server.launcher import launch_server
 from test_router_support import metric, wait_for, write_keys
-from test_server_support import chat_model_dir, metric_value, wait_until_drained  # noqa: F401
+from test_server_support import chat_model_dir, wait_until_drained  # noqa: F401
 
 MODEL = "tiny-chat"
 ALICE = {"Authorization": "Bearer sk-alice"}
@@ -158,7 +158,7 @@ def test_client_disconnect_aborts_the_workers_request(router, workers):
 
 
 def _aborts(url: str) -> float:
-    return metric_value(url, 'kvserve_requests_finished_total{finish_reason="abort"}', OPS, default=0.0)
+    return metric(url, "kvserve_request_success_total", {"finished_reason": "abort"}, OPS)
 
 
 def test_router_health_and_metrics(router, workers):

@@ -17,9 +17,9 @@ def write_keys(directory: Path) -> Path:
     return path
 
 
-def metric(url: str, name: str, labels: dict[str, str] | None = None) -> float:
+def metric(url: str, name: str, labels: dict[str, str] | None = None, headers: dict | None = None) -> float:
     """Sum of the samples of `name` whose labels include `labels` (0 when absent)."""
-    text = httpx.get(f"{url}/metrics").text
+    text = httpx.get(f"{url}/metrics", headers=headers, timeout=10).text
     total = 0.0
     for line in text.splitlines():
         if line.startswith("#") or not line.startswith(name):
