@@ -237,6 +237,17 @@ def test_kv_events_policy_counts_what_it_just_sent_until_the_worker_reports():
     assert policy.choose(key(tokens), pool).matched_tokens == 8
 
 
+def test_pending_blocks_expire_and_are_swept():
+    from kvserve.router.index import PendingBlocks
+
+    pending = PendingBlocks(ttl=10.0)
+    pending.add("w", [b"a", b"b"], now=0.0)
+    assert pending.holds("w", b"a", now=9.9) and not pending.holds("w", b"a", now=10.1)
+    for i in range(3000):  # far past the sweep threshold: expired entries do not pile up
+        pending.add("w", [i.to_bytes(4, "little")], now=100.0 + i)
+    assert len(pending) < 2100
+
+
 def test_kv_events_policy_needs_exact_tokens():
     policy, pool = KvEventsPolicy(), workers(2)
     approximate = RouteKey(tokens=(1, 2, 3, 4), namespace=ALICE, exact=False)

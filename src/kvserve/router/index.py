@@ -99,13 +99,18 @@ class PendingBlocks:
     def __init__(self, ttl: float) -> None:
         self.ttl = ttl
         self._expiry: dict[Hashable, dict[bytes, float]] = {}
+        self._sweep_at: dict[Hashable, int] = {}  # sweep a worker's entries when they grow past this
 
     def add(self, worker: Hashable, hashes: Sequence[bytes], now: float) -> None:
         entries = self._expiry.setdefault(worker, {})
         for block_hash in hashes:
             entries[block_hash] = now + self.ttl
-        if len(entries) > 4 * len(hashes) + 1024:  # drop what expired, now and then
-            self._expiry[worker] = {h: t for h, t in entries.items() if t > now}
+        if len(entries) > self._sweep_at.get(worker, 1024):  # drop what expired; amortised O(1) per add
+            entries = self._expiry[worker] = {h: t for h, t in entries.items() if t > now}
+            self._sweep_at[worker] = max(1024, 2 * len(entries))
+
+    def __len__(self) -> int:
+        return sum(map(len, self._expiry.values()))
 
     def holds(self, worker: Hashable, block_hash: bytes, now: float) -> bool:
         return self._expiry.get(worker, {}).get(block_hash, 0.0) > now
@@ -124,6 +129,7 @@ class PendingBlocks:
 
     def clear(self, worker: Hashable) -> None:
         self._expiry.pop(worker, None)
+        self._sweep_at.pop(worker, None)
 
 
 @dataclass(slots=True)
