@@ -171,6 +171,11 @@ def test_router_health_and_metrics(router, workers):
     assert [m["id"] for m in models["data"]] == [MODEL]
     assert httpx.post(router.url + "/v1/completions", json={"model": MODEL, "prompt": [1]},
                       headers={"Authorization": "Bearer sk-wrong"}).status_code == 401  # the worker's answer
+    worker = workers[0][0].url
+    assert httpx.get(worker + "/load", headers=ALICE).status_code == 403  # load reveals traffic: admin only
+    load = httpx.get(worker + "/load", headers=OPS).json()
+    assert load["block_size"] == 16 and load["prefix_hash"] == "sha256" and load["kv_events_endpoint"]
+    assert {"running", "waiting", "kv_usage", "instance"} <= set(load)
 
 
 def test_kv_events_keep_an_exact_index_and_route_by_it(workers, chat_model_dir, keys):  # noqa: F811
