@@ -80,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-keys", default=None, help="TOML/JSON file: API key -> tenant (enables auth)")
     serve.add_argument("--max-queue", type=int, default=256, help="waiting requests beyond this get 429")
+    serve.add_argument("--dashboard", action=argparse.BooleanOptionalAction, default=None,
+                       help="serve /dashboard (default: on with --api-keys or a loopback --host)")
     add_engine_flags(serve)
     return parser
 
@@ -128,7 +130,8 @@ def run_chat(args: argparse.Namespace) -> int:
 def run_serve(args: argparse.Namespace) -> int:
     from kvserve.server.app import run_server
 
-    run_server(engine_config_from_args(args), args.host, args.port, args.api_keys, args.max_queue)
+    run_server(engine_config_from_args(args), args.host, args.port, args.api_keys, args.max_queue,
+               dashboard=args.dashboard)
     return 0
 
 

@@ -21,6 +21,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="waiting requests beyond this get 429")
     parser.add_argument("--shutdown-timeout", type=float, default=GRACEFUL_SHUTDOWN_S,
                         help="seconds in-flight requests may run after SIGTERM before they are aborted")
+    parser.add_argument("--dashboard", action=argparse.BooleanOptionalAction, default=None,
+                        help="serve /dashboard (default: on with --api-keys or a loopback --host)")
     add_engine_flags(parser)
     return parser
 
@@ -29,7 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         config = engine_config_from_args(args)
-        run_server(config, args.host, args.port, args.api_keys, args.max_queue, args.shutdown_timeout)
+        run_server(config, args.host, args.port, args.api_keys, args.max_queue, args.shutdown_timeout,
+                   dashboard=args.dashboard)
     except ValueError as err:
         print(f"kvserve: error: {err}", file=sys.stderr)
         return 2

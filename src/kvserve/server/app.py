@@ -17,6 +17,8 @@ from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.engine import LLMEngine
 from kvserve.server import admin_routes, openai_routes
 from kvserve.server.auth import ApiKeys, load_api_keys
+from kvserve.server.dashboard import dashboard_enabled
+from kvserve.server.dashboard import install as install_dashboard
 from kvserve.server.errors import install_error_handlers
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.responses import TokenTexts
@@ -28,12 +30,13 @@ GRACEFUL_SHUTDOWN_S = 30.0
 
 
 def build_app(
-    async_engine: AsyncEngine, served_model_name: str, api_keys: ApiKeys | None, max_queue: int
+    async_engine: AsyncEngine, served_model_name: str, api_keys: ApiKeys | None, max_queue: int,
+    dashboard: bool = False,
 ) -> FastAPI:
     """An app serving `async_engine`; its lifespan starts the engine thread and shuts it down.
 
     `api_keys` None is single-tenant mode (no auth; `cache_salt` alone picks the namespace).
-    More than `max_queue` waiting requests are refused with 429.
+    More than `max_queue` waiting requests are refused with 429. `dashboard`: serve /dashboard.
     """
     if max_queue < 1:
         raise ValueError(f"max_queue must be >= 1, got {max_queue}")
@@ -55,20 +58,23 @@ def build_app(
     install_error_handlers(app)
     app.include_router(openai_routes.router)
     app.include_router(admin_routes.router)
+    install_dashboard(app, app.state.server, enabled=dashboard)
     return app
 
 
 def run_server(
     config: EngineConfig, host: str, port: int, api_keys_path: str | None, max_queue: int,
-    shutdown_timeout: float = GRACEFUL_SHUTDOWN_S,
+    shutdown_timeout: float = GRACEFUL_SHUTDOWN_S, dashboard: bool | None = None,
 ) -> None:
     """Load the model and serve until SIGTERM/SIGINT; then stop accepting, let in-flight requests
-    finish for up to `shutdown_timeout` seconds, abort the rest, and return (exit status 0)."""
+    finish for up to `shutdown_timeout` seconds, abort the rest, and return (exit status 0).
+    `dashboard` None: on with API keys or on a loopback host (`dashboard.dashboard_enabled`)."""
     api_keys = load_api_keys(api_keys_path) if api_keys_path else None  # fail before the slow model load
     with _graceful_signals() as signals:
         engine = AsyncEngine(LLMEngine(config))
         try:
-            app = build_app(engine, engine.info.model_name, api_keys, max_queue)
+            show = dashboard_enabled(dashboard, host, api_keys is not None)
+            app = build_app(engine, engine.info.model_name, api_keys, max_queue, dashboard=show)
             mode = f"{len(api_keys)} API keys" if api_keys else "single tenant, no auth"
             logger.info("kvserve: model %s, %d KV blocks of %d tokens, %s", engine.info.model_name,
                         engine.info.num_blocks, engine.info.block_size, mode)
