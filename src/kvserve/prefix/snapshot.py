@@ -7,10 +7,11 @@ Two phases, so the engine never waits on presentation work:
    few leading token ids, last access). It visits at most `max_nodes` nodes: the blocks of nodes it did
    not reach are counted (`unvisited_blocks`), never walked, so its cost is bounded whatever the cache
    holds.
-2. `shape_tree(raw, ref_counts, top, visible)` runs on any thread over those copies: hash-cache chains
-   (one entry per block) are merged into runs, subtree sizes are summed, and the `top` largest nodes are
-   kept (a kept node's parent is always kept); the remaining children of a kept node are aggregated
-   into one `other` node.
+2. `shape_tree(raw, ref_counts, top, visible)` runs on any thread over those copies: chains are merged
+   into runs (an only child held by as many requests as its parent joins the parent's run: a hash cache
+   has one entry per block, and a radix tree grows one small leaf per published decode block), subtree
+   sizes are summed, and the `top` largest runs are kept (a kept node's parent is always kept); the
+   remaining children of a kept node are aggregated into one `other` node.
 
 The caches are read through their existing fields (`RadixCache._roots`, `HashCache._entry_of`) and
 never modified; tests pin those names, so a refactor of a cache breaks a test, not the page.
@@ -117,6 +118,7 @@ class _Run:
     first_tokens: tuple[int, ...]
     last_access: float | None
     hits: int | None
+    refs: int  # of its first raw node (every node merged into it has the same)
     start_blocks: int = 0  # blocks before it on its path (unknown above an orphan: counted from it)
     children: list[int] = field(default_factory=list)
     subtree_blocks: int = 0
@@ -132,13 +134,15 @@ def shape_tree(
     did not make the cut are summed into one node of kind "other". `now` is the cache clock's current
     time (for `age_s`), None to leave ages out.
     """
-    runs = _merge_chains(raw, visible)
+    runs = _merge_chains(raw, ref_counts, visible)
     _sum_subtrees(runs)
     return _select(runs, ref_counts, block_size, top, now)
 
 
-def _merge_chains(raw: RawTree, visible: Callable[[Namespace], bool]) -> list[_Run]:
-    """One run per raw node; in a hash tree an only child joins its parent's run (radix nodes are runs)."""
+def _merge_chains(
+    raw: RawTree, ref_counts: Sequence[int], visible: Callable[[Namespace], bool]
+) -> list[_Run]:
+    """Raw nodes joined into runs: an only child with the same reference count joins its parent's run."""
     num_children = [0] * len(raw.nodes)
     for node in raw.nodes:
         if node.parent >= 0:
@@ -150,14 +154,15 @@ def _merge_chains(raw: RawTree, visible: Callable[[Namespace], bool]) -> list[_R
         if not visible(node.namespace):
             continue
         parent = node.parent
-        if raw.kind == "hash" and parent >= 0 and num_children[parent] == 1:
+        refs = max(ref_counts[block_id] for block_id in node.blocks)
+        if parent >= 0 and num_children[parent] == 1 and runs[run_of[parent]].refs == refs:
             run = runs[run_of[parent]]
             run.blocks.extend(node.blocks)
             run_of[index] = run_of[parent]
             continue
         run_of[index] = len(runs)
         runs.append(_Run(run_of.get(parent, parent) if parent >= 0 else parent, node.namespace,
-                         list(node.blocks), node.first_tokens, node.last_access, node.hits))
+                         list(node.blocks), node.first_tokens, node.last_access, node.hits, refs))
     return runs
 
 

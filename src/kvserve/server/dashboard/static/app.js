@@ -201,6 +201,7 @@ function drawNode(svg, node, x0, x1, y, h) {
   rect.dataset.id = node.id;
   rect.dataset.kind = node.kind;
   rect.dataset.tokens = node.tokens;
+  rect.dataset.start = node.start_tokens;
   rect.dataset.refs = node.refs ?? "";
   rect.dataset.namespace = JSON.stringify(node.namespace);
   rect.addEventListener("mousemove", (event) => showTooltip(event, node));
@@ -216,7 +217,10 @@ function drawNode(svg, node, x0, x1, y, h) {
 }
 
 function nodeLabel(node) {
-  if (node.kind === "namespace") return node.namespace.length ? node.namespace.join(" / ") : "(default)";
+  if (node.kind === "namespace") {
+    const fields = node.namespace.filter((field) => field !== "");
+    return fields.length ? fields.join(" / ") : "(default namespace)";
+  }
   if (node.kind === "other") return `${node.count} more`;
   return `${node.tokens} tok · ${node.refs} ref${node.refs === 1 ? "" : "s"}`;
 }
