@@ -77,15 +77,19 @@ def capture_tree(cache: Any, max_nodes: int, first_tokens: int = 16) -> RawTree:
 
 
 def _capture_radix(cache: Any, max_nodes: int, first_tokens: int) -> RawTree:
+    # The hot loop of the engine-thread part: ~1-3 us a node, so no per-node getattr fallbacks.
     raw = RawTree("radix")
+    nodes = raw.nodes
     queue = deque((child, ROOT, namespace) for namespace, root in cache._roots.items()
                   for child in root.children.values())
-    while queue and len(raw.nodes) < max_nodes:
+    counts_hits = bool(queue) and hasattr(queue[0][0], "hits")
+    while queue and len(nodes) < max_nodes:
         node, parent, namespace = queue.popleft()
-        index = len(raw.nodes)
-        raw.nodes.append(RawNode(parent, namespace, tuple(node.blocks), node.key[:first_tokens],
-                                 node.last_access, getattr(node, "hits", None)))
-        queue.extend((child, index, namespace) for child in node.children.values())
+        index = len(nodes)
+        nodes.append(RawNode(parent, namespace, tuple(node.blocks), node.key[:first_tokens],
+                             node.last_access, node.hits if counts_hits else None))
+        if node.children:
+            queue.extend((child, index, namespace) for child in node.children.values())
     return raw
 
 
@@ -94,11 +98,14 @@ def _capture_hash(cache: Any, max_nodes: int, first_tokens: int) -> RawTree:
     raw = RawTree("hash")
     index_of: dict[int, int] = {}
     parent_ids: list[int | None] = []
+    counts_hits = None
     for entry in itertools.islice(cache._entry_of.values(), max_nodes):
+        if counts_hits is None:
+            counts_hits = hasattr(entry, "hits")
         index_of[id(entry)] = len(raw.nodes)
         parent_ids.append(None if entry.parent is None else id(entry.parent))
         raw.nodes.append(RawNode(ROOT, entry.namespace, (entry.block_id,), entry.tokens[:first_tokens],
-                                 None, getattr(entry, "hits", None)))
+                                 None, entry.hits if counts_hits else None))
     for node, parent_id in zip(raw.nodes, parent_ids, strict=True):
         if parent_id is not None:
             node.parent = index_of.get(parent_id, ORPHAN)
@@ -154,7 +161,7 @@ def _merge_chains(
         if not visible(node.namespace):
             continue
         parent = node.parent
-        refs = max(ref_counts[block_id] for block_id in node.blocks)
+        refs = max(map(ref_counts.__getitem__, node.blocks))
         if parent >= 0 and num_children[parent] == 1 and runs[run_of[parent]].refs == refs:
             run = runs[run_of[parent]]
             run.blocks.extend(node.blocks)
@@ -227,7 +234,7 @@ def _namespace_node(namespace: Namespace, namespaces: dict[Namespace, dict[str, 
 
 
 def _run_node(run: _Run, parent_id: str, ref_counts: Sequence[int], now: float | None) -> dict[str, Any]:
-    refs = [ref_counts[block_id] for block_id in run.blocks]
+    refs = list(map(ref_counts.__getitem__, run.blocks))
     return {
         "id": f"b{run.blocks[0]}", "parent": parent_id, "kind": "run", "namespace": list(run.namespace),
         "blocks": len(run.blocks), "subtree_blocks": run.subtree_blocks, "_start_blocks": run.start_blocks,

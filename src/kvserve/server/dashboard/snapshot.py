@@ -41,7 +41,7 @@ STAT_KEYS = (
 class SnapshotLimits:
     """How much one snapshot may cost: nodes walked on the engine thread, nodes sent, rows sent."""
 
-    max_nodes: int = 20_000
+    max_nodes: int = 5_000  # ~1-3 us each on the engine thread
     top: int = 200
     first_tokens: int = 16
     max_waiting: int = 200
