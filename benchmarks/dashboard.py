@@ -88,11 +88,11 @@ def timed(fn):
 
 def time_snapshot(engine: SimpleNamespace, repeats: int) -> dict[str, float]:
     renderer = Renderer("bench", SnapshotLimits())
+    tenant = Principal("tenant-0", False)
     runs = []
     for _ in range(repeats):
         raw, _, capture_cpu = timed(lambda: capture(engine, renderer.limits))
         capture_wall = raw.capture_s * 1e3
-        tenant = Principal("tenant-0", False)
         text, _, admin_cpu = timed(lambda raw=raw: json.dumps(renderer.render(raw, SINGLE_TENANT)))
         _, _, tenant_cpu = timed(lambda raw=raw: json.dumps(renderer.render(raw, tenant)))
         runs.append((capture_cpu, capture_wall, admin_cpu, tenant_cpu, len(text)))
