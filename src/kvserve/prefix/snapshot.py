@@ -35,22 +35,33 @@ ORPHAN = -2  # hash cache: the block before it was evicted (the entry is unreach
 
 @dataclass(slots=True)
 class RawNode:
-    """One node as copied on the engine thread: a run of whole blocks (one block for a hash entry)."""
+    """One captured node: a run of whole blocks (one block for a hash entry)."""
 
     parent: int  # index into RawTree.nodes, ROOT or ORPHAN
     namespace: Namespace
-    blocks: tuple[int, ...]
+    blocks: Sequence[int]
     first_tokens: tuple[int, ...]
     last_access: float | None  # the cache's clock (time.monotonic by default); None when not kept
     hits: int | None  # a per-node hit counter, when the cache's eviction policy keeps one
 
 
+# What the engine thread records per node, as a plain tuple (cheaper to build than an object):
+# (parent index, namespace, block ids, key tokens, last access, hits).
+_Record = tuple[int, Namespace, Sequence[int], Sequence[int], "float | None", "int | None"]
+
+
 @dataclass(slots=True)
 class RawTree:
-    """What `capture_tree` copied: nodes in parent-before-child order (except orphans' parents)."""
+    """What `capture_tree` recorded; `nodes` turns the records into `RawNode`s (off the engine thread).
+
+    Records hold references to the cache's own block lists and key tuples instead of copies: the caches
+    replace those on every change and never mutate them in place (radix.py splits into new lists), so a
+    reference is a snapshot. Were that to change, a picture would at worst be a step newer.
+    """
 
     kind: str  # "radix" | "hash" | "off"
-    nodes: list[RawNode] = field(default_factory=list)
+    records: list[_Record] = field(default_factory=list)
+    first_tokens: int = 16
     num_registered_blocks: int = 0
     unvisited_blocks: int = 0
 
@@ -58,42 +69,50 @@ class RawTree:
     def truncated(self) -> bool:
         return self.unvisited_blocks > 0
 
+    @property
+    def nodes(self) -> list[RawNode]:
+        k = self.first_tokens
+        return [RawNode(parent, namespace, blocks, tuple(key[:k]), last_access, hits)
+                for parent, namespace, blocks, key, last_access, hits in self.records]
+
 
 def capture_tree(cache: Any, max_nodes: int, first_tokens: int = 16) -> RawTree:
-    """Copy at most `max_nodes` nodes of `cache` (RadixCache, HashCache or the no-op cache)."""
+    """Record at most `max_nodes` nodes of `cache` (RadixCache, HashCache or the no-op cache)."""
     if max_nodes < 1:
         raise ValueError(f"max_nodes must be >= 1, got {max_nodes}")
     if hasattr(cache, "_roots"):
-        raw = _capture_radix(cache, max_nodes, first_tokens)
+        raw = _capture_radix(cache, max_nodes)
     elif hasattr(cache, "_entry_of"):
-        raw = _capture_hash(cache, max_nodes, first_tokens)
+        raw = _capture_hash(cache, max_nodes)
     elif cache.num_cached_blocks == 0:
         return RawTree("off")
     else:
         raise TypeError(f"no snapshot reader for prefix cache {type(cache).__name__}")
+    raw.first_tokens = first_tokens
     raw.num_registered_blocks = cache.num_cached_blocks
-    raw.unvisited_blocks = raw.num_registered_blocks - sum(len(node.blocks) for node in raw.nodes)
+    raw.unvisited_blocks = raw.num_registered_blocks - sum(len(record[2]) for record in raw.records)
     return raw
 
 
-def _capture_radix(cache: Any, max_nodes: int, first_tokens: int) -> RawTree:
-    # The hot loop of the engine-thread part: ~1-3 us a node, so no per-node getattr fallbacks.
+def _capture_radix(cache: Any, max_nodes: int) -> RawTree:
+    # The hot loop of the engine-thread part (about a microsecond a node): references only, no
+    # copies, no per-node getattr fallbacks.
     raw = RawTree("radix")
-    nodes = raw.nodes
+    records = raw.records
     queue = deque((child, ROOT, namespace) for namespace, root in cache._roots.items()
                   for child in root.children.values())
     counts_hits = bool(queue) and hasattr(queue[0][0], "hits")
-    while queue and len(nodes) < max_nodes:
+    while queue and len(records) < max_nodes:
         node, parent, namespace = queue.popleft()
-        index = len(nodes)
-        nodes.append(RawNode(parent, namespace, tuple(node.blocks), node.key[:first_tokens],
-                             node.last_access, node.hits if counts_hits else None))
+        index = len(records)
+        records.append((parent, namespace, node.blocks, node.key, node.last_access,
+                        node.hits if counts_hits else None))
         if node.children:
             queue.extend((child, index, namespace) for child in node.children.values())
     return raw
 
 
-def _capture_hash(cache: Any, max_nodes: int, first_tokens: int) -> RawTree:
+def _capture_hash(cache: Any, max_nodes: int) -> RawTree:
     """Entries in registration order (a block's parent is registered before it, unless re-registered)."""
     raw = RawTree("hash")
     index_of: dict[int, int] = {}
@@ -102,13 +121,13 @@ def _capture_hash(cache: Any, max_nodes: int, first_tokens: int) -> RawTree:
     for entry in itertools.islice(cache._entry_of.values(), max_nodes):
         if counts_hits is None:
             counts_hits = hasattr(entry, "hits")
-        index_of[id(entry)] = len(raw.nodes)
+        index_of[id(entry)] = len(raw.records)
         parent_ids.append(None if entry.parent is None else id(entry.parent))
-        raw.nodes.append(RawNode(ROOT, entry.namespace, (entry.block_id,), entry.tokens[:first_tokens],
-                                 None, entry.hits if counts_hits else None))
-    for node, parent_id in zip(raw.nodes, parent_ids, strict=True):
-        if parent_id is not None:
-            node.parent = index_of.get(parent_id, ORPHAN)
+        raw.records.append((ROOT, entry.namespace, (entry.block_id,), entry.tokens, None,
+                            entry.hits if counts_hits else None))
+    for index, parent_id in enumerate(parent_ids):
+        if parent_id is not None:  # ids compared among objects all alive at capture time
+            raw.records[index] = (index_of.get(parent_id, ORPHAN), *raw.records[index][1:])
     return raw
 
 
@@ -141,23 +160,23 @@ def shape_tree(
     did not make the cut are summed into one node of kind "other". `now` is the cache clock's current
     time (for `age_s`), None to leave ages out.
     """
-    runs = _merge_chains(raw, ref_counts, visible)
+    runs = _merge_chains(raw.nodes, ref_counts, visible)
     _sum_subtrees(runs)
     return _select(runs, ref_counts, block_size, top, now)
 
 
 def _merge_chains(
-    raw: RawTree, ref_counts: Sequence[int], visible: Callable[[Namespace], bool]
+    nodes: list[RawNode], ref_counts: Sequence[int], visible: Callable[[Namespace], bool]
 ) -> list[_Run]:
     """Raw nodes joined into runs: an only child with the same reference count joins its parent's run."""
-    num_children = [0] * len(raw.nodes)
-    for node in raw.nodes:
+    num_children = [0] * len(nodes)
+    for node in nodes:
         if node.parent >= 0:
             num_children[node.parent] += 1
     runs: list[_Run] = []
     run_of: dict[int, int] = {}
-    for index in _parents_first(raw.nodes):
-        node = raw.nodes[index]
+    for index in _parents_first(nodes):
+        node = nodes[index]
         if not visible(node.namespace):
             continue
         parent = node.parent
