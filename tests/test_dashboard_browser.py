@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from kvserve.server.launcher import ServerProcess
-from test_server_support import chat_model_dir, metric_value, start_server, wait_until_drained  # noqa: F401
+from test_server_support import make_chat_model_dir, start_server, wait_until_drained
 
 CHROMIUM = shutil.which("chromium") or ("/usr/bin/chromium" if os.path.exists("/usr/bin/chromium") else None)
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -44,6 +44,12 @@ sync_api = pytest.importorskip("playwright.sync_api", reason="DASHBOARD BROWSER 
 
 
 @pytest.fixture(scope="module")
+def long_model_dir(tmp_path_factory) -> Path:
+    """The tiny chat model with room for long generations: the workload must outlive a few page frames."""
+    return make_chat_model_dir(tmp_path_factory.mktemp("long-chat") / "tiny-chat", max_position_embeddings=8192)
+
+
+@pytest.fixture(scope="module")
 def browser():
     with sync_api.sync_playwright() as playwright:
         chromium = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
@@ -57,17 +63,22 @@ def tail(seed: int) -> list[int]:
 
 
 @contextmanager
-def running(url: str, prompts: list, headers: dict | None = None, max_tokens: int = 1500) -> Iterator[None]:
+def running(url: str, prompts: list, headers: dict | None = None, max_tokens: int = 8000) -> Iterator[None]:
     """Stream long completions in background threads; leaving the block closes them (the server aborts)."""
     stop = threading.Event()
+    errors: list[str] = []
 
     def stream(prompt) -> None:
         body = {"model": "tiny-chat", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
                 "stream": True}
         with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=headers, timeout=120) as response:
-            for _ in response.iter_lines():
+            if response.status_code != 200:
+                errors.append(f"{response.status_code}: {response.read()!r}")
+            for line in response.iter_lines():
                 if stop.is_set():
                     return
+                if line == "data: [DONE]":
+                    errors.append("a request finished before the checks were done")
 
     threads = [threading.Thread(target=stream, args=(prompt,), daemon=True) for prompt in prompts]
     for thread in threads:
@@ -78,6 +89,7 @@ def running(url: str, prompts: list, headers: dict | None = None, max_tokens: in
         stop.set()
         for thread in threads:
             thread.join(30)
+    assert not errors, errors
 
 
 def open_dashboard(browser, server: ServerProcess, key: str | None = None):
@@ -105,7 +117,7 @@ def screenshot(page, tmp_path: Path, name: str) -> Path:
     path = tmp_path / f"{name}.png"
     page.screenshot(path=str(path), full_page=True)
     target = os.environ.get("KVSERVE_DASHBOARD_SCREENSHOT")
-    if target and name == "dashboard-admin-live":
+    if target and name == "dashboard-admin-tenants":
         shutil.copy(path, target)
     return path
 
@@ -115,8 +127,8 @@ def shared_prefix_nodes(page, refs: int, namespace: list[str]) -> list[dict]:
             and node["namespace"] == namespace and node["tokens"] == len(SHARED) and node["refs"] == refs]
 
 
-def test_page_draws_the_pool_and_the_shared_prefix(chat_model_dir, browser, tmp_path):  # noqa: F811
-    with start_server(chat_model_dir, num_blocks=256) as server:
+def test_page_draws_the_pool_and_the_shared_prefix(long_model_dir, browser, tmp_path):
+    with start_server(long_model_dir, num_blocks=2048) as server:
         page = open_dashboard(browser, server)
         wait_frames(page, 0)
         assert page.inner_text("#viewer") == "admin: whole cache"
@@ -133,7 +145,7 @@ def test_page_draws_the_pool_and_the_shared_prefix(chat_model_dir, browser, tmp_
             assert len(starts_at_zero) == 1, starts_at_zero  # not three copies of the prefix
             drawn, sent = counts_drawn(page), page.evaluate("window.kvDashboard.drawn.pool")
             assert drawn == {name: sent[name] for name in drawn}
-            assert drawn["shared"] >= len(SHARED) // BLOCK and sum(drawn[k] for k in ("free", "cached", "used")) == 256
+            assert drawn["shared"] >= len(SHARED) // BLOCK and sum(drawn[k] for k in ("free", "cached", "used")) == 2048
             text = page.evaluate("window.kvDashboard.drawn.tree.nodes.find(n => n.start_tokens === 0 && "
                                  "n.kind === 'run').text")
             assert isinstance(text, str) and text  # an admin sees the node's first tokens decoded
@@ -149,29 +161,34 @@ def test_page_draws_the_pool_and_the_shared_prefix(chat_model_dir, browser, tmp_
                          "shared": 0}, (drawn, metrics)
         assert drawn["cached"] > len(SHARED) // BLOCK  # the workload's blocks stayed cached
         series = page.evaluate("window.kvDashboard.drawn.series")
-        assert len(series["time"]) >= 2 and max(series["running"]) >= 1
+        assert len(series["time"]) >= 2 and max(series["running"]) >= 1 and max(series["computed_tps"]) > 0
         screenshot(page, tmp_path, "dashboard-admin-idle")
         page.close()
 
 
-def test_a_tenant_sees_only_its_own_namespace(chat_model_dir, browser, tmp_path):  # noqa: F811
+def test_a_tenant_sees_only_its_own_namespace(long_model_dir, browser, tmp_path):
     keys = tmp_path / "keys.toml"
     keys.write_text(KEYS_TOML)
     alice = {"Authorization": "Bearer sk-alice"}
     bob = {"Authorization": "Bearer sk-bob"}
-    with start_server(chat_model_dir, "--api-keys", str(keys), num_blocks=256) as server:
+    with start_server(long_model_dir, "--api-keys", str(keys), num_blocks=2048) as server:
+        tenant_page = open_dashboard(browser, server, key="sk-alice")
+        admin_page = open_dashboard(browser, server, key="sk-ops")
+        wait_frames(tenant_page, 0)
+        wait_frames(admin_page, 0)
         with running(server.url, [BOB_TEXT], headers=bob), \
                 running(server.url, [SHARED + tail(seed) for seed in range(2)], headers=alice):
-            tenant_page = open_dashboard(browser, server, key="sk-alice")
             tenant_page.wait_for_function(
                 "[...document.querySelectorAll('#icicle rect.node')].some(r => r.dataset.start === '0' && "
                 f"r.dataset.tokens === '{len(SHARED)}' && r.dataset.refs === '2')", timeout=60_000)
-            admin_page = open_dashboard(browser, server, key="sk-ops")
             admin_page.wait_for_function(
                 "[...document.querySelectorAll('#icicle rect.node')].some(r => r.dataset.namespace.includes('bob'))",
                 timeout=30_000)
+            if os.environ.get("KVSERVE_DASHBOARD_SCREENSHOT"):
+                time.sleep(6)  # the picture for docs/: a few seconds of time series
             tenant_page.click("#pause")
             admin_page.click("#pause")
+            admin_page.hover("#icicle rect.node[data-kind='run'][data-start='0'][data-namespace*='alice']")
             mine = tenant_page.evaluate("window.kvDashboard.drawn")
             everything = admin_page.evaluate("window.kvDashboard.drawn")
             screenshot(tenant_page, tmp_path, "dashboard-tenant")

@@ -138,3 +138,33 @@ def test_dashboard_is_on_by_default_only_with_keys_or_on_loopback():
     assert not dashboard_enabled(None, "0.0.0.0", False) and not dashboard_enabled(None, "example.org", False)
     assert dashboard_enabled(None, "0.0.0.0", True)
     assert dashboard_enabled(True, "0.0.0.0", False) and not dashboard_enabled(False, "127.0.0.1", True)
+
+
+def test_the_walk_budget_is_shared_between_namespaces():
+    _, cache = make("radix", num_blocks=256)
+    for i, tail in enumerate(tails(6, seed=3)):
+        finish(cache, run(cache, tail, ("alice" if i % 2 else "bob", "")))
+    raw = capture_tree(cache, max_nodes=2)
+    assert {node.namespace for node in raw.nodes} == {("alice", ""), ("bob", "")}
+
+
+def test_series_turns_counters_and_rows_into_interval_rates():
+    from kvserve.server.dashboard.series import Series
+    from kvserve.server.dashboard.snapshot import RequestRow
+    from kvserve.server.metrics import ServerMetrics
+
+    stats = {"prefix_cache_queries": 100, "prefix_cache_hits": 40, "evictions": 3, "num_running": 2,
+             "num_waiting": 1, "kv_cache_usage": 0.5, "num_preemptions": 0, "free_blocks": 1, "cached_blocks": 1,
+             "used_blocks": 2, "num_blocks": 4}
+    metrics = ServerMetrics(lambda: stats)
+    series = Series(metrics)
+    row = lambda rid, computed, cached=0: RequestRow(rid, (), "running", 10, cached, computed, 0, [], 0.0)
+    assert series.sample(stats, 10.0, [row("a", 50, 16)]) is None  # the first call only sets the baseline
+    stats.update(prefix_cache_queries=200, prefix_cache_hits=140, evictions=7)
+    metrics.ttft.observe(0.3)
+    metrics.generation_tokens.inc(20)
+    point = series.sample(stats, 12.0, [row("a", 90, 16), row("b", 30, 16)])
+    assert point.hit_ratio == 1.0 and point.evictions == 4 and point.output_tps == 10.0
+    assert point.computed_tps == (40 + 14) / 2  # a grew by 40, b is new: 30 computed minus 16 cached
+    assert 0.25 <= point.ttft_p50 <= 0.5 and point.running == 2
+    assert series.columns()["hit_ratio"] == [1.0]

@@ -2,11 +2,12 @@
 
 Two phases, so the engine never waits on presentation work:
 
-1. `capture_tree(cache, max_nodes, first_tokens)` runs on the engine thread between steps. It walks the
-   cache breadth first and copies, per node, only what a picture needs (parent, namespace, block ids, a
-   few leading token ids, last access). It visits at most `max_nodes` nodes: the blocks of nodes it did
-   not reach are counted (`unvisited_blocks`), never walked, so its cost is bounded whatever the cache
-   holds.
+1. `capture_tree(cache, max_nodes)` runs on the engine thread between steps. It walks the cache
+   breadth first and records, per node, references to what a picture needs (parent, namespace, block
+   ids, key tokens, last access). It visits at most `max_nodes` nodes: the blocks of nodes it did not
+   reach are counted (`unvisited_blocks`), never walked, so its cost is bounded whatever the cache
+   holds. (A hash cache is read in registration order: with more entries than the budget, its picture
+   covers the oldest ones.)
 2. `shape_tree(raw, ref_counts, top, visible)` runs on any thread over those copies: chains are merged
    into runs (an only child held by as many requests as its parent joins the parent's run: a hash cache
    has one entry per block, and a radix tree grows one small leaf per published decode block), subtree
@@ -95,20 +96,27 @@ def capture_tree(cache: Any, max_nodes: int, first_tokens: int = 16) -> RawTree:
 
 
 def _capture_radix(cache: Any, max_nodes: int) -> RawTree:
+    """Breadth first, one node from each open sibling group in turn, so a namespace (or a node) with
+    100k children cannot use up the budget alone, and nothing is touched beyond the budget."""
     # The hot loop of the engine-thread part (about a microsecond a node): references only, no
     # copies, no per-node getattr fallbacks.
     raw = RawTree("radix")
     records = raw.records
-    queue = deque((child, ROOT, namespace) for namespace, root in cache._roots.items()
-                  for child in root.children.values())
-    counts_hits = bool(queue) and hasattr(queue[0][0], "hits")
-    while queue and len(records) < max_nodes:
-        node, parent, namespace = queue.popleft()
-        index = len(records)
+    groups = deque((ROOT, namespace, iter(root.children.values())) for namespace, root in cache._roots.items())
+    counts_hits = None
+    while groups and len(records) < max_nodes:
+        parent, namespace, children = groups[0]
+        node = next(children, None)
+        if node is None:
+            groups.popleft()
+            continue
+        groups.rotate(-1)
+        if counts_hits is None:
+            counts_hits = hasattr(node, "hits")
+        if node.children:
+            groups.append((len(records), namespace, iter(node.children.values())))
         records.append((parent, namespace, node.blocks, node.key, node.last_access,
                         node.hits if counts_hits else None))
-        if node.children:
-            queue.extend((child, index, namespace) for child in node.children.values())
     return raw
 
 

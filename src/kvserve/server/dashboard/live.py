@@ -76,7 +76,7 @@ class LiveHub:
             except EngineDeadError as err:
                 self._publish_all("error", json.dumps({"error": str(err)}))
                 return
-            self.series.sample(raw.stats, raw.time)
+            self.series.sample(raw.stats, raw.time, raw.running)
             await self._publish(raw)
             await asyncio.sleep(max(0.0, self._tick_s - (time.monotonic() - started)))
 

@@ -1,12 +1,14 @@
 """Time series for the dashboard: one point per live tick, as rates over the interval since the last.
 
-Everything comes from counters the server already keeps (the engine's stats snapshot and the Prometheus
-histograms of `ServerMetrics`), so sampling never touches the engine thread:
+Everything comes from what the server already has (the engine's stats, the Prometheus histograms of
+`ServerMetrics`, the snapshot's request rows), so sampling adds no work on the engine thread:
 
 - hit ratio: prompt tokens found in the prefix cache / prompt tokens looked up (device tier);
-- TTFT p50 / p90: quantiles of the requests that got their first token in the interval, interpolated
-  within histogram buckets as Prometheus' `histogram_quantile` does;
-- throughput: prompt and output tokens of the requests that finished in the interval, per second;
+- TTFT p50 / p90: quantiles of the TTFTs observed in the interval (the server observes a request's TTFT
+  when it finishes), interpolated within histogram buckets as Prometheus' `histogram_quantile` does;
+- throughput: tokens the model computed per second for the running requests (prefill and decode, from
+  the snapshot's request rows: the growth of each request's computed tokens), and output tokens of the
+  requests that finished in the interval, per second;
 - running / waiting requests and KV usage (gauges); evictions (blocks evicted in the interval).
 """
 
@@ -14,9 +16,10 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 
+from kvserve.server.dashboard.snapshot import RequestRow
 from kvserve.server.metrics import ServerMetrics
 
 MAX_POINTS = 300  # five minutes at 1 Hz
@@ -28,7 +31,7 @@ class SeriesPoint:
     hit_ratio: float | None
     ttft_p50: float | None
     ttft_p90: float | None
-    prompt_tps: float
+    computed_tps: float
     output_tps: float
     running: int
     waiting: int
@@ -42,7 +45,6 @@ class _Counters:
     queries: float
     hits: float
     evictions: float
-    prompt_tokens: float
     output_tokens: float
     ttft_buckets: list[tuple[float, float]]  # (upper bound, cumulative count)
 
@@ -54,10 +56,14 @@ class Series:
         self._metrics = metrics
         self._points: deque[SeriesPoint] = deque(maxlen=max_points)
         self._last: _Counters | None = None
+        self._computed: dict[str, int] = {}  # request id -> tokens computed by the model, last sample
 
-    def sample(self, stats: Mapping[str, float | int], now: float) -> SeriesPoint | None:
+    def sample(
+        self, stats: Mapping[str, float | int], now: float, running: Sequence[RequestRow] = ()
+    ) -> SeriesPoint | None:
         """Add the point for the interval since the previous call (None on the first call)."""
         current = self._read(stats, now)
+        computed = self._computed_since_last(running)
         last, self._last = self._last, current
         if last is None or current.time <= last.time:
             return None
@@ -69,13 +75,21 @@ class Series:
             time=round(now, 3),
             hit_ratio=(current.hits - last.hits) / queries if queries > 0 else None,
             ttft_p50=histogram_quantile(0.5, buckets), ttft_p90=histogram_quantile(0.9, buckets),
-            prompt_tps=(current.prompt_tokens - last.prompt_tokens) / elapsed,
+            computed_tps=computed / elapsed,
             output_tps=(current.output_tokens - last.output_tokens) / elapsed,
             running=int(stats["num_running"]), waiting=int(stats["num_waiting"]),
             evictions=int(current.evictions - last.evictions), kv_usage=float(stats["kv_cache_usage"]),
         )
         self._points.append(point)
         return point
+
+    def _computed_since_last(self, running: Sequence[RequestRow]) -> int:
+        """Growth of each running request's model-computed tokens (a request new since the last sample
+        counts from its cached prefix); a request that finished in between loses its last interval."""
+        now = {row.request_id: row.computed_tokens - row.cached_tokens for row in running}
+        grown = sum(max(0, done - self._computed.get(request_id, 0)) for request_id, done in now.items())
+        self._computed = now
+        return grown
 
     def columns(self) -> dict[str, list]:
         """The points as one list per field (what the page plots)."""
@@ -87,8 +101,8 @@ class Series:
         value = lambda name: registry.get_sample_value(name) or 0.0
         return _Counters(
             time=now, queries=float(stats["prefix_cache_queries"]), hits=float(stats["prefix_cache_hits"]),
-            evictions=float(stats["evictions"]), prompt_tokens=value("kvserve_prompt_tokens_total"),
-            output_tokens=value("kvserve_generation_tokens_total"), ttft_buckets=self._ttft_buckets(),
+            evictions=float(stats["evictions"]), output_tokens=value("kvserve_generation_tokens_total"),
+            ttft_buckets=self._ttft_buckets(),
         )
 
     def _ttft_buckets(self) -> list[tuple[float, float]]:

@@ -248,7 +248,7 @@ function showTooltip(event, node) {
 const CHARTS = [
   { title: "hit ratio (device)", lines: [["hit_ratio", "#4a90d9"]], max: 1, fmt: (v) => `${(100 * v).toFixed(0)}%` },
   { title: "TTFT p50 / p90 (s)", lines: [["ttft_p50", "#4a90d9"], ["ttft_p90", "#d0452f"]], fmt: (v) => v.toFixed(3) },
-  { title: "throughput: prompt / output tok/s", lines: [["prompt_tps", "#4a90d9"], ["output_tps", "#f0a030"]],
+  { title: "tok/s: computed (running) / output (finished)", lines: [["computed_tps", "#4a90d9"], ["output_tps", "#f0a030"]],
     fmt: (v) => v.toFixed(0) },
   { title: "running / waiting", lines: [["running", "#2f9e55"], ["waiting", "#d0452f"]], fmt: (v) => v.toFixed(0) },
   { title: "evictions (blocks per tick)", lines: [["evictions", "#8e2a5c"]], fmt: (v) => v.toFixed(0) },
