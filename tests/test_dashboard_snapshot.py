@@ -168,3 +168,12 @@ def test_series_turns_counters_and_rows_into_interval_rates():
     assert point.computed_tps == (40 + 14) / 2  # a grew by 40, b is new: 30 computed minus 16 cached
     assert 0.25 <= point.ttft_p50 <= 0.5 and point.running == 2
     assert series.columns()["hit_ratio"] == [1.0]
+
+
+def test_prefix_cache_off_draws_an_empty_tree():
+    from kvserve.kv.block_allocator import BlockAllocator
+    from kvserve.prefix.base import NoPrefixCache
+
+    raw = capture_tree(NoPrefixCache(BlockAllocator(8), BS), max_nodes=10)
+    assert raw.kind == "off" and raw.nodes == [] and not raw.truncated
+    assert shape_tree(raw, [0] * 8, BS, 10, now=None) == []
