@@ -177,3 +177,13 @@ def test_prefix_cache_off_draws_an_empty_tree():
     raw = capture_tree(NoPrefixCache(BlockAllocator(8), BS), max_nodes=10)
     assert raw.kind == "off" and raw.nodes == [] and not raw.truncated
     assert shape_tree(raw, [0] * 8, BS, 10, now=None) == []
+
+
+def test_both_serve_entry_points_take_the_dashboard_flag():
+    from kvserve.cli import build_parser
+    from kvserve.server.__main__ import build_parser as build_server_parser
+
+    for parse, prefix in ((build_parser().parse_args, ["serve"]), (build_server_parser().parse_args, [])):
+        assert parse(prefix).dashboard is None
+        assert parse([*prefix, "--dashboard"]).dashboard is True
+        assert parse([*prefix, "--no-dashboard"]).dashboard is False

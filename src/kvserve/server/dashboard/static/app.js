@@ -290,6 +290,12 @@ function drawChart(div, chart, series) {
     line.setAttribute("stroke-width", "1.5");
     line.setAttribute("vector-effect", "non-scaling-stroke");
     svg.append(line);
+    if (points.length) {  // the newest point as a dot: visible even when it is the only one
+      const [x, y] = points.at(-1).split(",");
+      const dot = document.createElementNS(SVG, "ellipse");
+      for (const [k, v] of Object.entries({ cx: x, cy: y, rx: 2.5, ry: 2.5, fill: colour })) dot.setAttribute(k, v);
+      svg.append(dot);
+    }
   }
   const last = chart.lines.map(([key]) => series[key].filter((v) => v !== null).at(-1));
   div.querySelector(".now").textContent = last.map((v) => (v === undefined ? "–" : chart.fmt(v))).join(" / ");
