@@ -83,6 +83,8 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE, help="waiting requests beyond this get 429")
     group.add_argument("--shutdown-timeout", type=float, default=GRACEFUL_SHUTDOWN_S,
                        help="seconds in-flight requests may run after SIGTERM before they are aborted")
+    group.add_argument("--dashboard", action=argparse.BooleanOptionalAction, default=None,
+                       help="serve /dashboard (None: on with --api-keys or a loopback --host)")
     group.add_argument("--version", action="version", version=_version_text())
 
 
@@ -215,6 +217,7 @@ def server_options_from_args(args: argparse.Namespace):  # -> ServerOptions (imp
         served_model_names=tuple(args.served_model_name or ()), api_keys=tuple(args.api_key),
         chat_template=template, log_level=args.log_level, allowed_origins=tuple(args.allowed_origins),
         stats_log_interval=0.0 if args.disable_log_stats else args.stats_log_interval,
+        dashboard=args.dashboard,
     )
 
 

@@ -17,6 +17,8 @@ from kvserve.config import EngineConfig
 from kvserve.engine.engine import LLMEngine
 from kvserve.server import admin_routes, extra_routes, openai_routes
 from kvserve.server.auth import ApiKeys, add_operator_keys, load_api_keys
+from kvserve.server.dashboard import dashboard_enabled
+from kvserve.server.dashboard import install as install_dashboard
 from kvserve.server.errors import install_error_handlers
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.options import DEFAULT_MAX_QUEUE, GRACEFUL_SHUTDOWN_S, ServerOptions
@@ -32,12 +34,13 @@ __all__ = ["DEFAULT_MAX_QUEUE", "GRACEFUL_SHUTDOWN_S", "build_app", "run_server"
 def build_app(
     async_engine: AsyncEngine, served_model_name: str, api_keys: ApiKeys | None, max_queue: int,
     options: ServerOptions | None = None,
+    dashboard: bool = False,
 ) -> FastAPI:
     """An app serving `async_engine`; its lifespan starts the engine thread and shuts it down.
 
     `api_keys` None is single-tenant mode (no auth; `cache_salt` alone picks the namespace).
     More than `max_queue` waiting requests are refused with 429. `options` adds vLLM's server
-    conventions (served names, CORS, the periodic stats line).
+    conventions (served names, CORS, the periodic stats line). `dashboard`: serve /dashboard.
     """
     if max_queue < 1:
         raise ValueError(f"max_queue must be >= 1, got {max_queue}")
@@ -66,6 +69,7 @@ def build_app(
     app.include_router(admin_routes.router)
     app.include_router(extra_routes.router)
     _add_cors(app, options.allowed_origins)
+    install_dashboard(app, app.state.server, enabled=dashboard)
     return app
 
 
@@ -90,7 +94,8 @@ def run_server(
         engine = AsyncEngine(LLMEngine(config))
         try:
             _override_chat_template(engine, options.chat_template)
-            app = build_app(engine, engine.info.model_name, api_keys, max_queue, options)
+            show = dashboard_enabled(options.dashboard, host, api_keys is not None)
+            app = build_app(engine, engine.info.model_name, api_keys, max_queue, options, dashboard=show)
             mode = f"{len(api_keys)} API keys" if api_keys else "single tenant, no auth"
             logger.info("kvserve: model %s served as %s, %d KV blocks of %d tokens, %s", engine.info.model_name,
                         ", ".join(options.model_names(engine.info.model_name)), engine.info.num_blocks,
