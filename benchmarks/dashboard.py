@@ -28,7 +28,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kvserve.engine.async_engine import AsyncEngine  # noqa: E402
+from kvserve.serving.async_engine import AsyncEngine  # noqa: E402
 
 from common import markdown_table, write_result  # noqa: E402
 from kvserve.config import EngineConfig  # noqa: E402

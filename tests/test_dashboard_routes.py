@@ -7,13 +7,13 @@ import asyncio
 
 import pytest
 from fastapi.testclient import TestClient
-from kvserve.engine.async_engine import AsyncEngine
 
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import LLMEngine
 from kvserve.engine.params import SamplingParams
 from kvserve.server.app import build_app
 from kvserve.server.dashboard.snapshot import SnapshotLimits, capture
+from kvserve.serving.async_engine import AsyncEngine
 from test_server_support import chat_model_dir  # noqa: F401
 
 PREFIX = list(range(10, 10 + 48))  # three blocks

@@ -156,13 +156,13 @@ def test_series_turns_counters_and_rows_into_interval_rates():
     stats = {"prefix_cache_queries": 100, "prefix_cache_hits": 40, "evictions": 3, "num_running": 2,
              "num_waiting": 1, "kv_cache_usage": 0.5, "num_preemptions": 0, "free_blocks": 1, "cached_blocks": 1,
              "used_blocks": 2, "num_blocks": 4}
-    metrics = ServerMetrics(lambda: stats)
+    metrics = ServerMetrics(lambda: stats, "m", 2048)
     series = Series(metrics)
     row = lambda rid, computed, cached=0: RequestRow(rid, (), "running", 10, cached, computed, 0, [], 0.0)
     assert series.sample(stats, 10.0, [row("a", 50, 16)]) is None  # the first call only sets the baseline
     stats.update(prefix_cache_queries=200, prefix_cache_hits=140, evictions=7)
     metrics.ttft.observe(0.3)
-    metrics.generation_tokens.inc(20)
+    metrics.totals.generation_tokens += 20
     point = series.sample(stats, 12.0, [row("a", 90, 16), row("b", 30, 16)])
     assert point.hit_ratio == 1.0 and point.evictions == 4 and point.output_tps == 10.0
     assert point.computed_tps == (40 + 14) / 2  # a grew by 40, b is new: 30 computed minus 16 cached
@@ -179,11 +179,10 @@ def test_prefix_cache_off_draws_an_empty_tree():
     assert shape_tree(raw, [0] * 8, BS, 10, now=None) == []
 
 
-def test_both_serve_entry_points_take_the_dashboard_flag():
+def test_serve_takes_the_dashboard_flag():
     from kvserve.cli import build_parser
-    from kvserve.server.__main__ import build_parser as build_server_parser
 
-    for parse, prefix in ((build_parser().parse_args, ["serve"]), (build_server_parser().parse_args, [])):
-        assert parse(prefix).dashboard is None
-        assert parse([*prefix, "--dashboard"]).dashboard is True
-        assert parse([*prefix, "--no-dashboard"]).dashboard is False
+    parse = build_parser().parse_args
+    assert parse(["serve"]).dashboard is None
+    assert parse(["serve", "--dashboard"]).dashboard is True
+    assert parse(["serve", "--no-dashboard"]).dashboard is False

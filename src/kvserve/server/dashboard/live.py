@@ -16,10 +16,10 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from kvserve.engine.async_engine import AsyncEngine, EngineDeadError
 from kvserve.server.auth import Principal
 from kvserve.server.dashboard.series import Series
 from kvserve.server.dashboard.snapshot import RawSnapshot, Renderer, capture
+from kvserve.serving.async_engine import AsyncEngine, EngineDeadError
 
 logger = logging.getLogger(__name__)
 TICK_S = 1.0

@@ -12,12 +12,12 @@ from importlib import resources
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from kvserve.engine.async_engine import EngineDeadError
 from kvserve.server.dashboard.live import LiveHub
 from kvserve.server.dashboard.snapshot import Renderer
 from kvserve.server.errors import ApiError
 from kvserve.server.generation import engine_unavailable
 from kvserve.server.state import Caller
+from kvserve.serving.async_engine import EngineDeadError
 
 router = APIRouter()
 STATIC_FILES = {"index.html": "text/html", "app.js": "text/javascript", "style.css": "text/css"}

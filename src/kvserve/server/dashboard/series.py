@@ -97,11 +97,9 @@ class Series:
         return {f.name: [point[f.name] for point in points] for f in fields(SeriesPoint)}
 
     def _read(self, stats: Mapping[str, float | int], now: float) -> _Counters:
-        registry = self._metrics.registry
-        value = lambda name: registry.get_sample_value(name) or 0.0
         return _Counters(
             time=now, queries=float(stats["prefix_cache_queries"]), hits=float(stats["prefix_cache_hits"]),
-            evictions=float(stats["evictions"]), output_tokens=value("kvserve_generation_tokens_total"),
+            evictions=float(stats["evictions"]), output_tokens=float(self._metrics.totals.generation_tokens),
             ttft_buckets=self._ttft_buckets(),
         )
 
