@@ -14,6 +14,7 @@ from kvserve.config import (
     EngineConfig,
 )
 from kvserve.engine.params import SamplingParams
+from kvserve.server.limits import add_server_flags, limits_from_args
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -80,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-keys", default=None, help="TOML/JSON file: API key -> tenant (enables auth)")
     serve.add_argument("--max-queue", type=int, default=256, help="waiting requests beyond this get 429")
+    add_server_flags(serve)
     add_engine_flags(serve)
     return parser
 
@@ -128,7 +130,9 @@ def run_chat(args: argparse.Namespace) -> int:
 def run_serve(args: argparse.Namespace) -> int:
     from kvserve.server.app import run_server
 
-    run_server(engine_config_from_args(args), args.host, args.port, args.api_keys, args.max_queue)
+    config = engine_config_from_args(args)
+    limits = limits_from_args(args, config.max_num_seqs)
+    run_server(config, args.host, args.port, args.api_keys, args.max_queue, limits=limits)
     return 0
 
 

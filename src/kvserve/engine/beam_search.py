@@ -22,7 +22,14 @@ import torch
 from kvserve.engine.beam_scoring import BeamScorer, Candidate, num_candidates, top_candidates
 from kvserve.engine.fork import enqueue_fork, fork_request
 from kvserve.engine.parallel import group_output
-from kvserve.engine.params import SamplingParams
+from kvserve.engine.params import (
+    MAX_LENGTH_PENALTY,
+    MAX_NUM_SAMPLES,
+    MAX_TOKENS_LIMIT,
+    SamplingParams,
+    check_float,
+    check_int,
+)
 from kvserve.engine.request import CompletionOutput, Request, RequestOutput
 from kvserve.engine.scheduler import Scheduler
 from kvserve.model.tokenizer import Tokenizer
@@ -48,10 +55,9 @@ class BeamSearchParams:
 
     def validate(self) -> None:
         """Raise ValueError naming the first invalid field."""
-        if not isinstance(self.beam_width, int) or self.beam_width < 1:
-            raise ValueError(f"beam_width must be an integer >= 1, got {self.beam_width!r}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        check_int("beam_width", self.beam_width, 1, MAX_NUM_SAMPLES)
+        check_int("max_tokens", self.max_tokens, 1, MAX_TOKENS_LIMIT)
+        check_float("length_penalty", self.length_penalty, -MAX_LENGTH_PENALTY, MAX_LENGTH_PENALTY)
         if self.early_stopping not in (True, False, "never"):
             raise ValueError(f"early_stopping must be True, False or 'never', got {self.early_stopping!r}")
         returned = self.num_return_sequences

@@ -10,6 +10,7 @@ import sys
 
 from kvserve.cli import add_engine_flags, engine_config_from_args
 from kvserve.server.app import DEFAULT_MAX_QUEUE, GRACEFUL_SHUTDOWN_S, run_server
+from kvserve.server.limits import add_server_flags, limits_from_args
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="waiting requests beyond this get 429")
     parser.add_argument("--shutdown-timeout", type=float, default=GRACEFUL_SHUTDOWN_S,
                         help="seconds in-flight requests may run after SIGTERM before they are aborted")
+    add_server_flags(parser)
     add_engine_flags(parser)
     return parser
 
@@ -29,7 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         config = engine_config_from_args(args)
-        run_server(config, args.host, args.port, args.api_keys, args.max_queue, args.shutdown_timeout)
+        limits = limits_from_args(args, config.max_num_seqs)
+        run_server(config, args.host, args.port, args.api_keys, args.max_queue, args.shutdown_timeout, limits)
     except ValueError as err:
         print(f"kvserve: error: {err}", file=sys.stderr)
         return 2
