@@ -7,6 +7,8 @@ of a short streaming chat request, then runs for --duration seconds:
 - aborters: non-streaming requests cancelled client-side after 0.1-2 s;
 - bad clients: malformed bodies (extreme numbers, wrong types, huge prompts) -- each must be a 4xx;
 - one adversarial client: n=16, best_of=16, max_tokens=700, temperature 1, ignore_eos, in a loop.
+A control phase first (--control seconds) runs the well-behaved clients alone, so their TTFT under
+the same load without the others is known (on a small CPU most of the gap to solo is plain load).
 A monitor thread polls /health every second. At the end every client is cancelled (in-flight
 requests hang up). Afterwards the server must drain: the report gives engine
 deaths (health not 200), 5xx answers, leaked blocks after drain, the server's RSS at start and end,
@@ -162,15 +164,15 @@ def monitor(url: str, stop: threading.Event, tally: Tally, started: float) -> No
             stop.wait(1.0)
 
 
-async def soak(url: str, model: str, duration: float) -> Tally:
-    """Run every client for `duration` seconds, then cancel them (in-flight requests hang up)."""
+async def soak(url: str, model: str, duration: float, roles: dict[str, int]) -> Tally:
+    """Run the clients of `roles` for `duration` seconds, then cancel them (in-flight requests hang up)."""
     tally = Tally()
     started = time.monotonic()
     stop = threading.Event()
     watcher = threading.Thread(target=monitor, args=(url, stop, tally, started))
     watcher.start()
-    roles = [role for role, count in ROLES.items() for _ in range(count)]
-    tasks = [asyncio.create_task(client_loop(role, seed, url, model, tally)) for seed, role in enumerate(roles)]
+    clients = [role for role, count in roles.items() for _ in range(count)]
+    tasks = [asyncio.create_task(client_loop(role, seed, url, model, tally)) for seed, role in enumerate(clients)]
     try:
         await asyncio.sleep(duration)
     finally:
@@ -196,15 +198,23 @@ def rss_mib(pid: int) -> float:
     return float("nan")
 
 
-def report(tally: Tally, solo: float, counts: dict, rss: tuple[float, float], args, alive: bool) -> tuple[str, bool]:
-    p50 = statistics.median(tally.ttfts) if tally.ttfts else float("nan")
-    p99 = percentile(tally.ttfts, 0.99) if tally.ttfts else float("nan")
+def ttft_summary(tally: Tally) -> tuple[float, float]:
+    if not tally.ttfts:
+        return float("nan"), float("nan")
+    return statistics.median(tally.ttfts), percentile(tally.ttfts, 0.99)
+
+
+def report(
+    tally: Tally, control: Tally, solo: float, counts: dict, rss: tuple[float, float], args, alive: bool
+) -> tuple[str, bool]:
+    p50, p99 = ttft_summary(tally)
+    control_p50, control_p99 = ttft_summary(control)
     leaked = counts["used"]
     ok = alive and tally.health_failures == 0 and tally.server_errors == 0 and leaked == 0
     rows = [
         ["duration (s)", args.duration],
         ["clients", ", ".join(f"{n} {role}" for role, n in ROLES.items())],
-        ["requests by role", ", ".join(f"{role} {n}" for role, n in sorted(tally.completed.items()))],
+        ["requests answered by role", ", ".join(f"{role} {tally.completed.get(role, 0)}" for role in ROLES)],
         ["answers by status", ", ".join(f"{code or 'cancelled'}: {n}" for code, n in sorted(tally.status.items()))],
         ["engine deaths (health checks not 200)", tally.health_failures],
         ["slowest /health (s)", tally.health_max_s],
@@ -213,6 +223,8 @@ def report(tally: Tally, solo: float, counts: dict, rss: tuple[float, float], ar
         ["leaked blocks after drain (used)", f"{leaked:.0f} of {counts['total']:.0f}"],
         ["server RSS start → end (MiB)", f"{rss[0]:.0f} → {rss[1]:.0f}"],
         ["short request TTFT solo (s)", solo],
+        [f"control: {ROLES['well_behaved']} well-behaved clients alone, {args.control:.0f} s: requests, "
+         "TTFT p50 / p99 (s)", f"{len(control.ttfts)}, {control_p50:.2f} / {control_p99:.2f}"],
         ["short request TTFT under soak p50 / p99 (s)", f"{p50:.2f} / {p99:.2f}"],
         ["p99 / solo", p99 / solo],
         ["verdict", "PASS (alive, no 5xx, no leaked blocks)" if ok else "FAIL"],
@@ -224,6 +236,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--duration", type=float, default=600.0, help="seconds of load")
+    parser.add_argument("--control", type=float, default=60.0,
+                        help="seconds of well-behaved clients alone first (their TTFT without the others)")
     parser.add_argument("--kv-cache-memory", default="256MiB", help="small on purpose: the adversary fills it")
     parser.add_argument("--no-write", action="store_true", help="print only; leave results/ untouched")
     args = parser.parse_args()
@@ -233,15 +247,18 @@ def main() -> int:
     try:
         model = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]["id"]
         solo = asyncio.run(solo_ttft(server.url, model))
-        print(f"solo TTFT {solo:.3f}s; soaking for {args.duration:.0f}s", flush=True)
+        print(f"solo TTFT {solo:.3f}s; control for {args.control:.0f}s", flush=True)
+        control = asyncio.run(soak(server.url, model, args.control, {"well_behaved": ROLES["well_behaved"]}))
+        block_counts(server.url, timeout=120)
+        print(f"soaking for {args.duration:.0f}s", flush=True)
         rss_start = rss_mib(server.process.pid)
-        tally = asyncio.run(soak(server.url, model, args.duration))
+        tally = asyncio.run(soak(server.url, model, args.duration, ROLES))
         counts = block_counts(server.url, timeout=120)
         rss_end = rss_mib(server.process.pid)
         alive = server.process.poll() is None and httpx.get(f"{server.url}/health", timeout=10).status_code == 200
     finally:
         exit_code = server.terminate()
-    table, ok = report(tally, solo, counts, (rss_start, rss_end), args, alive)
+    table, ok = report(tally, control, solo, counts, (rss_start, rss_end), args, alive)
     notes = (f"Model `{model}`, KV pool {args.kv_cache_memory}, loopback only. Well-behaved requests: streaming "
              f"chat, max_tokens 4, temperature 0; TTFT is client-side (request sent → first content event). "
              f"Server exit status after SIGTERM: {exit_code}.")
