@@ -65,9 +65,16 @@ def check_chat_size(messages: Sequence[ChatMessage], info: EngineInfo) -> None:
     _check_bytes(size, info, "messages")
 
 
-def check_completion_size(prompt: Any, info: EngineInfo) -> None:
-    """400 before tokenizing when a text prompt's bytes (or a token-id prompt's length) cannot fit."""
-    prompts = [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else prompt
+def _prompt_list(prompt: Any) -> list:
+    """A completion's `prompt` as a list of prompts (a text, or a list of token ids, is one prompt)."""
+    return [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else prompt
+
+
+def check_completion_size(body: CompletionRequest, info: EngineInfo) -> None:
+    """400 before tokenizing when there are too many prompts × choices, or when a text prompt's bytes
+    (or a token-id prompt's length) cannot fit the context."""
+    prompts = _prompt_list(body.prompt)
+    check_choice_count(max(1, len(prompts)), body)
     limit = prompt_token_limit(info)
     for one in prompts:
         if isinstance(one, str):

@@ -57,11 +57,10 @@ async def completions(request: Request, caller: Caller) -> Response:
     state = server_state(request)
     body = await parse_body(request, CompletionRequest)
     _check_request(state, body)
-    inputs.check_completion_size(body.prompt, state.engine.info)
+    inputs.check_completion_size(body, state.engine.info)
     prompts = await state.off_loop(
         inputs.completion_prompt_ids, state.engine.tokenizer, body.prompt, state.engine.info.vocab_size
     )
-    inputs.check_choice_count(len(prompts), body)
     prompt_lens = [len(p) for p in prompts]
     max_tokens = inputs.resolve_max_tokens(
         body.max_tokens, prompt_lens, state.engine.info, inputs.DEFAULT_COMPLETION_MAX_TOKENS, "prompt"
