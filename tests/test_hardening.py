@@ -174,6 +174,17 @@ def test_disconnect_mid_body_logs_one_line(guarded):
     assert "Traceback" not in new
 
 
+def test_hanging_up_mid_stream_logs_one_line_and_frees_blocks(guarded):
+    before = guarded.log_tail(10**7)
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=30) as client, client.stream("POST", f"{guarded.url}/v1/completions", json=body) as r:
+        next(r.iter_lines())
+    wait_until_drained(guarded.url)
+    new = guarded.log_tail(10**7)[len(before):]
+    assert new.count("stream closed before the end; 1 engine request(s) aborted") == 1, new
+    assert "Traceback" not in new
+
+
 def test_slow_headers_and_slow_bodies_are_cut_off(guarded):
     slow = [socket.create_connection((guarded.host, guarded.port)) for _ in range(5)]
     for sock in slow:

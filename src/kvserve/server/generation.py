@@ -29,7 +29,7 @@ from kvserve.server.protocol import Usage
 from kvserve.server.responses import ResponseContext, choices_of, usage_of
 from kvserve.server.state import ServerState
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("uvicorn.error")  # alongside uvicorn's own lines
 SSE_DONE = "data: [DONE]\n\n"
 
 
@@ -89,8 +89,10 @@ async def collect(group: RequestGroup, request: Request, metrics: ServerMetrics)
     finally:
         watcher.cancel()
         collector.cancel()  # no-op when done
-        metrics.observe_aborted(group.abort())
+        num_aborted = group.abort()
+        metrics.observe_aborted(num_aborted)
     if collector not in done:
+        logger.info("client disconnected before its response; %d engine request(s) aborted", num_aborted)
         raise ClientDisconnected
     try:
         return collector.result()
@@ -146,7 +148,10 @@ async def sse_stream(
         yield f"data: {json.dumps(engine_unavailable(err).body())}\n\n"
         yield SSE_DONE
     finally:
-        metrics.observe_aborted(group.abort())
+        num_aborted = group.abort()
+        if num_aborted:  # the client hung up (or the server is stopping): one line, no traceback
+            logger.info("%s: stream closed before the end; %d engine request(s) aborted", ctx.id, num_aborted)
+        metrics.observe_aborted(num_aborted)
 
 
 def _event(chunk: BaseModel) -> str:
