@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kvserve.server.launcher import ServerProcess
@@ -81,8 +81,12 @@ def fuzz_server(chat_model_dir) -> Iterator[ServerProcess]:  # noqa: F811
         assert counts["used"] == 0, counts
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 @given(request=bodies(), hang_up=st.booleans())
+@example(request=("/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 4, "use_beam_search": True,
+                                      "n": 2, "length_penalty": 1100}), hang_up=False)  # the killer
+@example(request=("/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 4, "use_beam_search": True,
+                                      "n": 2, "length_penalty": -2000}), hang_up=False)
 def test_no_body_is_a_5xx_or_kills_the_engine(fuzz_server, request, hang_up):
     path, body = request
     raw = json.dumps(body, allow_nan=True)  # NaN / Infinity literals on purpose
