@@ -28,8 +28,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kvserve.serving.async_engine import AsyncEngine  # noqa: E402
-
 from common import markdown_table, write_result  # noqa: E402
 from kvserve.config import EngineConfig  # noqa: E402
 from kvserve.engine.block_manager import BlockManager  # noqa: E402
@@ -45,6 +43,7 @@ from kvserve.server.dashboard.live import LiveHub  # noqa: E402
 from kvserve.server.dashboard.series import Series  # noqa: E402
 from kvserve.server.dashboard.snapshot import Renderer, SnapshotLimits, capture  # noqa: E402
 from kvserve.server.metrics import ServerMetrics  # noqa: E402
+from kvserve.serving.async_engine import AsyncEngine  # noqa: E402
 
 BS = 16
 

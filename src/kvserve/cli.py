@@ -59,6 +59,7 @@ def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
 
 def add_server_flags(parser: argparse.ArgumentParser) -> None:
     """`kvserve serve` flags beyond the engine's, named as vLLM's where vLLM has them."""
+    from kvserve.server.limits import add_limit_flags
     from kvserve.server.options import DEFAULT_MAX_QUEUE, GRACEFUL_SHUTDOWN_S, LOG_LEVELS, STATS_LOG_INTERVAL_S
 
     parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
@@ -86,6 +87,7 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dashboard", action=argparse.BooleanOptionalAction, default=None,
                        help="serve /dashboard (None: on with --api-keys or a loopback --host)")
     group.add_argument("--version", action="version", version=_version_text())
+    add_limit_flags(parser)
 
 
 def _version_text() -> str:
@@ -195,7 +197,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     config = engine_config_from_args(args)
     run_server(config, args.host, args.port, args.api_keys, args.max_queue, args.shutdown_timeout,
-               options=server_options_from_args(args))
+               options=server_options_from_args(args), limits=limits_from_args(args, config.max_num_seqs))
     return 0
 
 
@@ -207,6 +209,12 @@ def take_positional_model(args: argparse.Namespace, argv: Sequence[str]) -> None
     if explicit and args.model != args.model_tag:
         raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
     args.model = args.model_tag
+
+
+def limits_from_args(args: argparse.Namespace, max_num_seqs: int):  # -> ServerLimits
+    from kvserve.server.limits import limits_from_args as build
+
+    return build(args, max_num_seqs)
 
 
 def server_options_from_args(args: argparse.Namespace):  # -> ServerOptions (imported lazily: no FastAPI here)
