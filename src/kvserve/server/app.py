@@ -38,9 +38,7 @@ __all__ = ["DEFAULT_MAX_QUEUE", "GRACEFUL_SHUTDOWN_S", "build_app", "run_server"
 
 def build_app(
     async_engine: AsyncEngine, served_model_name: str, api_keys: ApiKeys | None, max_queue: int,
-    options: ServerOptions | None = None,
-    dashboard: bool = False,
-    limits: ServerLimits | None = None,
+    options: ServerOptions | None = None, limits: ServerLimits | None = None, dashboard: bool = False,
 ) -> FastAPI:
     """An app serving `async_engine`; its lifespan starts the engine thread and shuts it down.
 

@@ -44,14 +44,13 @@ class ServerState:
     max_queue: int
     metrics: ServerMetrics
     token_texts: TokenTexts
+    limits: ServerLimits
+    workers: ThreadPoolExecutor  # bounded: CPU-heavy input work, off the event loop
     served_model_names: tuple[str, ...] = ()  # every name requests may use; model_name is the first
 
     @property
     def model_names(self) -> tuple[str, ...]:
         return self.served_model_names or (self.model_name,)
-
-    limits: ServerLimits
-    workers: ThreadPoolExecutor  # bounded: CPU-heavy input work, off the event loop
 
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """Run `fn(*args)` on the worker pool and await it (exceptions propagate)."""
