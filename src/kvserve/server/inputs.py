@@ -47,10 +47,7 @@ def chat_prompt_ids(tokenizer: Any, messages: Sequence[ChatMessage]) -> list[int
 
 
 def _encode(tokenizer: Any, text: str) -> list[int]:
-    backend = getattr(tokenizer, "backend", None)
-    if hasattr(backend, "encode_batch"):  # releases the GIL (`encode` holds it throughout)
-        return backend.encode_batch([text], add_special_tokens=False)[0].ids
-    return tokenizer.encode(text)
+    return tokenizer.encode(text)  # releases the GIL while it works (see Tokenizer.encode)
 
 
 def prompt_token_limit(info: EngineInfo) -> int:
