@@ -61,6 +61,7 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     """`kvserve serve` flags beyond the engine's, named as vLLM's where vLLM has them."""
     from kvserve.server.limits import add_limit_flags
     from kvserve.server.options import DEFAULT_MAX_QUEUE, GRACEFUL_SHUTDOWN_S, LOG_LEVELS, STATS_LOG_INTERVAL_S
+    from kvserve.server.roles import add_role_flags
 
     parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                         help="the model to serve, as `vllm serve MODEL` (same as --model)")
@@ -88,6 +89,7 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
                        help="serve /dashboard (None: on with --api-keys or a loopback --host)")
     group.add_argument("--version", action="version", version=_version_text())
     add_limit_flags(parser)
+    add_role_flags(parser)
 
 
 def _version_text() -> str:
@@ -240,7 +242,7 @@ def server_options_from_args(args: argparse.Namespace):  # -> ServerOptions (imp
         served_model_names=tuple(args.served_model_name or ()), api_keys=tuple(args.api_key),
         chat_template=template, log_level=args.log_level, allowed_origins=tuple(args.allowed_origins),
         stats_log_interval=0.0 if args.disable_log_stats else args.stats_log_interval,
-        dashboard=args.dashboard,
+        dashboard=args.dashboard, role=args.role, prefill_flush_timeout=args.prefill_flush_timeout,
     )
 
 

@@ -16,15 +16,17 @@ import contextlib
 import json
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from kvserve.router.handoff import FallbackLog, run_prefill
 from kvserve.router.keys import CHAT_PATH, COMPLETIONS_PATH, RequestKeyer, RouteKey
 from kvserve.router.metrics import RouterMetrics
 from kvserve.router.policies.base import Policy
+from kvserve.router.policies.pd import FALLBACK_REASONS, PdPolicy
 from kvserve.router.proxy import (
     CLIENT_CLOSED_REQUEST,
     ClientGone,
@@ -49,6 +51,10 @@ class Router:
     client: httpx.AsyncClient
     metrics: RouterMetrics
     max_attempts: int = 3
+    fallbacks: FallbackLog = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.fallbacks = FallbackLog(self.metrics)
 
     async def route(self, request: Request, path: str) -> Response:
         body = await _read_body(request)
@@ -58,13 +64,23 @@ class Router:
         parsed = _json_or_none(body)
         key = await asyncio.to_thread(self.keyer.key, path, parsed, request.headers.get("authorization"))
         streaming = isinstance(parsed, dict) and parsed.get("stream") is True
+        first: Worker | None = None
+        if isinstance(self.policy, PdPolicy):
+            planned = await self._prefill_first(request, path, parsed, key, started)
+            if isinstance(planned, Response):
+                return planned
+            first = planned
         tried: set[Worker] = set()
         errors: list[str] = []
         for attempt in range(self.max_attempts):
             candidates = [worker for worker in self.pool.healthy() if worker not in tried]
             if not candidates:
                 break
-            worker = self._decide(key, candidates, started if attempt == 0 else None)
+            if first is not None and first in candidates:
+                worker, first = first, None
+                self.policy.on_routed(key, worker)
+            else:
+                worker = self._decide(key, candidates, started if attempt == 0 else None)
             tried.add(worker)
             upstream = Upstream(self.client, worker, path, body, forward_headers(request), self.metrics)
             try:
@@ -83,6 +99,27 @@ class Router:
         self.metrics.failures.labels("no_worker").inc()
         detail = "; ".join(errors) if errors else "no worker is in the pool"
         return error_response(503, f"no worker could take the request: {detail}", "no_worker_available")
+
+    async def _prefill_first(
+        self, request: Request, path: str, parsed: object, key: RouteKey, started: float
+    ) -> Worker | Response | None:
+        """pd: plan the request; when the plan hands off, run the prefill on its prefill worker. Returns the
+        decode worker to try first, or the caller's answer (an error in the request, or 499)."""
+        assert isinstance(self.policy, PdPolicy)
+        healthy = self.pool.healthy()
+        if not healthy:
+            return None
+        plan = self.policy.plan(key, healthy)
+        self.metrics.decisions.labels(self.policy.name, plan.reason).inc()
+        self.metrics.routing.observe(time.perf_counter() - started)
+        if plan.reason in FALLBACK_REASONS:
+            self.fallbacks.record(plan.reason, f"decode worker {plan.decode.url} serves the request whole")
+        if plan.prefill is None or not isinstance(parsed, dict):
+            return plan.decode
+        self.policy.on_routed(key, plan.prefill)
+        outcome = await run_prefill(request, self.client, self.pool, self.fallbacks, plan.prefill, path, parsed,
+                                    forward_headers(request))
+        return outcome.answer if outcome.answer is not None else plan.decode
 
     def _decide(self, key: RouteKey, candidates: list[Worker], started: float | None) -> Worker:
         decision = self.policy.choose(key, candidates)

@@ -52,6 +52,8 @@ def _add_common_flags(parser: argparse.ArgumentParser, port: int) -> None:
     group.add_argument("--cache-threshold", type=float, default=defaults.CACHE_THRESHOLD)
     group.add_argument("--tree-budget", type=int, default=defaults.TREE_BUDGET, help="tokens per worker tree")
     group.add_argument("--load-weight", type=float, default=defaults.LOAD_WEIGHT, help="kv_events load weight")
+    group.add_argument("--pd-min-prompt", type=int, default=defaults.PD_MIN_PROMPT,
+                       help="pd: prompts shorter than this (tokens) skip the prefill workers")
 
 
 def router_config(args: argparse.Namespace, workers: list[str]) -> RouterConfig:
@@ -59,7 +61,7 @@ def router_config(args: argparse.Namespace, workers: list[str]) -> RouterConfig:
         workers=workers, policy=args.policy, host=args.host, port=args.port, model=args.model,
         api_keys=args.api_keys, poll_interval=args.poll_interval, max_attempts=args.max_attempts,
         balance_abs=args.balance_abs, balance_rel=args.balance_rel, cache_threshold=args.cache_threshold,
-        tree_budget=args.tree_budget, load_weight=args.load_weight,
+        tree_budget=args.tree_budget, load_weight=args.load_weight, pd_min_prompt=args.pd_min_prompt,
     )
 
 

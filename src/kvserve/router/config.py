@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-POLICY_NAMES = ("cache_aware", "kv_events", "least_load", "round_robin")
+POLICY_NAMES = ("cache_aware", "kv_events", "least_load", "pd", "round_robin")
 BALANCE_ABS = 8  # load difference (requests) beyond which cache affinity is ignored ...
 BALANCE_REL = 1.5  # ... if the busiest worker also has this many times the least busy one's load
 CACHE_THRESHOLD = 0.5  # cache_aware: follow the best match only if it covers more than this of the prompt
 TREE_BUDGET = 1_000_000  # tokens per worker tree
 LOAD_WEIGHT = 0.5  # kv_events: score = cached fraction − LOAD_WEIGHT × load / max load
+PD_MIN_PROMPT = 128  # pd: shorter prompts skip the prefill pool (a chat turn is cheaper to compute than to ship)
 
 
 @dataclass(slots=True)
@@ -27,11 +28,14 @@ class RouterConfig:
     cache_threshold: float = CACHE_THRESHOLD
     tree_budget: int = TREE_BUDGET
     load_weight: float = LOAD_WEIGHT
+    pd_min_prompt: int = PD_MIN_PROMPT
 
     def __post_init__(self) -> None:
         if self.policy not in POLICY_NAMES:
             raise ValueError(f"policy must be one of {POLICY_NAMES}, got {self.policy!r}")
         if self.poll_interval <= 0:
             raise ValueError(f"poll_interval must be > 0, got {self.poll_interval}")
+        if self.pd_min_prompt < 0:
+            raise ValueError(f"pd_min_prompt must be >= 0, got {self.pd_min_prompt}")
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")

@@ -69,5 +69,19 @@ class RouterMetrics:
         self.first_byte = Histogram("kvserve_router_upstream_first_byte_seconds", "From sending to a worker to "
                                     "its first response byte.", buckets=FIRST_BYTE_BUCKETS, registry=self.registry)
 
+        self.pd_handoffs = Counter("kvserve_router_pd_handoffs", "pd: requests prefilled on a prefill worker and "
+                                   "handed to a decode worker through the store.", registry=self.registry)
+        self.pd_fallbacks = Counter("kvserve_router_pd_fallbacks", "pd: requests served mixed (the decode worker "
+                                    "computed the prompt) because a hand-off was impossible or failed.", ["reason"],
+                                    registry=self.registry)
+        self.pd_prefill_seconds = Histogram("kvserve_router_pd_prefill_seconds", "pd: the prefill request of a "
+                                            "hand-off, sent to answered (flush included).",
+                                            buckets=FIRST_BYTE_BUCKETS, registry=self.registry)
+        self.pd_flush_seconds = Histogram("kvserve_router_pd_flush_seconds", "pd: the prefill worker's wait for its "
+                                          "blocks to reach the store.", buckets=FIRST_BYTE_BUCKETS,
+                                          registry=self.registry)
+        self.pd_handoff_bytes = Counter("kvserve_router_pd_handoff_bytes", "pd: KV bytes of the prompt blocks "
+                                        "handed off through the store.", registry=self.registry)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

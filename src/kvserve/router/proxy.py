@@ -26,13 +26,15 @@ from fastapi.responses import Response, StreamingResponse
 
 from kvserve.router.metrics import RouterMetrics
 from kvserve.router.workers import Worker
+from kvserve.server.roles import FLUSH_BYTES_HEADER, FLUSH_HEADER, FLUSH_MS_HEADER
 
 CLIENT_CLOSED_REQUEST = 499
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # Hop-by-hop and framing headers are the proxy's own business; everything else passes unchanged.
 _DROPPED_REQUEST_HEADERS = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "upgrade",
                             "te", "trailer", "proxy-authorization", "proxy-connection", "accept-encoding"}
-_PASSED_RESPONSE_HEADERS = ("content-type", "retry-after")
+# ... and a prefill worker's hand-off report (handoff.py).
+_PASSED_RESPONSE_HEADERS = ("content-type", "retry-after", FLUSH_HEADER, FLUSH_BYTES_HEADER, FLUSH_MS_HEADER)
 T = TypeVar("T")
 
 

@@ -17,6 +17,7 @@ from kvserve.router.policies import (
     CacheAwareSettings,
     KvEventsPolicy,
     LeastLoadPolicy,
+    PdPolicy,
     Policy,
     RoundRobinPolicy,
 )
@@ -47,8 +48,10 @@ def build_policy(config: RouterConfig) -> Policy:
         return LeastLoadPolicy()
     if config.policy == "kv_events":
         return KvEventsPolicy(config.load_weight, config.balance_abs, config.balance_rel)
-    return CacheAwarePolicy(CacheAwareSettings(config.balance_abs, config.balance_rel, config.cache_threshold,
-                                               config.tree_budget))
+    settings = CacheAwareSettings(config.balance_abs, config.balance_rel, config.cache_threshold, config.tree_budget)
+    if config.policy == "pd":
+        return PdPolicy(settings, config.pd_min_prompt)
+    return CacheAwarePolicy(settings)
 
 
 def _admin_headers(api_keys_path: str | None) -> dict[str, str]:

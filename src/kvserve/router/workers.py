@@ -37,6 +37,8 @@ class WorkerLoad:
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None
     instance: str | None = None  # changes when the worker process restarts
+    role: str = "mixed"  # `kvserve serve --role`: prefill | decode | mixed (the pd policy splits on it)
+    remote_tier: str | None = None  # "ok" | "open" (breaker open: the store is unreachable) | None (no store)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> WorkerLoad:
@@ -45,6 +47,7 @@ class WorkerLoad:
             kv_usage=float(data.get("kv_usage", 0.0)), block_size=data.get("block_size"),
             prefix_hash=data.get("prefix_hash"), kv_events_endpoint=data.get("kv_events_endpoint"),
             kv_events_replay_endpoint=data.get("kv_events_replay_endpoint"), instance=data.get("instance"),
+            role=str(data.get("role", "mixed")), remote_tier=data.get("remote_tier"),
         )
 
 

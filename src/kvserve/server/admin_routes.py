@@ -46,6 +46,7 @@ async def load(request: Request, _: Admin) -> JSONResponse:
         "kv_events_endpoint": publisher.endpoint if publisher else None,
         "kv_events_replay_endpoint": publisher.replay_endpoint if publisher else None,
         "instance": state.replica.instance,
+        "role": state.replica.role.role, "remote_tier": state.replica.role.remote_tier(),
     })
 
 

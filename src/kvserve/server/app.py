@@ -31,6 +31,7 @@ from kvserve.server.limits import ServerLimits
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.options import DEFAULT_MAX_QUEUE, GRACEFUL_SHUTDOWN_S, ServerOptions
 from kvserve.server.responses import TokenTexts
+from kvserve.server.roles import RoleInfo, remote_offload
 from kvserve.server.state import Caller, ReplicaInfo, ServerState
 from kvserve.server.stats_log import StatsLogger, periodic_stats
 from kvserve.serving.async_engine import AsyncEngine
@@ -135,7 +136,8 @@ def run_server(
         try:
             _override_chat_template(engine, options.chat_template)
             show = dashboard_enabled(options.dashboard, host, api_keys is not None)
-            replica = ReplicaInfo(prefix_hash=config.prefix_hash, kv_events=publisher)
+            role = RoleInfo(options.role, options.prefill_flush_timeout, remote_offload(llm_engine))
+            replica = ReplicaInfo(prefix_hash=config.prefix_hash, kv_events=publisher, role=role)
             app = build_app(engine, engine.info.model_name, api_keys, max_queue, options, limits, dashboard=show,
                             replica=replica)
             mode = f"{len(api_keys)} API keys" if api_keys else "single tenant, no auth"

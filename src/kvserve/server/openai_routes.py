@@ -11,7 +11,7 @@ from pydantic import BaseModel
 
 from kvserve.engine.request import RequestOutput
 from kvserve.prefix.namespace import Namespace
-from kvserve.server import inputs, responses
+from kvserve.server import inputs, responses, roles
 from kvserve.server.auth import Principal, cache_namespace
 from kvserve.server.errors import ApiError, bad_request
 from kvserve.server.generation import ClientDisconnected, StreamFormat, collect, sse_stream, submit
@@ -44,14 +44,15 @@ async def chat_completions(request: Request, caller: Caller) -> Response:
     ctx = responses.ResponseContext.new(
         "chatcmpl", body.model, body.n, [len(prompt_ids)], state.token_texts
     )
-    group = await submit(state, ctx, [prompt_ids], params, _namespace(caller, body.cache_salt), "messages")
+    namespace = _namespace(caller, body.cache_salt)
+    group = await submit(state, ctx, [prompt_ids], params, namespace, "messages")
     fmt = StreamFormat(
         first_chunks=responses.chat_role_chunks,
         chunk=partial(responses.chat_chunk, logprobs=body.logprobs),
         usage_chunk=responses.chat_usage_chunk if body.include_usage else None,
     )
     final = partial(responses.chat_completion, ctx, logprobs=body.logprobs)
-    return await _respond(request, state, group, ctx, fmt if body.stream else None, final)
+    return await _respond(request, state, group, ctx, fmt if body.stream else None, final, ([prompt_ids], namespace))
 
 
 @router.post("/v1/completions")
@@ -69,7 +70,8 @@ async def completions(request: Request, caller: Caller) -> Response:
     )
     params = inputs.engine_params(body, max_tokens, body.logprobs)
     ctx = responses.ResponseContext.new("cmpl", body.model, body.n, prompt_lens, state.token_texts)
-    group = await submit(state, ctx, prompts, params, _namespace(caller, body.cache_salt), "prompt")
+    namespace = _namespace(caller, body.cache_salt)
+    group = await submit(state, ctx, prompts, params, namespace, "prompt")
     want_logprobs = body.logprobs is not None
     fmt = StreamFormat(
         first_chunks=lambda _: [],
@@ -77,7 +79,7 @@ async def completions(request: Request, caller: Caller) -> Response:
         usage_chunk=responses.completion_usage_chunk if body.include_usage else None,
     )
     final = partial(responses.text_completion, ctx, logprobs=want_logprobs)
-    return await _respond(request, state, group, ctx, fmt if body.stream else None, final)
+    return await _respond(request, state, group, ctx, fmt if body.stream else None, final, (prompts, namespace))
 
 
 def _check_request(state: ServerState, body: ChatCompletionRequest | CompletionRequest) -> None:
@@ -98,8 +100,10 @@ def _namespace(caller: Principal, cache_salt: str | None) -> Namespace:
 async def _respond(
     request: Request, state: ServerState, group: RequestGroup, ctx: responses.ResponseContext,
     stream_format: StreamFormat | None, final: Callable[[dict[int, RequestOutput]], BaseModel],
+    handoff: tuple[list[list[int]], Namespace],
 ) -> Response:
-    """SSE when `stream_format` is given; otherwise wait for every choice and answer `final(outputs)`."""
+    """SSE when `stream_format` is given; otherwise wait for every choice and answer `final(outputs)`.
+    A prefill worker (`--role prefill`) first waits for `handoff`'s prompt blocks to reach the store."""
     if stream_format is not None:
         events = sse_stream(group, ctx, stream_format, state.metrics)
         return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
@@ -110,4 +114,5 @@ async def _respond(
     # pydantic's JSON writes non-finite floats as null; json.dumps would emit invalid "-Infinity".
     # Off the loop: n choices with logprobs can be megabytes of JSON.
     body = await state.off_loop(lambda: final(finals).model_dump_json())
-    return Response(body, media_type="application/json")
+    headers = await roles.handoff_headers(state.replica, state.engine.info.block_size, *handoff)
+    return Response(body, media_type="application/json", headers=headers)

@@ -29,6 +29,8 @@ class ServerOptions:
     allowed_origins: tuple[str, ...] = ()
     stats_log_interval: float = STATS_LOG_INTERVAL_S
     dashboard: bool | None = None  # None: on with API keys or on a loopback host
+    role: str = "mixed"  # --role (server/roles.py)
+    prefill_flush_timeout: float = 2.0
 
     def __post_init__(self) -> None:
         if self.log_level not in LOG_LEVELS:

@@ -26,6 +26,7 @@ from kvserve.server.errors import ApiError, from_validation_error
 from kvserve.server.limits import ServerLimits
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.responses import TokenTexts
+from kvserve.server.roles import RoleInfo
 from kvserve.serving.async_engine import AsyncEngine
 
 logger = logging.getLogger("uvicorn.error")
@@ -44,6 +45,7 @@ class ReplicaInfo:
     prefix_hash: str = "sha256"
     kv_events: KVEventPublisher | None = None
     instance: str = field(default_factory=lambda: uuid.uuid4().hex)
+    role: RoleInfo = field(default_factory=RoleInfo)  # --role: prefill | decode | mixed (server/roles.py)
 
 
 @dataclass(slots=True)
