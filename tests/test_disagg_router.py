@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 import uvicorn
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvserve.router.app import Router, build_router_app
 from kvserve.router.handoff import prefill_body
@@ -72,6 +74,7 @@ def test_short_prompts_store_down_and_no_prefill_worker_serve_mixed():
 def test_with_no_decode_worker_any_worker_serves_and_mixed_workers_decode():
     p1, p2 = worker("http://p1", "prefill"), worker("http://p2", "prefill")
     assert PdPolicy.decode_pool([p1, p2]) == [p1, p2]
+    assert PdPolicy(min_prompt_tokens=64).plan(key(LONG), [p1, p2]).reason == "no_decode_worker"
     m = worker("http://m", "mixed")
     assert PdPolicy.decode_pool([p1, m]) == [m]
     assert PdPolicy().choose(key(LONG), [p1, m]).worker is m
@@ -242,3 +245,33 @@ def test_a_client_leaving_during_the_prefill_cancels_it_and_never_decodes(fakes)
         time.sleep(0.2)
         assert fakes["http://decode"].received == []
         assert all(w.in_flight == 0 for w in cluster.router.pool.workers)
+
+
+# --- the plan, by property -------------------------------------------------------------------------
+
+
+@given(
+    roles=st.lists(st.tuples(st.sampled_from(["prefill", "decode", "mixed"]), st.sampled_from(["ok", "open", None]),
+                             st.integers(0, 20)), min_size=1, max_size=6),
+    history=st.lists(st.tuples(st.integers(0, 5), st.integers(0, 3)), max_size=8),
+    length=st.integers(0, 300), namespace=st.sampled_from([NS, ("bob", "")]),
+)
+@settings(max_examples=150, deadline=None)
+def test_every_plan_respects_the_roles(roles, history, length, namespace):
+    pool = [worker(f"http://w{i}", role, remote, running) for i, (role, remote, running) in enumerate(roles)]
+    policy = PdPolicy(min_prompt_tokens=64)
+    for index, prefix in history:  # earlier requests: prompts sharing 0-3 quarters of LONG
+        policy.on_routed(key(LONG[: 75 * prefix + 10]), pool[index % len(pool)])
+    plan = policy.plan(key(LONG[:length], namespace), pool)
+    decoders = [w for w in pool if w.load.role != "prefill"] or pool
+    assert plan.decode in decoders
+    if plan.prefill is not None:
+        assert plan.reason == "handoff" and plan.prefill.load.role == "prefill"
+        assert plan.decode.load.remote_tier == "ok" and plan.decode.load.role != "prefill"
+        assert length >= 64 or not key(LONG[:length]).usable
+    if plan.reason != "warm":  # decode workers are chosen by load unless the prompt is warm there
+        assert plan.decode.load_score == min(w.load_score for w in decoders)
+    if not any(w.load.role == "prefill" for w in pool):
+        assert plan.reason == "no_prefill_worker"
+    if all(w.load.role == "prefill" for w in pool):
+        assert plan.reason == "no_decode_worker"

@@ -4,8 +4,8 @@ Workers say their role in `/load` (`kvserve serve --role prefill|decode|mixed`).
 policy makes a `PdPlan`: which decode worker streams the answer, and whether a prefill worker first
 computes the prompt's KV (a hand-off) or the decode worker computes it itself (mixed serving):
 
-1. no prefill worker in the pool, or the request cannot be keyed → no hand-off (`no_prefill_worker`,
-   `unkeyed` counts as a hand-off: the prompt is unknown but may well be long);
+1. no prefill worker in the pool (`no_prefill_worker`) or no decode worker (`no_decode_worker`) → no
+   hand-off; a request that cannot be keyed skips the next two steps (its prompt may well be long);
 2. the prompt is already warm on a decode worker (its tree covers more than `cache_threshold` of it)
    → that worker, no hand-off (`warm`): fetching what it holds from the store would only cost time;
 3. the prompt is shorter than `min_prompt_tokens` → the least loaded decode worker (`short`): a chat
@@ -16,7 +16,7 @@ computes the prompt's KV (a hand-off) or the decode worker computes it itself (m
    then the least loaded decode worker (`handoff`).
 
 Decode workers are chosen by load, except on a warm hit. `mixed` workers count as decode workers; when
-no decode worker is in the pool, every healthy worker is one (the request is served mixed).
+no decode worker is in the pool, a prefill worker serves the request whole (`no_decode_worker`).
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ from kvserve.router.workers import Worker
 PREFILL, DECODE, MIXED = "prefill", "decode", "mixed"
 ROLES = (PREFILL, DECODE, MIXED)
 MIN_PROMPT_TOKENS = 128
-FALLBACK_REASONS = ("no_prefill_worker", "store_down")  # plans that count as a fallback to mixed serving
+# Plans that count as a fallback to mixed serving (kvserve_router_pd_fallbacks_total).
+FALLBACK_REASONS = ("no_prefill_worker", "no_decode_worker", "store_down")
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +69,8 @@ class PdPolicy(Policy):
         decoders, prefillers = self.decode_pool(workers), self.prefill_pool(workers)
         if not prefillers:
             return PdPlan(self._ties.least_loaded(decoders), None, "no_prefill_worker")
+        if decoders == prefillers:  # only prefill workers are left: one of them serves the request whole
+            return PdPlan(self._ties.least_loaded(decoders), None, "no_decode_worker")
         if key.usable:
             assert key.tokens is not None
             warm = self._warm(key, decoders)
