@@ -48,9 +48,13 @@ class FakeOffload:
     fingerprint: FakeFingerprint = field(default_factory=FakeFingerprint)
     codec: FakeCodec = field(default_factory=FakeCodec)
     up: bool = True
+    in_flight: int = 1  # blocks queued for the store and not yet written
 
     def remote_available(self) -> bool:
         return self.up
+
+    def stats(self) -> dict:
+        return {"remote": {"writer": {"queued": 10 + self.in_flight, "written": 8, "failed": 2}}}
 
     def keys_of(self, prompt):
         return self.fingerprint.keys(block_hashes(prompt, 4, NS, "sha256"))
@@ -102,7 +106,10 @@ def test_flush_fails_when_a_block_never_arrives_or_the_store_is_down():
     prompt = list(range(1, 13))
     offload.remote.held.update(offload.keys_of(prompt)[:2])  # the third block was dropped
     report = role.flush([prompt], 4, NS, "sha256")
-    assert report.status == "failed" and "not in the store" in report.detail
+    assert report.status == "failed" and "not in the store" in report.detail and report.seconds >= 0.09
+    offload.in_flight = 0  # the writer is idle: the missing block was dropped, no need to wait it out
+    report = role.flush([prompt], 4, NS, "sha256")
+    assert report.status == "failed" and "dropped" in report.detail and report.seconds < 0.05
     offload.remote.held.update(offload.keys_of(prompt))
     assert role.flush([prompt], 4, ("bob", ""), "sha256").status == "failed"  # another namespace: other keys
     assert role.flush([prompt], 4, NS, "sha256").status == "ok"

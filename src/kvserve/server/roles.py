@@ -6,8 +6,9 @@
   answer leaves, the worker waits until the store holds all of that request's full blocks — it asks
   the store itself (`longest_prefix` of the request's block keys, one pipelined EXISTS per poll), so the
   answer is exact whatever else the write-through queue carried, dropped or failed — bounded by
-  `--prefill-flush-timeout`. The answer says how that went in `x-kvserve-kv-flush` (`ok` / `failed` /
-  `off`), with the blocks' bytes and the wait; the router hands off only on `ok`.
+  `--prefill-flush-timeout`, and cut short once no write is in flight (a dropped block never comes).
+  The answer says how that went in `x-kvserve-kv-flush` (`ok` / `failed` / `off`), with the blocks'
+  bytes and the wait; the router hands off only on `ok`.
 - `decode`: an ordinary worker whose admission finds the prompt in the store (`cached_tokens` by
   source: remote) and computes only the rest. The role is a label for the router: any worker serves
   any request, which is what makes every fallback to mixed serving safe.
@@ -101,13 +102,27 @@ class RoleInfo:
         while True:
             if not self.offload.remote_available():
                 return FlushReport("failed", num_blocks, nbytes, time.perf_counter() - start, "store unreachable")
+            idle = _writes_idle(self.offload)  # read before asking: a write that lands after is still seen
             if all(self.offload.remote.longest_prefix(chain) == len(chain) for chain in chains if chain):
                 return FlushReport("ok", num_blocks, nbytes, time.perf_counter() - start)
+            if idle:
+                return FlushReport("failed", num_blocks, nbytes, time.perf_counter() - start,
+                                   "blocks missing with no write in flight (dropped: queue full or store error)")
             if time.perf_counter() + pause > deadline:
                 return FlushReport("failed", num_blocks, nbytes, time.perf_counter() - start,
                                    f"not in the store after {self.flush_timeout_s} s")
             time.sleep(pause)
             pause = min(pause * 2, _POLL_MAX_S)
+
+
+def _writes_idle(offload: Any) -> bool:
+    """Nothing queued for the store is still on its way: every block offered so far was written, failed
+    or dropped. A request's blocks are offered before its answer exists, so once this holds, blocks
+    still missing will not come (no need to wait out the timeout)."""
+    writer = offload.stats().get("remote", {}).get("writer")
+    if writer is None:
+        return False
+    return writer["queued"] <= writer["written"] + writer["failed"]
 
 
 def remote_offload(llm_engine: object) -> Any:
