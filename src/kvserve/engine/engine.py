@@ -28,8 +28,9 @@ from kvserve.engine.params import BeamSearchParams, SamplingParams
 from kvserve.engine.request import FinishReason, Request, RequestOutput
 from kvserve.engine.sampler import add_cumulative_logprobs, sample
 from kvserve.engine.scheduler import Scheduler, SchedulerOutput
+from kvserve.engine.structured import GrammarCompiler
 from kvserve.engine.tokens import append_sampled_token
-from kvserve.engine.validation import validate_prompt_ids
+from kvserve.engine.validation import validate_prompt_ids, validate_token_params
 from kvserve.kv.block_allocator import BlockAllocator
 from kvserve.kv.pool import KVPool, KVPoolShape, num_blocks_for_memory
 from kvserve.model.llama import LlamaModel
@@ -69,6 +70,7 @@ class LLMEngine:
         self._seed_rng = random.Random(config.seed)
         self._request_counter = itertools.count()
         self.eos_token_ids = self._eos_token_ids()
+        self._grammars: GrammarCompiler | None = None  # built on the first structured-output request
 
     # --- set-up --------------------------------------------------------------------------------------
 
@@ -112,15 +114,26 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         beam_params = params if isinstance(params, BeamSearchParams) else None
         sampling = beam_params.sampling_params() if beam_params is not None else params
+        validate_token_params(sampling, self.model_config.vocab_size)
         request = Request(
             request_id, prompt_ids, sampling, namespace=namespace,
             prompt=prompt if isinstance(prompt, str) else None, eos_token_ids=self.eos_token_ids,
             beam_params=beam_params,
         )
+        if sampling.structured_outputs is not None:  # sampling hook: the grammar masks every row
+            request.grammar = self._grammar_compiler().matcher(sampling.structured_outputs)
         if not sampling.is_greedy:
             request.seed = sampling.seed if sampling.seed is not None else self._seed_rng.getrandbits(63)
             request.generator = torch.Generator(device="cpu").manual_seed(request.seed)
         return request
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        if self.tokenizer is None:
+            raise ValueError("structured_outputs needs a tokenizer; this model has none")
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
+                                             sorted(self.eos_token_ids))
+        return self._grammars
 
     def _encode(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):

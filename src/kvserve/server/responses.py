@@ -111,9 +111,9 @@ def usage_of(ctx: ResponseContext, latest: dict[int, RequestOutput]) -> Usage:
 
 def delta_logprobs(completion: CompletionOutput) -> list[TokenLogprob]:
     """Logprobs of the tokens this output added (`delta_token_ids`)."""
-    if not completion.logprobs or not completion.delta_token_ids:
+    if not completion.token_logprobs or not completion.delta_token_ids:
         return []
-    return completion.logprobs[len(completion.token_ids) - len(completion.delta_token_ids):]
+    return completion.token_logprobs[len(completion.token_ids) - len(completion.delta_token_ids):]
 
 
 def _beam_info(completion: CompletionOutput) -> BeamInfo | None:
@@ -142,7 +142,7 @@ def chat_completion(ctx: ResponseContext, finals: dict[int, RequestOutput], logp
     choices = [
         ChatChoice(
             index=index, message=AssistantMessage(content=c.text), finish_reason=c.finish_reason,
-            logprobs=chat_logprobs(c.logprobs or [], ctx.token_texts) if logprobs else None,
+            logprobs=chat_logprobs(c.token_logprobs or [], ctx.token_texts) if logprobs else None,
         )
         for index, c in final_choices(ctx, finals)
     ]
@@ -198,7 +198,7 @@ def text_completion(ctx: ResponseContext, finals: dict[int, RequestOutput], logp
     choices = [
         CompletionChoice(
             index=index, text=c.text, finish_reason=c.finish_reason,
-            logprobs=completion_logprobs(c.logprobs or [], ctx.token_texts) if logprobs else None,
+            logprobs=completion_logprobs(c.token_logprobs or [], ctx.token_texts) if logprobs else None,
             kvserve=_beam_info(c),
         )
         for index, c in final_choices(ctx, finals)
