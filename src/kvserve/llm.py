@@ -78,7 +78,8 @@ class LLM:
             if (params is None) == (beam_width is None):
                 raise TypeError("beam_search needs BeamSearchParams (or beam_width, kvserve's older form)")
             params = BeamSearchParams(
-                beam_width=params if beam_width is None else beam_width, max_tokens=max_tokens, length_penalty=length_penalty,
+                beam_width=params if beam_width is None else beam_width, max_tokens=max_tokens,
+                length_penalty=length_penalty,
                 early_stopping=early_stopping, num_return_sequences=num_return_sequences,
             )
         requests = [self._make_request(p, params, cache_salt) for p in _as_list(prompts)]
