@@ -186,3 +186,50 @@ def _openai_call(call: dict[str, Any]) -> dict[str, Any]:
 def template_supports_tools(chat_template: str | None) -> bool:
     """Whether a chat template renders a `tools` variable (vLLM's test is the same: it names it)."""
     return bool(chat_template) and "tools" in chat_template
+
+
+def structured_of(body: Any, template: str | None) -> StructuredOutputsParams | None:
+    """The one constraint of a request (a chat or completion body; `template`: its chat template).
+
+    Raises ConstraintError naming the field when two are given or one cannot be honoured."""
+    guided = {n: getattr(body, n) for n in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")}
+    guided_name = next((name for name, value in guided.items() if value is not None), "guided_json")
+    sources = [
+        ("response_format", from_response_format(body.response_format)),
+        ("structured_outputs", from_structured_field(body.structured_outputs)),
+        (guided_name, from_guided(guided)),
+        ("tool_choice", _from_tools(body, template)),
+    ]
+    given = [(name, params) for name, params in sources if params is not None]
+    if len(given) > 1:
+        raise ConstraintError(f"{given[1][0]} cannot be combined with {given[0][0]}: one output constraint "
+                              "per request", given[1][0])
+    return given[0][1] if given else None
+
+
+def effective_tool_choice(body: Any) -> ToolChoice | None:
+    """OpenAI's default: "auto" when tools are given, else "none"; None for a text completion."""
+    tools = getattr(body, "tools", None)
+    choice = getattr(body, "tool_choice", None)
+    if choice is None:
+        return "auto" if tools else None
+    return choice
+
+
+def _from_tools(body: Any, template: str | None) -> StructuredOutputsParams | None:
+    tools = getattr(body, "tools", None) or []
+    choice = effective_tool_choice(body)
+    if choice in (None, "none"):
+        return None
+    if not tools:
+        raise ConstraintError("tool_choice needs tools", "tool_choice")
+    if body.stream:
+        raise ConstraintError("streaming tool calls is not supported: send stream=false", "stream")
+    if choice == "auto":
+        if not template_supports_tools(template):
+            raise ConstraintError("tools with tool_choice 'auto' need a chat template that renders tools, "
+                                  "and this model's does not; use tool_choice 'required' or a named function",
+                                  "tools")
+        return None
+    schema = tool_call_schema(tools, choice, body.parallel_tool_calls)
+    return StructuredOutputsParams(json=schema)
