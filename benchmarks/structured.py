@@ -19,7 +19,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import markdown_table, write_result  # noqa: E402
-
 from kvserve import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
 
 SCHEMA = {

@@ -83,7 +83,8 @@ SAMPLES = {
                                                                                   "early_stopping": True},
 }
 CHAT_SAMPLES = {**SAMPLES, "logprobs": {"logprobs": True}, "top_logprobs": {"logprobs": True, "top_logprobs": 2}}
-COMPLETION_SAMPLES = {**SAMPLES, "logprobs": {"logprobs": 2}}
+COMPLETION_SAMPLES = {**SAMPLES, "logprobs": {"logprobs": 2},
+                      "length_penalty": {"use_beam_search": True, "length_penalty": 0.5}}
 CHAT_BASE = {"model": "tiny-chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 COMPLETION_BASE = {"model": "tiny-chat", "prompt": "hi", "max_tokens": 2}
 CASES = (
@@ -100,7 +101,8 @@ def server(chat_model_dir):  # noqa: F811
         yield process
 
 
-@pytest.mark.parametrize("path, name, model, refused", CASES, ids=[f"{c[0].split('/')[-1]}:{c[1]}" for c in CASES])
+@pytest.mark.parametrize("path, name, model, refused", CASES,
+                         ids=[f"{c[0].removeprefix('/v1/')}:{c[1]}" for c in CASES])
 def test_each_field_is_implemented_or_refused(server, path, name, model, refused):
     implemented = name in model.model_fields or any(f.alias == name for f in model.model_fields.values())
     assert implemented != (name in refused), f"{name}: implemented={implemented}, refused={name in refused}"

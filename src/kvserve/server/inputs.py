@@ -102,9 +102,7 @@ def beam_width_of(body: CompletionRequest) -> int:
 
 def check_group_options(body: SamplingFields) -> None:
     """n / best_of / beam-search combinations the engine cannot run; a 400 naming the field."""
-    if body.use_beam_search:
-        if not isinstance(body, CompletionRequest):
-            raise bad_request("use_beam_search is only supported on /v1/completions", "use_beam_search")
+    if isinstance(body, CompletionRequest) and body.use_beam_search:
         _check_beam_search(body)
         return
     if isinstance(body, CompletionRequest):
@@ -159,14 +157,6 @@ def resolve_max_tokens(
         raise ApiError(400, f"prompt ({longest} tokens) + max_tokens ({max_tokens}) exceeds max_model_len "
                        f"({info.max_model_len})", "max_tokens", "context_length_exceeded")
     return max_tokens
-
-
-def reject_unsupported(body: SamplingFields) -> None:
-    """Options we do not implement are refused rather than silently ignored."""
-    if isinstance(body, CompletionRequest) and body.echo:
-        raise bad_request("echo is not supported", "echo")
-    if isinstance(body, CompletionRequest) and body.suffix:
-        raise bad_request("suffix is not supported", "suffix")
 
 
 def engine_params(

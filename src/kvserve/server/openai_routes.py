@@ -120,7 +120,6 @@ def _check_request(state: ServerState, body: ChatCompletionRequest | CompletionR
     if body.model not in state.model_names:
         raise ApiError(404, f"model {body.model!r} does not exist; this server serves {list(state.model_names)}",
                        "model", "model_not_found")
-    inputs.reject_unsupported(body)
     inputs.check_group_options(body)
 
 

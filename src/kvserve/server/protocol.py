@@ -96,7 +96,6 @@ class SamplingFields(StrictModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     user: str | None = None  # accepted: identifies the end user to OpenAI; kvserve keeps no record
-    use_beam_search: bool = False  # kvserve extension; only /v1/completions runs it (chat: 400)
 
     refused: ClassVar[dict[str, request_fields.Refused]] = request_fields.COMMON
 
@@ -136,8 +135,7 @@ class ChatCompletionRequest(SamplingFields):
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False
-    suffix: str | None = None
+    use_beam_search: bool = False
     # Beam search (with use_beam_search): the n best of `beam_width` beams come back, best first.
     beam_width: int | None = Field(None, ge=1, le=MAX_N)  # default: n
     length_penalty: float = Field(1.0, allow_inf_nan=False)

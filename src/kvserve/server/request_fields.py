@@ -70,6 +70,8 @@ CHAT: dict[str, Refused] = {
 COMPLETION: dict[str, Refused] = {
     **COMMON,
     "add_special_tokens": Refused("prompts are tokenized without added special tokens", (None, False)),
+    "echo": Refused("the prompt is not repeated in the completion", (None, False)),
+    "suffix": Refused("kvserve has no fill-in-the-middle completion"),
 }
 
 
