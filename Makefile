@@ -11,6 +11,8 @@ $(BIN)/python:
 	$(BIN)/python -m pip install -q --upgrade pip
 
 $(STAMP): $(BIN)/python pyproject.toml
+	# Debian's chromium: the dashboard's browser test drives it with Playwright (which cannot fetch its own).
+	command -v chromium >/dev/null || (apt-get update && apt-get install -y chromium)
 	# torch pinned: the CPU wheel of 2.13.0; a looser spec would pull a multi-GB CUDA build.
 	$(BIN)/pip install -q "torch==2.13.0"
 	$(BIN)/pip install -q -e ".[test]"

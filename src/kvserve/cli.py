@@ -59,6 +59,7 @@ def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
 
 def add_server_flags(parser: argparse.ArgumentParser) -> None:
     """`kvserve serve` flags beyond the engine's, named as vLLM's where vLLM has them."""
+    from kvserve.server.limits import add_limit_flags
     from kvserve.server.options import DEFAULT_MAX_QUEUE, GRACEFUL_SHUTDOWN_S, LOG_LEVELS, STATS_LOG_INTERVAL_S
 
     parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
@@ -83,7 +84,10 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE, help="waiting requests beyond this get 429")
     group.add_argument("--shutdown-timeout", type=float, default=GRACEFUL_SHUTDOWN_S,
                        help="seconds in-flight requests may run after SIGTERM before they are aborted")
+    group.add_argument("--dashboard", action=argparse.BooleanOptionalAction, default=None,
+                       help="serve /dashboard (None: on with --api-keys or a loopback --host)")
     group.add_argument("--version", action="version", version=_version_text())
+    add_limit_flags(parser)
 
 
 def _version_text() -> str:
@@ -193,7 +197,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     config = engine_config_from_args(args)
     run_server(config, args.host, args.port, args.api_keys, args.max_queue, args.shutdown_timeout,
-               options=server_options_from_args(args))
+               options=server_options_from_args(args), limits=limits_from_args(args, config.max_num_seqs))
     return 0
 
 
@@ -207,6 +211,12 @@ def take_positional_model(args: argparse.Namespace, argv: Sequence[str]) -> None
     args.model = args.model_tag
 
 
+def limits_from_args(args: argparse.Namespace, max_num_seqs: int):  # -> ServerLimits
+    from kvserve.server.limits import limits_from_args as build
+
+    return build(args, max_num_seqs)
+
+
 def server_options_from_args(args: argparse.Namespace):  # -> ServerOptions (imported lazily: no FastAPI here)
     from kvserve.server.options import ServerOptions, resolve_chat_template
 
@@ -215,6 +225,7 @@ def server_options_from_args(args: argparse.Namespace):  # -> ServerOptions (imp
         served_model_names=tuple(args.served_model_name or ()), api_keys=tuple(args.api_key),
         chat_template=template, log_level=args.log_level, allowed_origins=tuple(args.allowed_origins),
         stats_log_interval=0.0 if args.disable_log_stats else args.stats_log_interval,
+        dashboard=args.dashboard,
     )
 
 

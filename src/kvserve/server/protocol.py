@@ -16,13 +16,22 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from kvserve.engine.params import (
+    MAX_LENGTH_PENALTY,
+    MAX_LOGPROBS,
+    MAX_REPETITION_PENALTY,
+    MAX_TEMPERATURE,
+    MAX_TOKENS_LIMIT,
+    MAX_TOP_K,
+    SEED_RANGE,
+)
 from kvserve.server import request_fields
 from kvserve.server.constraints import ResponseFormat, StructuredOutputsField, Tool, ToolChoice
 
 # n, best_of and beam_width: each sample / beam is a sequence holding KV blocks, so this bounds one
 # caller's share (the prompt itself is prefilled once and shared).
 MAX_N = 16
-MAX_LOGPROBS = 20
+MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty| (OpenAI's range)
 
 # --- requests ----------------------------------------------------------------------------------------
 
@@ -68,12 +77,12 @@ class SamplingFields(StrictModel):
     """Fields shared by chat and text completions."""
 
     model: str
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)
-    min_p: float | None = Field(None, ge=0, le=1)
-    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
+    temperature: float | None = Field(None, ge=0, le=MAX_TEMPERATURE, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
+    top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K)
+    min_p: float | None = Field(None, ge=0, le=1, allow_inf_nan=False)
+    seed: int | None = Field(None, ge=SEED_RANGE[0], lt=SEED_RANGE[1])
     n: int = Field(1, ge=1, le=MAX_N)
     best_of: int | None = Field(None, ge=1, le=MAX_N)  # samples drawn; the n most likely are returned
     stop: str | list[str] | None = None
@@ -81,9 +90,9 @@ class SamplingFields(StrictModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     cache_salt: str | None = None
-    presence_penalty: float = Field(0.0, ge=-2, le=2)
-    frequency_penalty: float = Field(0.0, ge=-2, le=2)
-    repetition_penalty: float | None = Field(None, gt=0, le=10)
+    presence_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)
+    frequency_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)
+    repetition_penalty: float | None = Field(None, gt=0, le=MAX_REPETITION_PENALTY, allow_inf_nan=False)
     min_tokens: int = Field(0, ge=0)
     logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI) -> bias in [-100, 100]
     stop_token_ids: list[int] | None = None
@@ -115,7 +124,7 @@ class SamplingFields(StrictModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[Tool] | None = None
@@ -138,7 +147,7 @@ class CompletionRequest(SamplingFields):
     use_beam_search: bool = False
     # Beam search (with use_beam_search): the n best of `beam_width` beams come back, best first.
     beam_width: int | None = Field(None, ge=1, le=MAX_N)  # default: n
-    length_penalty: float = Field(1.0, allow_inf_nan=False)
+    length_penalty: float = Field(1.0, ge=-MAX_LENGTH_PENALTY, le=MAX_LENGTH_PENALTY, allow_inf_nan=False)
     early_stopping: bool | Literal["never"] = False
 
     refused: ClassVar[dict[str, request_fields.Refused]] = request_fields.COMPLETION
