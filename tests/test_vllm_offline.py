@@ -156,7 +156,9 @@ def test_unknown_engine_argument_is_refused(chat_model_dir):  # noqa: F811
 
 @pytest.mark.model
 def test_prefix_caching_real_model():
-    prefix = "You are an expert school principal. Draft questions for a Head Teacher interview. "
+    prefix = ("You are an expert school principal, skilled in effectively managing faculty and staff. "
+              "Draft 10-15 questions for a potential first grade Head Teacher for my K-12, all-girls', "
+              "independent school that emphasizes community, joy in learning, and diversity. ")
     prompts = [prefix + "Hello, my name is", prefix + "The capital of France is"]
     sampling_params = SamplingParams(temperature=0.0, max_tokens=12)
     regular_llm = LLM(model="smollm2-135m", enable_prefix_caching=False, kv_cache_memory_bytes=64 << 20)
