@@ -72,3 +72,14 @@ def assert_pool_drained(engine) -> None:
     assert stats["used_blocks"] == 0, stats
     assert stats["free_blocks"] + stats["cached_blocks"] == stats["num_blocks"], stats
     assert not engine.has_unfinished_requests()
+
+
+@pytest.fixture(scope="session")
+def vllm_chat_server(tmp_path_factory: pytest.TempPathFactory):
+    """(server, model_dir): one server over a tiny chat model shared by the vLLM-compatibility tests
+    (structured output, the request-field walk), so the suite starts it once."""
+    from test_server_support import make_chat_model_dir, start_server
+
+    model_dir = make_chat_model_dir(tmp_path_factory.mktemp("vllm-chat") / "tiny-chat")
+    with start_server(model_dir, num_blocks=256) as process:
+        yield process, model_dir

@@ -23,7 +23,7 @@ from tokenizers import Tokenizer
 
 from kvserve import LLM, SamplingParams
 from kvserve.server.launcher import launch_server
-from test_server_support import chat_model_dir, start_server, wait_until_drained  # noqa: F401
+from test_server_support import wait_until_drained
 
 MODEL = "tiny-chat"
 USER = [{"role": "user", "content": "Hello, how are you today?"}]
@@ -52,9 +52,13 @@ TOOLS_TEMPLATE = (
 
 
 @pytest.fixture(scope="module")
-def server(chat_model_dir):  # noqa: F811
-    with start_server(chat_model_dir, num_blocks=256) as process:
-        yield process
+def server(vllm_chat_server):
+    return vllm_chat_server[0]
+
+
+@pytest.fixture(scope="module")
+def chat_model_dir(vllm_chat_server):
+    return vllm_chat_server[1]
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +67,7 @@ def client(server) -> openai.OpenAI:
 
 
 @pytest.fixture(scope="module")
-def tokenizer(chat_model_dir) -> Tokenizer:  # noqa: F811
+def tokenizer(chat_model_dir) -> Tokenizer:
     return Tokenizer.from_file(str(Path(chat_model_dir) / "tokenizer.json"))
 
 
@@ -146,7 +150,7 @@ def test_logit_bias_forces_and_bans(client, tokenizer):
         assert re.fullmatch(f"({texts})+", out.choices[0].text)
 
 
-def test_sampling_fields_equal_the_engine(client, chat_model_dir):  # noqa: F811
+def test_sampling_fields_equal_the_engine(client, chat_model_dir):
     fields = dict(repetition_penalty=1.5, presence_penalty=0.8, frequency_penalty=0.4, min_tokens=3,
                   stop_token_ids=[5], include_stop_str_in_output=True, skip_special_tokens=False)
     prompt = [10, 20, 30, 40, 50, 60]

@@ -10,7 +10,6 @@ import pytest
 
 from kvserve.server import request_fields
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
-from test_server_support import chat_model_dir, start_server  # noqa: F401
 
 OPENAI_CHAT = [
     "messages", "model", "audio", "frequency_penalty", "function_call", "functions", "logit_bias", "logprobs",
@@ -96,9 +95,8 @@ CASES = (
 
 
 @pytest.fixture(scope="module")
-def server(chat_model_dir):  # noqa: F811
-    with start_server(chat_model_dir, num_blocks=128) as process:
-        yield process
+def server(vllm_chat_server):
+    return vllm_chat_server[0]
 
 
 @pytest.mark.parametrize("path, name, model, refused", CASES,
