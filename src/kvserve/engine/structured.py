@@ -86,6 +86,7 @@ class GrammarState:
 
     compiled: Any
     matcher: Any
+    bitmask: torch.Tensor | None = None  # allocated on first use, refilled every step
 
     def fork(self, output_token_ids: list[int]) -> GrammarState:
         """A matcher at the same position, for a forked sequence (replays its output tokens)."""
@@ -97,9 +98,10 @@ class GrammarState:
     def mask(self, logits_row: torch.Tensor) -> None:
         """Set the logits of every token the grammar forbids now to -inf (in place)."""
         xgr = _xgrammar()
-        bitmask = xgr.allocate_token_bitmask(1, logits_row.shape[-1])
-        self.matcher.fill_next_token_bitmask(bitmask)
-        xgr.apply_token_bitmask_inplace(logits_row.unsqueeze(0), bitmask)
+        if self.bitmask is None:
+            self.bitmask = xgr.allocate_token_bitmask(1, logits_row.shape[-1])
+        self.matcher.fill_next_token_bitmask(self.bitmask)
+        xgr.apply_token_bitmask_inplace(logits_row.unsqueeze(0), self.bitmask)
 
     def accept(self, token_id: int) -> None:
         """Advance by the sampled token (the mask allowed it, so this cannot fail)."""
