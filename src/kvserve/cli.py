@@ -14,6 +14,8 @@ from kvserve.config import (
     EngineConfig,
 )
 from kvserve.engine.params import SamplingParams
+from kvserve.prefix.eviction import ONLINE_POLICIES
+from kvserve.replay.cli import add_replay_parser, run_replay
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -33,6 +35,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--schedule-policy", default=defaults.schedule_policy, choices=SCHEDULE_POLICIES)
     group.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
     group.add_argument("--seed", type=int, default=defaults.seed)
+    group.add_argument("--eviction", default=defaults.eviction, choices=ONLINE_POLICIES, help="prefix-cache eviction")
 
 
 def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
@@ -81,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-keys", default=None, help="TOML/JSON file: API key -> tenant (enables auth)")
     serve.add_argument("--max-queue", type=int, default=256, help="waiting requests beyond this get 429")
     add_engine_flags(serve)
+    add_replay_parser(commands)
     return parser
 
 
@@ -138,7 +142,7 @@ def _config_kwargs(config: EngineConfig) -> dict:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    runners = {"generate": run_generate, "chat": run_chat, "serve": run_serve}
+    runners = {"generate": run_generate, "chat": run_chat, "serve": run_serve, "replay": run_replay}
     try:
         return runners[args.command](args)
     except ValueError as error:

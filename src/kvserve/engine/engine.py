@@ -54,7 +54,7 @@ class LLMEngine:
         self.kv_pool = KVPool(self._pool_shape(), self.model.dtype, self.model.device)
         allocator = BlockAllocator(self.kv_pool.num_blocks)
         prefix_cache = make_prefix_cache(
-            config.prefix_cache, allocator, config.block_size, config.prefix_hash
+            config.prefix_cache, allocator, config.block_size, config.prefix_hash, config.eviction
         )
         self.block_manager = BlockManager(
             allocator, prefix_cache, config.block_size, config.prefix_cache != "off", config.prefix_hash
