@@ -99,6 +99,10 @@ def main() -> None:
             if name != "mooncake":
                 write_workload(name, path)
             panels[name] = replay_workload(path, policies, args.limit, bar)
+            report(panels, policies, start)  # after each workload, so a long run leaves what it finished
+
+
+def report(panels: dict[str, tuple[int, list[ReplayResult]]], policies: list[str], start: float) -> None:
     sections = []
     for name, (distinct, results) in panels.items():
         count = results[0].requests
@@ -108,7 +112,7 @@ def main() -> None:
     notes = (
         f"Default policy: `{DEFAULT_EVICTION}`. Whole run: {time.perf_counter() - start:.0f} s. "
         "`replay s` is one whole-trace replay's wall time (trace expansion included).\n\n"
-        "![hit ratio against cache size](../../docs/eviction.png)"
+        "![hit ratio against cache size](docs/eviction.png)"
     )
     path = write_result("eviction", "Eviction: every policy against leaf-first Belady (replay, no model)",
                         "\n\n".join(sections), notes)

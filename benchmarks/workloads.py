@@ -64,7 +64,7 @@ def chat(rng: random.Random, num_conversations: int = 600, rate: float = 0.5) ->
             when += answer * 0.03 + rng.expovariate(1 / 30)
 
 
-def rag(rng: random.Random, num_requests: int = 4000, rate: float = 2.0) -> Iterator[tuple[float, list[int], int]]:
+def rag(rng: random.Random, num_requests: int = 2500, rate: float = 2.0) -> Iterator[tuple[float, list[int], int]]:
     system = fresh(rng, 512)
     docs = [fresh(rng, rng.randint(800, 3000)) for _ in range(400)]
     weights = [1 / (rank + 1) ** 1.1 for rank in range(len(docs))]

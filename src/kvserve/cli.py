@@ -83,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-keys", default=None, help="TOML/JSON file: API key -> tenant (enables auth)")
     serve.add_argument("--max-queue", type=int, default=256, help="waiting requests beyond this get 429")
+    serve.add_argument("--request-log", default=None, help="append each finished request (hashes only) to FILE")
     add_engine_flags(serve)
     add_replay_parser(commands)
     return parser
@@ -132,7 +133,8 @@ def run_chat(args: argparse.Namespace) -> int:
 def run_serve(args: argparse.Namespace) -> int:
     from kvserve.server.app import run_server
 
-    run_server(engine_config_from_args(args), args.host, args.port, args.api_keys, args.max_queue)
+    run_server(engine_config_from_args(args), args.host, args.port, args.api_keys, args.max_queue,
+               request_log=args.request_log)
     return 0
 
 

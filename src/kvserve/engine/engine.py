@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -69,6 +69,7 @@ class LLMEngine:
         self._seed_rng = random.Random(config.seed)
         self._request_counter = itertools.count()
         self.eos_token_ids = self._eos_token_ids()
+        self.finish_listeners: list[Callable[[Request], None]] = []  # e.g. the request log
 
     # --- set-up --------------------------------------------------------------------------------------
 
@@ -249,6 +250,8 @@ class LLMEngine:
         self._detokenizers.pop(request.request_id, None)
         if request.group is None:  # a group's entry goes when the whole group does (_close_group)
             del self.requests[request.request_id]
+        for listener in self.finish_listeners:
+            listener(request)
 
     def _output(self, request: Request) -> RequestOutput:
         finished = request.is_finished

@@ -15,6 +15,7 @@ from fastapi import FastAPI
 from kvserve.config import EngineConfig
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.engine import LLMEngine
+from kvserve.replay.request_log import RequestLog
 from kvserve.server import admin_routes, openai_routes
 from kvserve.server.auth import ApiKeys, load_api_keys
 from kvserve.server.errors import install_error_handlers
@@ -60,13 +61,16 @@ def build_app(
 
 def run_server(
     config: EngineConfig, host: str, port: int, api_keys_path: str | None, max_queue: int,
-    shutdown_timeout: float = GRACEFUL_SHUTDOWN_S,
+    shutdown_timeout: float = GRACEFUL_SHUTDOWN_S, request_log: str | None = None,
 ) -> None:
     """Load the model and serve until SIGTERM/SIGINT; then stop accepting, let in-flight requests
     finish for up to `shutdown_timeout` seconds, abort the rest, and return (exit status 0)."""
     api_keys = load_api_keys(api_keys_path) if api_keys_path else None  # fail before the slow model load
     with _graceful_signals() as signals:
-        engine = AsyncEngine(LLMEngine(config))
+        core = LLMEngine(config)
+        if request_log:  # `--request-log`: one Mooncake-format line per finished request
+            core.finish_listeners.append(RequestLog(request_log, config.block_size, config.prefix_hash))
+        engine = AsyncEngine(core)
         try:
             app = build_app(engine, engine.info.model_name, api_keys, max_queue)
             mode = f"{len(api_keys)} API keys" if api_keys else "single tenant, no auth"
