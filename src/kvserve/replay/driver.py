@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import itertools
 import math
 import time
 from collections import deque
@@ -37,6 +38,7 @@ class ReplayConfig:
     prefix_cache: str = "radix"  # radix | hash
     prefill_tokens_per_s: float = 10_000.0
     decode_ms_per_token: float = 30.0
+    protect_waiting: int = 4  # waiting requests behind the head whose prefixes are refreshed first
 
 
 @dataclass(slots=True)
@@ -158,6 +160,7 @@ class Replay:
             return False
         cache.acquire(matched)
         if need > alloc.num_free:
+            self._protect_waiting()
             cache.evict(need - alloc.num_free)
         blocks = matched + alloc.allocate(need)
         self._insert(prompt, blocks, len(matched))
@@ -166,6 +169,18 @@ class Replay:
         duration = uncached / config.prefill_tokens_per_s + request.output_length * config.decode_ms_per_token / 1e3
         heapq.heappush(self._running, (self.now + duration, index, blocks))
         return True
+
+    def _protect_waiting(self) -> None:
+        """The queue is known future: touch the cached prefixes of the next waiting requests (as the
+        engine's scheduler does each step) so this eviction takes other blocks first."""
+        bs = self.config.block_size
+        for index in itertools.islice(self._waiting, 1, 1 + self.config.protect_waiting):
+            request = self.requests[index]
+            if request.input_length // bs == 0:
+                continue
+            prompt = expand(request, bs)
+            usable = (request.input_length - 1) // bs
+            self.cache.match(prompt.tokens[: usable * bs], prompt.hashes[:usable], ())
 
     def _insert(self, prompt: ExpandedPrompt, blocks: list[int], num_matched: int) -> None:
         """Register the full prompt blocks; hold the cached copy of any block cached meanwhile."""
