@@ -194,15 +194,14 @@ class RadixCache:
         return present
 
     def _add_leaf(self, parent: RadixNode, key: tuple[int, ...], blocks: list[int], hashes: list[bytes]) -> None:
-        for block_id in blocks:
-            if block_id in self._node_of:
-                raise ValueError(f"block {block_id} is already registered")
+        node_of = self._node_of
+        if not node_of.keys().isdisjoint(blocks):
+            raise ValueError(f"block {next(b for b in blocks if b in node_of)} is already registered")
         leaf = RadixNode(key, blocks, hashes, parent, parent.depth + len(blocks))
         self.policy.inserted(leaf, self._clock())
         refs = self.allocator.ref_counts
-        leaf.num_referenced = sum(1 for b in blocks if refs[b] > 0)
-        for block_id in blocks:
-            self._node_of[block_id] = leaf
+        leaf.num_referenced = len(blocks) - [refs[b] for b in blocks].count(0)
+        node_of.update(dict.fromkeys(blocks, leaf))
         parent.children[key[: self.block_size]] = leaf
         self._num_evictable += len(blocks) - leaf.num_referenced
         if self._is_evictable_leaf(leaf):
@@ -226,17 +225,18 @@ class RadixCache:
     def release(self, blocks: Sequence[int]) -> None:
         """Drop one reference from each block; at 0 a registered block becomes evictable, an
         unregistered one goes back to the free list."""
+        decref, free, node_of, push = self.allocator.decref, self.allocator.free, self._node_of, self.policy.push
         for block_id in blocks:
-            if self.allocator.decref(block_id) != 0:
+            if decref(block_id) != 0:
                 continue
-            node = self._node_of.get(block_id)
+            node = node_of.get(block_id)
             if node is None:
-                self.allocator.free(block_id)
+                free(block_id)
                 continue
             node.num_referenced -= 1
             self._num_evictable += 1
             if node.num_referenced == 0 and not node.children:
-                self.policy.push(node)
+                push(node)
 
     # ---- eviction --------------------------------------------------------------------------------
 
