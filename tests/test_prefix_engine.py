@@ -6,7 +6,7 @@ import pytest
 
 from conftest import assert_pool_drained, hf_greedy, random_prompts
 from kvserve import LLM, SamplingParams
-from kvserve.prefix.eviction import ONLINE_POLICIES
+from kvserve.prefix.eviction import DEFAULT_EVICTION, ONLINE_POLICIES
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 BASE = list(range(100, 160))  # 60 distinct token ids
@@ -195,7 +195,7 @@ def test_outputs_unchanged_by_caching(tiny_model_dir, shared_reference, prefix_c
 
 
 @pytest.mark.parametrize("prefix_cache", ["radix", "hash"])
-@pytest.mark.parametrize("eviction", [p for p in ONLINE_POLICIES if p != "lru"])
+@pytest.mark.parametrize("eviction", [p for p in ONLINE_POLICIES if p != DEFAULT_EVICTION])  # default: above
 def test_outputs_unchanged_under_every_eviction_policy(tiny_model_dir, shared_reference, prefix_cache, eviction):
     """A pool of 14 blocks evicts constantly: whichever blocks a policy drops, outputs stay exact."""
     llm = LLM(str(tiny_model_dir), progress=False, num_blocks=14, prefix_cache=prefix_cache, eviction=eviction)
