@@ -132,7 +132,10 @@ def report(
         "Belady's edge on the Mooncake trace is knowing which blocks come back: most never do, and those that "
         "do come back minutes later, later than a small cache can hold everything. Recency, frequency with "
         "aging, depth-weighted cost and a probation segment cannot tell a returning conversation from a one-off "
-        "prompt when it is inserted, so none of them closes much of that gap.\n\n"
+        "prompt when it is inserted, so none of them closes much of that gap. "
+        "Leaf-first Belady is the reference the issue asks for, not a proven bound: a request pins all its "
+        "blocks for its whole service time, and then farthest-next-use is not always optimal (LRU can pass it "
+        "when the cache is large).\n\n"
         "![hit ratio against cache size](docs/eviction.png)"
     )
     path = write_result("eviction", "Eviction: every policy against leaf-first Belady (replay, no model)",
