@@ -1,4 +1,4 @@
-"""`kvserve generate | chat | serve`: the command line over the same engine flags everywhere."""
+"""`kvserve generate | chat | serve | router | cluster`: the command line over the same engine flags everywhere."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from kvserve.config import (
     EngineConfig,
 )
 from kvserve.engine.params import SamplingParams
+from kvserve.prefix.eviction import ONLINE_POLICIES
 from kvserve.settings import SettingsError, apply_sources
 
 
@@ -43,6 +44,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                        help="admission order: first come first served, or longest cached prefix first")
     group.add_argument("--num-threads", type=int, default=None, help="torch CPU threads; None: torch's default")
     group.add_argument("--seed", type=int, default=defaults.seed, help="seed of unseeded random requests")
+    group.add_argument("--eviction", default=defaults.eviction, choices=ONLINE_POLICIES,
+                       help="which unreferenced cached blocks the prefix cache drops first")
 
 
 def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
@@ -81,6 +84,8 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--stats-log-interval", type=float, default=STATS_LOG_INTERVAL_S,
                        help="seconds between the throughput / KV-usage log lines (0: never)")
     group.add_argument("--disable-log-stats", action="store_true", help="no periodic stats log line")
+    group.add_argument("--request-log", default=None,
+                       help="append each finished request (block hashes only, Mooncake format) to this file")
     group.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE, help="waiting requests beyond this get 429")
     group.add_argument("--shutdown-timeout", type=float, default=GRACEFUL_SHUTDOWN_S,
                        help="seconds in-flight requests may run after SIGTERM before they are aborted")
@@ -94,6 +99,14 @@ def _version_text() -> str:
     from kvserve import __version__
 
     return f"kvserve {__version__}"
+
+
+def add_kv_events_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("kv events")
+    group.add_argument("--kv-events-endpoint", default=None,
+                       help="publish KV events (vLLM format, ZMQ PUB) on this address, e.g. tcp://*:5557")
+    group.add_argument("--kv-events-replay-endpoint", default=None,
+                       help="serve replays of recent KV-event batches on this ZMQ ROUTER address")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -129,8 +142,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server", formatter_class=DefaultsHelpFormatter)
     add_server_flags(serve)
+    add_kv_events_flags(serve)
     add_engine_flags(serve)
-    for command in (parser, generate, chat, serve):
+
+    from kvserve.replay.cli import add_replay_parser
+    from kvserve.router.cli import add_cluster_parser, add_router_parser
+
+    router = add_router_parser(commands, DefaultsHelpFormatter)
+    cluster = add_cluster_parser(commands, add_engine_flags, DefaultsHelpFormatter)
+    replay = add_replay_parser(commands, DefaultsHelpFormatter)
+    for command in (parser, generate, chat, serve, router, cluster, replay):
         _name_every_flag(command)
     return parser
 
@@ -197,7 +218,9 @@ def run_serve(args: argparse.Namespace) -> int:
 
     config = engine_config_from_args(args)
     run_server(config, args.host, args.port, args.api_keys, args.max_queue, args.shutdown_timeout,
-               options=server_options_from_args(args), limits=limits_from_args(args, config.max_num_seqs))
+               options=server_options_from_args(args), limits=limits_from_args(args, config.max_num_seqs),
+               kv_events_endpoint=args.kv_events_endpoint, kv_events_replay_endpoint=args.kv_events_replay_endpoint,
+               request_log=args.request_log)
     return 0
 
 
@@ -244,7 +267,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kvserve: error: {error}", file=sys.stderr)
         return 2
     args = parser.parse_args(argv)
-    runners = {"generate": run_generate, "chat": run_chat, "serve": run_serve}
+    from kvserve.replay.cli import run_replay
+    from kvserve.router.cli import run_cluster, run_router
+
+    runners = {"generate": run_generate, "chat": run_chat, "serve": run_serve, "router": run_router,
+               "cluster": run_cluster, "replay": run_replay}
     try:
         take_positional_model(args, argv)
         return runners[args.command](args)

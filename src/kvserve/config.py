@@ -6,6 +6,7 @@ import os
 import re
 from dataclasses import dataclass, fields
 
+from kvserve.prefix.eviction import DEFAULT_EVICTION, ONLINE_POLICIES
 from kvserve.prefix.factory import PREFIX_CACHE_KINDS, PREFIX_HASH_KINDS
 
 __all__ = [
@@ -61,6 +62,7 @@ class EngineConfig:
     schedule_policy: str = "fcfs"
     num_threads: int | None = None
     seed: int = 0
+    eviction: str = DEFAULT_EVICTION  # prefix-cache eviction policy (prefix/eviction.py)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -99,6 +101,7 @@ class EngineConfig:
             self.max_num_batched_tokens >= 1,
             f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}",
         )
+        _require(self.eviction in ONLINE_POLICIES, f"eviction must be one of {ONLINE_POLICIES}, got {self.eviction!r}")
         if self.num_threads is not None:
             _require(self.num_threads >= 1, f"num_threads must be >= 1, got {self.num_threads}")
 

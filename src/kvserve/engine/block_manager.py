@@ -13,7 +13,7 @@ the pool before the forward), and the last holder writes in place.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from kvserve.engine.request import Request
 from kvserve.kv.block_allocator import BlockAllocator
@@ -31,6 +31,8 @@ class BlockManager:
         self.hash_algo = hash_algo
         self._peak_used_blocks = 0
         self._pending_copies: list[tuple[int, int]] = []  # copy-on-write (src, dst) for the next forward
+        # Called with (new block hashes, parent hash or None, their tokens) when blocks enter the cache.
+        self.on_stored: Callable[[list[bytes], bytes | None, list[int]], None] | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -136,6 +138,9 @@ class BlockManager:
         )
         if num_present > request.num_published_blocks:
             self._adopt_cached_duplicates(request, tokens, hashes, num_present)
+        if self.on_stored is not None and num_present < num_full_blocks:
+            parent = hashes[num_present - 1] if num_present else None
+            self.on_stored(hashes[num_present:], parent, tokens[num_present * self.block_size :])
         request.num_published_blocks = num_full_blocks
 
     def _adopt_cached_duplicates(

@@ -16,7 +16,7 @@ import itertools
 import os
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -58,7 +58,7 @@ class LLMEngine:
         self.kv_pool = KVPool(self._pool_shape(), self.model.dtype, self.model.device)
         allocator = BlockAllocator(self.kv_pool.num_blocks)
         prefix_cache = make_prefix_cache(
-            config.prefix_cache, allocator, config.block_size, config.prefix_hash
+            config.prefix_cache, allocator, config.block_size, config.prefix_hash, config.eviction
         )
         self.block_manager = BlockManager(allocator, prefix_cache, config.block_size, config.prefix_hash)
         self.scheduler = Scheduler(
@@ -71,6 +71,7 @@ class LLMEngine:
         self._request_counter = itertools.count()
         self.eos_token_ids = self._eos_token_ids()
         self._grammars: GrammarCompiler | None = None  # built on the first structured-output request
+        self.finish_listeners: list[Callable[[Request], None]] = []  # e.g. the request log
 
     # --- set-up --------------------------------------------------------------------------------------
 
@@ -271,6 +272,8 @@ class LLMEngine:
         request.finish_reason = reason
         request.metrics.finished_time = time.monotonic()
         self.scheduler.finish(request)
+        for listener in self.finish_listeners:
+            listener(request)
 
     def _close(self, group: SequenceGroup) -> None:
         group.root.metrics.finished_time = time.monotonic()

@@ -14,6 +14,7 @@ or `waiting`. `schedule()` ends by asserting what must hold after every step.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from kvserve.engine.block_manager import BlockManager
 from kvserve.engine.request import Request, RequestStatus
 
 LPM_MAX_WAITING = 128  # beyond this many waiting requests, lpm's per-step matching costs too much
+PROTECT_WAITING = 4  # head-of-queue requests whose cached prefixes are refreshed before running ones grow
 
 
 @dataclass(slots=True)
@@ -87,6 +89,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput()
+        self._protect_waiting()
         budget = self._schedule_running(output, self.max_num_batched_tokens)
         if not output.preempted:
             self._schedule_waiting(output, budget)
@@ -151,6 +154,14 @@ class Scheduler:
             self.running.append(request)
             output.scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
+
+    def _protect_waiting(self) -> None:
+        """The queue is known future: matching its next requests refreshes their cached prefixes (a
+        match counts as a use for the eviction policy), so the growth of running requests evicts other
+        blocks first."""
+        if self.block_manager.caching_enabled:
+            for request in itertools.islice(self.waiting, PROTECT_WAITING):
+                self.block_manager.match_prefix(request)
 
     def _adopt_cached_continuation(self, request: Request) -> None:
         adopted = self.block_manager.adopt_cached_continuation(request)

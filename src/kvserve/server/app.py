@@ -18,6 +18,10 @@ from starlette.middleware.cors import CORSMiddleware
 
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import LLMEngine
+from kvserve.events.engine_hook import attach_kv_events
+from kvserve.events.format import AllBlocksCleared
+from kvserve.events.publisher import KVEventPublisher
+from kvserve.replay.request_log import RequestLog
 from kvserve.server import admin_routes, extra_routes, openai_routes
 from kvserve.server.auth import ApiKeys, add_operator_keys, load_api_keys
 from kvserve.server.dashboard import dashboard_enabled
@@ -28,7 +32,7 @@ from kvserve.server.limits import ServerLimits
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.options import DEFAULT_MAX_QUEUE, GRACEFUL_SHUTDOWN_S, ServerOptions
 from kvserve.server.responses import TokenTexts
-from kvserve.server.state import Caller, ServerState
+from kvserve.server.state import Caller, ReplicaInfo, ServerState
 from kvserve.server.stats_log import StatsLogger, periodic_stats
 from kvserve.serving.async_engine import AsyncEngine
 
@@ -39,6 +43,7 @@ __all__ = ["DEFAULT_MAX_QUEUE", "GRACEFUL_SHUTDOWN_S", "build_app", "run_server"
 def build_app(
     async_engine: AsyncEngine, served_model_name: str, api_keys: ApiKeys | None, max_queue: int,
     options: ServerOptions | None = None, limits: ServerLimits | None = None, dashboard: bool = False,
+    replica: ReplicaInfo | None = None,
 ) -> FastAPI:
     """An app serving `async_engine`; its lifespan starts the engine thread and shuts it down.
 
@@ -72,7 +77,7 @@ def build_app(
     app.state.server = ServerState(
         engine=async_engine, model_name=names[0], api_keys=api_keys, max_queue=max_queue,
         metrics=metrics, token_texts=TokenTexts(async_engine.tokenizer), served_model_names=names,
-        limits=limits, workers=workers,
+        limits=limits, workers=workers, replica=replica or ReplicaInfo(),
     )
     install_error_handlers(app)
     app.include_router(openai_routes.router)
@@ -107,21 +112,36 @@ def _add_keyed_docs(app: FastAPI) -> None:
 def run_server(
     config: EngineConfig, host: str, port: int, api_keys_path: str | None, max_queue: int,
     shutdown_timeout: float = GRACEFUL_SHUTDOWN_S, options: ServerOptions | None = None,
-    limits: ServerLimits | None = None,
+    limits: ServerLimits | None = None, kv_events_endpoint: str | None = None,
+    kv_events_replay_endpoint: str | None = None, request_log: str | None = None,
 ) -> None:
     """Load the model and serve until SIGTERM/SIGINT; then stop accepting, let in-flight requests
-    finish for up to `shutdown_timeout` seconds, abort the rest, and return (exit status 0)."""
+    finish for up to `shutdown_timeout` seconds, abort the rest, and return (exit status 0).
+
+    With `kv_events_endpoint`, KV events are published there (vLLM's format; the first batch is an
+    AllBlocksCleared: a fresh process holds nothing). With `request_log`, one Mooncake-format line per
+    finished request is appended there (`kvserve replay` reads it)."""
     options = options or ServerOptions()
     _configure_logging(options.log_level)
     # Keys fail before the slow model load.
     api_keys = add_operator_keys(load_api_keys(api_keys_path) if api_keys_path else None, options.api_keys)
     limits = limits or ServerLimits(max_num_seqs=config.max_num_seqs)
-    with _graceful_signals() as signals:
-        engine = AsyncEngine(LLMEngine(config))
+    publisher = (KVEventPublisher(kv_events_endpoint, kv_events_replay_endpoint)
+                 if kv_events_endpoint else None)
+    with _graceful_signals() as signals, _closing(publisher):
+        llm_engine = LLMEngine(config)
+        if publisher is not None:
+            publisher.publish([AllBlocksCleared()])
+            attach_kv_events(llm_engine.block_manager, publisher)
+        if request_log:
+            llm_engine.finish_listeners.append(RequestLog(request_log, config.block_size, config.prefix_hash))
+        engine = AsyncEngine(llm_engine)
         try:
             _override_chat_template(engine, options.chat_template)
             show = dashboard_enabled(options.dashboard, host, api_keys is not None)
-            app = build_app(engine, engine.info.model_name, api_keys, max_queue, options, limits, dashboard=show)
+            replica = ReplicaInfo(prefix_hash=config.prefix_hash, kv_events=publisher)
+            app = build_app(engine, engine.info.model_name, api_keys, max_queue, options, limits, dashboard=show,
+                            replica=replica)
             mode = f"{len(api_keys)} API keys" if api_keys else "single tenant, no auth"
             logger.info("kvserve: model %s served as %s, %d KV blocks of %d tokens, %s", engine.info.model_name,
                         ", ".join(options.model_names(engine.info.model_name)), engine.info.num_blocks,
@@ -153,6 +173,15 @@ def _override_chat_template(engine: AsyncEngine, template: str | None) -> None:
     if engine.tokenizer is None:
         raise ValueError("chat_template: this model has no tokenizer to render a template with")
     engine.tokenizer.chat_template = template
+
+
+@contextlib.contextmanager
+def _closing(publisher: KVEventPublisher | None) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        if publisher is not None:
+            publisher.close()
 
 
 class _GracefulServer(uvicorn.Server):

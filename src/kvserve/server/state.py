@@ -10,15 +10,17 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Any, TypeVar
 
 from fastapi import Depends, Request
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
+from kvserve.events.publisher import KVEventPublisher
 from kvserve.server.auth import ApiKeys, AuthError, Principal, authenticate, require_admin
 from kvserve.server.errors import ApiError, from_validation_error
 from kvserve.server.limits import ServerLimits
@@ -35,6 +37,16 @@ T = TypeVar("T")
 
 
 @dataclass(slots=True)
+class ReplicaInfo:
+    """What a router needs to know about this worker (`GET /load`): how it hashes blocks, where it
+    publishes KV events, and an id that changes when the process restarts (its cache is then empty)."""
+
+    prefix_hash: str = "sha256"
+    kv_events: KVEventPublisher | None = None
+    instance: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+
+@dataclass(slots=True)
 class ServerState:
     """Everything the routes share: the engine, the served name, keys, limits and metrics."""
 
@@ -47,6 +59,7 @@ class ServerState:
     limits: ServerLimits
     workers: ThreadPoolExecutor  # bounded: CPU-heavy input work, off the event loop
     served_model_names: tuple[str, ...] = ()  # every name requests may use; model_name is the first
+    replica: ReplicaInfo = field(default_factory=ReplicaInfo)  # for a router: `GET /load`
 
     @property
     def model_names(self) -> tuple[str, ...]:
