@@ -158,10 +158,9 @@ class Scheduler:
     def _protect_waiting(self) -> None:
         """The queue is known future: matching its next requests refreshes their cached prefixes (a
         match counts as a use for the eviction policy), so the growth of running requests evicts other
-        blocks first."""
-        if self.block_manager.caching_enabled:
-            for request in itertools.islice(self.waiting, PROTECT_WAITING):
-                self.block_manager.match_prefix(request)
+        blocks first (with the cache off, a match is empty and costs nothing)."""
+        for request in itertools.islice(self.waiting, PROTECT_WAITING):
+            self.block_manager.match_prefix(request)
 
     def _adopt_cached_continuation(self, request: Request) -> None:
         adopted = self.block_manager.adopt_cached_continuation(request)

@@ -66,7 +66,7 @@ class RequestLog:
         }
 
     def __call__(self, request: Request) -> None:
-        if request.group is not None or not request.prompt_token_ids:
+        if request.group_id != request.request_id or not request.prompt_token_ids:  # a fork: its root logs
             return
         line = json.dumps(self.record(request))
         with self._lock:
