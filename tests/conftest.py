@@ -67,3 +67,23 @@ def assert_pool_drained(engine) -> None:
     assert stats["used_blocks"] == 0, stats
     assert stats["free_blocks"] + stats["cached_blocks"] == stats["num_blocks"], stats
     assert not engine.has_unfinished_requests()
+
+
+@pytest.fixture(scope="session")
+def redis_server():
+    """A real Redis server on a free loopback port for the whole session (tiers tests)."""
+    from kvserve.tiers.local_redis import LocalRedis
+
+    with LocalRedis() as server:
+        yield server
+
+
+@pytest.fixture
+def redis_url(redis_server) -> str:
+    """The session server's URL, emptied before each test."""
+    import redis
+
+    client = redis.Redis.from_url(redis_server.url)
+    client.flushall()
+    client.close()
+    return redis_server.url
