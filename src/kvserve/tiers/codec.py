@@ -7,6 +7,7 @@ The pool is ``[layers, 2, blocks, block_size, kv_heads, head_dim]``, so block ``
     dtype    1 byte   code from _DTYPE_CODES
     ndim     1 byte
     shape    ndim × u32 (little-endian)
+    padding  zeros up to a multiple of 16 bytes (so the data can be viewed in place as any dtype)
     data     the block's elements, C order, native little-endian
 
 `decode` refuses a payload whose version, dtype or shape differ from what the reader expects, so a
@@ -24,6 +25,7 @@ import torch
 from kvserve.tiers.store import KV_LAYOUT_VERSION
 
 _MAGIC = b"KVB" + bytes([KV_LAYOUT_VERSION])
+_ALIGN = 16
 _DTYPE_CODES: dict[torch.dtype, int] = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.uint8: 4}
 
 
@@ -48,7 +50,8 @@ class BlockCodec:
         if self.dtype not in _DTYPE_CODES:
             raise BlockFormatError(f"dtype {self.dtype} has no block code")
         dims = struct.pack(f"<{len(self.shape)}I", *self.shape)
-        return _MAGIC + bytes([_DTYPE_CODES[self.dtype], len(self.shape)]) + dims
+        header = _MAGIC + bytes([_DTYPE_CODES[self.dtype], len(self.shape)]) + dims
+        return header + bytes(-len(header) % _ALIGN)
 
     @property
     def data_bytes(self) -> int:

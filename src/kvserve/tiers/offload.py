@@ -161,21 +161,26 @@ class OffloadPolicy:
         keys = self.fingerprint.keys(block_hashes)
         blocks: list[torch.Tensor] = []
         loaded_sources: list[str] = []
+        promote: list[tuple[BlockKey, bytes]] = []
         position = 0
         while position < len(keys):
             source = sources[position]
             end = position
             while end < len(keys) and sources[end] == source:
                 end += 1
-            run = self._load_run(source, keys[position:end])
+            run = self._load_run(source, keys[position:end], promote)
             blocks += run
             loaded_sources += [source] * len(run)
             if len(run) < end - position:
                 break
             position = end
+        if promote and self.host is not None:
+            self.host.put(promote)  # after the whole load: promoting earlier could evict what it reads next
         return LoadResult(blocks, loaded_sources, time.perf_counter() - start)
 
-    def _load_run(self, source: str, keys: list[BlockKey]) -> list[torch.Tensor]:
+    def _load_run(
+        self, source: str, keys: list[BlockKey], promote: list[tuple[BlockKey, bytes]]
+    ) -> list[torch.Tensor]:
         store = {"host": self.host, "disk": self.disk, "remote": self.remote}[source]
         if store is None:
             return []
@@ -192,8 +197,8 @@ class OffloadPolicy:
                 store.delete([key])
                 break
             good.append((key, payload))
-        if source != "host" and self.host is not None and good:
-            self.host.put(good)  # promotion: the next miss on the device finds it in RAM
+        if source != "host":
+            promote += good  # the next device miss finds these in RAM
         nbytes = sum(len(p) for _, p in good)
         self._count_load(source, len(blocks), time.perf_counter() - start, len(keys) - len(blocks), nbytes)
         return blocks
