@@ -313,3 +313,30 @@ def test_factory() -> None:
         make_prefix_cache("lru", alloc, BS)
     with pytest.raises(ValueError):
         make_prefix_cache("hash", alloc, BS, hash_algo="md5")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_on_evict_reports_block_and_hash_before_the_free_list(kind: str) -> None:
+    """evict() and reset() hand every dropped (block_id, block_hash) to `on_evict` while the blocks are
+    still off the free list; hashes stay with their blocks across a radix split."""
+    alloc, cache = make(kind, num_blocks=16)
+    seen: list[tuple[int, bytes]] = []
+
+    def listener(pairs: list[tuple[int, bytes]]) -> None:
+        assert all(not alloc.is_free(block_id) for block_id, _ in pairs)
+        seen.extend(pairs)
+
+    cache.on_evict = listener
+    a = run(cache, seq_tokens(0, 64))
+    finish(cache, a)
+    b = run(cache, seq_tokens(0, 32) + seq_tokens(500, 32))  # splits a's radix node after 2 blocks
+    finish(cache, b)
+    expected = dict(zip(a.blocks, a.hashes, strict=True)) | dict(zip(b.blocks, b.hashes, strict=True))
+    freed = cache.evict(2)
+    assert freed and {block_id for block_id, _ in seen} == set(freed)
+    assert all(expected[block_id] == block_hash for block_id, block_hash in seen)
+    seen.clear()
+    assert cache.reset() is True
+    assert len(seen) == len(expected) - len(freed)
+    assert all(expected[block_id] == block_hash for block_id, block_hash in seen)
+    assert alloc.num_free == alloc.num_blocks

@@ -9,13 +9,17 @@ Ownership model (shared by every implementation):
   allocator's free list at once.
 - `evict(n)` unregisters at least `n` evictable blocks when it can (fewer if not enough are
   evictable), returns them to the allocator's free list, and returns their ids.
+- `on_evict` (an attribute, None by default): when set, `evict` and `reset` call it with the
+  `(block_id, block_hash)` pairs they drop, *before* those blocks return to the free list, so a
+  listener can still read the blocks' KV (the tiered cache copies it out; KV events publish
+  BlockRemoved). It may be called several times per `evict`; it must not call back into the cache.
 - Accounting invariant at every moment:
   allocator.num_free + cache.num_evictable_blocks + allocator.num_referenced() == num_blocks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from kvserve.kv.block_allocator import BlockAllocator
@@ -30,6 +34,7 @@ class PrefixCache(Protocol):
 
     block_size: int
     num_evictions: int  # blocks evicted so far
+    on_evict: Callable[[list[tuple[int, bytes]]], None] | None  # see the module docstring
 
     def match(self, tokens: Sequence[int], block_hashes: Sequence[bytes], namespace: Namespace) -> list[int]:
         """Blocks caching the longest run of whole leading blocks of `tokens`. Touches recency only."""
@@ -69,6 +74,7 @@ class NoPrefixCache:
         self.allocator = allocator
         self.block_size = block_size
         self.num_evictions = 0
+        self.on_evict: Callable[[list[tuple[int, bytes]]], None] | None = None  # never called: nothing cached
 
     def match(self, tokens: Sequence[int], block_hashes: Sequence[bytes], namespace: Namespace) -> list[int]:
         return []

@@ -16,7 +16,7 @@ prefix, released last, outlives the branches built on it.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvserve.kv.block_allocator import BlockAllocator
@@ -51,6 +51,8 @@ class HashCache:
         self._by_hash: dict[bytes, dict[int, CachedBlock]] = {}
         self._entry_of: dict[int, CachedBlock] = {}  # registered block id -> entry
         self._free_queue: OrderedDict[int, None] = OrderedDict()  # evictable blocks, LRU first
+        # Called with (block_id, block_hash) pairs before evicted (or reset) blocks are freed.
+        self.on_evict: Callable[[list[tuple[int, bytes]]], None] | None = None
 
     # ---- sizes -----------------------------------------------------------------------------------
 
@@ -134,12 +136,13 @@ class HashCache:
             self._free_queue[block_id] = None
         return entry
 
-    def _unregister(self, block_id: int) -> None:
+    def _unregister(self, block_id: int) -> bytes:
         entry = self._entry_of.pop(block_id)
         bucket = self._by_hash[entry.block_hash]
         del bucket[block_id]
         if not bucket:
             del self._by_hash[entry.block_hash]
+        return entry.block_hash
 
     # ---- references ------------------------------------------------------------------------------
 
@@ -164,19 +167,23 @@ class HashCache:
 
     def evict(self, num_blocks: int) -> list[int]:
         """Unregister and free up to `num_blocks` blocks from the head of the free queue (LRU)."""
-        freed: list[int] = []
-        while len(freed) < num_blocks and self._free_queue:
+        victims: list[tuple[int, bytes]] = []
+        while len(victims) < num_blocks and self._free_queue:
             block_id, _ = self._free_queue.popitem(last=False)
-            self._unregister(block_id)
+            victims.append((block_id, self._unregister(block_id)))
+        if self.on_evict is not None and victims:
+            self.on_evict(victims)
+        for block_id, _ in victims:
             self.allocator.free(block_id)
-            freed.append(block_id)
-        self.num_evictions += len(freed)
-        return freed
+        self.num_evictions += len(victims)
+        return [block_id for block_id, _ in victims]
 
     def reset(self) -> bool:
         """Unregister and free every block; refused (False) while a registered block is referenced."""
         if self.num_protected_blocks:
             return False
+        if self.on_evict is not None and self._entry_of:
+            self.on_evict([(block_id, entry.block_hash) for block_id, entry in self._entry_of.items()])
         for block_id in self._entry_of:
             self.allocator.free(block_id)
         self._by_hash.clear()

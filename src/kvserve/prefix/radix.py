@@ -1,7 +1,8 @@
 """RadixCache: SGLang's RadixAttention over whole token blocks.
 
 One tree per namespace. Every non-root node holds an edge: the tokens of a run of whole blocks
-(`key`, a flat tuple of len(blocks) * block_size ids) and the block ids caching them. Children are
+(`key`, a flat tuple of len(blocks) * block_size ids), the block ids caching them and their chained
+block hashes (`hashes`, split with the node; the tiers and KV events name a block by its hash). Children are
 keyed by the tuple of their first block's tokens, so two children of one node never share a first
 block. A match that ends inside a node splits it, so a request always holds whole nodes.
 
@@ -32,6 +33,7 @@ class RadixNode:
 
     key: tuple[int, ...]
     blocks: list[int]
+    hashes: list[bytes]  # chained block hash of each block, parallel to `blocks`
     parent: RadixNode | None
     last_access: float
     children: dict[tuple[int, ...], RadixNode] = field(default_factory=dict)
@@ -58,6 +60,8 @@ class RadixCache:
         self._num_evictable = 0
         self._heap: list[tuple[float, int, RadixNode]] = []
         self._tiebreak = itertools.count()
+        # Called with (block_id, block_hash) pairs before evicted (or reset) blocks are freed.
+        self.on_evict: Callable[[list[tuple[int, bytes]]], None] | None = None
 
     # ---- sizes -----------------------------------------------------------------------------------
 
@@ -136,13 +140,15 @@ class RadixCache:
         cut = num_blocks * self.block_size
         parent = node.parent
         assert parent is not None
-        upper = RadixNode(node.key[:cut], node.blocks[:num_blocks], parent, node.last_access)
+        upper = RadixNode(
+            node.key[:cut], node.blocks[:num_blocks], node.hashes[:num_blocks], parent, node.last_access
+        )
         refs = self.allocator.ref_counts
         upper.num_referenced = sum(1 for b in upper.blocks if refs[b] > 0)
         for block_id in upper.blocks:
             self._node_of[block_id] = upper
         parent.children[node.key[: self.block_size]] = upper
-        node.key, node.blocks = node.key[cut:], node.blocks[num_blocks:]
+        node.key, node.blocks, node.hashes = node.key[cut:], node.blocks[num_blocks:], node.hashes[num_blocks:]
         node.num_referenced -= upper.num_referenced
         node.parent = upper
         upper.children[node.key[: self.block_size]] = node
@@ -159,25 +165,27 @@ class RadixCache:
     ) -> int:
         """Register `blocks` (block i holds tokens[i*bs:(i+1)*bs]); returns how many leading blocks
         were already present. Those keep their cached ids; the caller's duplicates are not registered
-        (the caller swaps them for `match`'s ids). The rest becomes one new leaf."""
+        (the caller swaps them for `match`'s ids). The rest becomes one new leaf, with its hashes."""
         num_blocks = min(len(blocks), len(tokens) // self.block_size)
         if num_blocks == 0:
             return 0
+        if len(block_hashes) < num_blocks:
+            raise ValueError(f"insert of {num_blocks} blocks needs as many block hashes, got {len(block_hashes)}")
         tokens = tuple(tokens[: num_blocks * self.block_size])
         root = self._roots.get(namespace)
         if root is None:
-            root = self._roots[namespace] = RadixNode((), [], None, self._clock(), namespace=namespace)
+            root = self._roots[namespace] = RadixNode((), [], [], None, self._clock(), namespace=namespace)
         node, pos = self._walk(root, tokens, len(tokens))
         present = pos // self.block_size
         if present < num_blocks:
-            self._add_leaf(node, tokens[pos:], list(blocks[present:num_blocks]))
+            self._add_leaf(node, tokens[pos:], list(blocks[present:num_blocks]), list(block_hashes[present:num_blocks]))
         return present
 
-    def _add_leaf(self, parent: RadixNode, key: tuple[int, ...], blocks: list[int]) -> None:
+    def _add_leaf(self, parent: RadixNode, key: tuple[int, ...], blocks: list[int], hashes: list[bytes]) -> None:
         for block_id in blocks:
             if block_id in self._node_of:
                 raise ValueError(f"block {block_id} is already registered")
-        leaf = RadixNode(key, blocks, parent, self._clock())
+        leaf = RadixNode(key, blocks, hashes, parent, self._clock())
         refs = self.allocator.ref_counts
         leaf.num_referenced = sum(1 for b in blocks if refs[b] > 0)
         for block_id in blocks:
@@ -242,6 +250,8 @@ class RadixCache:
     def _remove_leaf(self, node: RadixNode) -> None:
         parent = node.parent
         assert parent is not None
+        if self.on_evict is not None:
+            self.on_evict(list(zip(node.blocks, node.hashes, strict=True)))
         del parent.children[node.key[: self.block_size]]
         for block_id in node.blocks:
             del self._node_of[block_id]
@@ -257,6 +267,9 @@ class RadixCache:
         """Unregister and free every block; refused (False) while a registered block is referenced."""
         if self.num_protected_blocks:
             return False
+        if self.on_evict is not None and self._node_of:
+            nodes = {id(node): node for node in self._node_of.values()}.values()
+            self.on_evict([pair for node in nodes for pair in zip(node.blocks, node.hashes, strict=True)])
         for block_id in self._node_of:
             self.allocator.free(block_id)
         self._roots.clear()
@@ -280,7 +293,7 @@ class RadixCache:
                 first, node = stack.pop()
                 assert not node.removed and node.parent is not None
                 assert node.parent.children.get(first) is node and node.key[:bs] == first
-                assert node.blocks and len(node.key) == len(node.blocks) * bs
+                assert node.blocks and len(node.key) == len(node.blocks) * bs == len(node.hashes) * bs
                 assert node.num_referenced == sum(1 for b in node.blocks if refs[b] > 0)
                 assert node.in_heap == (id(node) in in_heap)
                 if self._is_evictable_leaf(node):
