@@ -123,3 +123,18 @@ def test_tenants_never_hit_each_other_on_any_tier(pool, tmp_path, tier, request)
     assert policy.lookup(tenant_b).num_blocks == 0
     assert policy.load(tenant_b, [tier] * 4).result(timeout=10).blocks == []
     policy.close()
+
+
+def test_remote_probe_runs_in_the_load_job_after_local_blocks(pool, tmp_path, redis_url):
+    policy = make_policy(pool, tmp_path, host_blocks=8, redis_url=redis_url)
+    hs = hashes(5)
+    policy.demote(hs[:2], pool, [0, 1])
+    policy.write_through(hs[2:4], pool, [2, 3])
+    policy.flush()
+    local = policy.lookup(hs, local_only=True)
+    assert local.sources == ["host", "host"]  # no network on this path
+    assert policy.lookup(hs).sources == ["host", "host", "remote", "remote"]
+    result = policy.load(hs, local.sources, probe_remote=True).result(timeout=10)
+    assert result.sources == ["host", "host", "remote", "remote"]
+    assert same_blocks(result.blocks, pool, [0, 1, 2, 3])
+    policy.close()

@@ -125,15 +125,17 @@ class OffloadPolicy:
 
     # --- tiers → engine -------------------------------------------------------------------------
 
-    def lookup(self, block_hashes: Sequence[bytes]) -> LookupResult:
+    def lookup(self, block_hashes: Sequence[bytes], local_only: bool = False) -> LookupResult:
         """The longest run of leading `block_hashes` held by the tiers, each block from the highest
-        tier that has it (one batched `longest_prefix` per tier per round)."""
+        tier that has it (one batched `longest_prefix` per tier per round). `local_only` asks host and
+        disk only (in-memory indexes: no I/O), leaving the remote store to a `load(probe_remote=True)`."""
         keys = self.fingerprint.keys(block_hashes)
+        tiers = [t for t in (self.host, self.disk) if t is not None] if local_only else self.tiers
         sources: list[str] = []
         progress = True
         while progress and len(sources) < len(keys):
             progress = False
-            for tier in self.tiers:
+            for tier in tiers:
                 found = tier.longest_prefix(keys[len(sources) :])
                 sources += [tier.name] * found
                 progress |= found > 0
@@ -152,13 +154,33 @@ class OffloadPolicy:
         self._count_load("host", len(blocks), time.perf_counter() - start, failed=len(block_hashes) - len(blocks))
         return blocks
 
-    def load(self, block_hashes: Sequence[bytes], sources: Sequence[str]) -> Future[LoadResult]:
-        """Fetch and decode blocks in the background (see `lookup` for `sources`)."""
-        return self._loader.submit(self._load, list(block_hashes), list(sources))
+    def load(
+        self, block_hashes: Sequence[bytes], sources: Sequence[str], probe_remote: bool = False
+    ) -> Future[LoadResult]:
+        """Fetch and decode blocks in the background (see `lookup` for `sources`, which may cover only
+        the leading blocks). With `probe_remote`, once those have loaded the job asks the remote store
+        for the blocks after them (one round trip) and loads what it has: the engine thread never waits
+        on the network.
 
-    def _load(self, block_hashes: list[bytes], sources: list[str]) -> LoadResult:
+        Host blocks are taken now, in the caller's thread (references to their buffers, no copy): the
+        caller is about to make room on the device, and the demotions that causes could otherwise push
+        exactly these blocks out of the host before the job reads them."""
+        host_blocks: dict[int, torch.Tensor] = {}
+        host_index = [i for i, source in enumerate(sources) if source == "host"]
+        if self.host is not None and host_index:
+            taken = self.host.get_blocks(self.fingerprint.keys([block_hashes[i] for i in host_index]), self.codec)
+            host_blocks = {i: block for i, block in zip(host_index, taken, strict=True) if block is not None}
+        return self._loader.submit(self._load, list(block_hashes), list(sources), host_blocks, probe_remote)
+
+    def _load(
+        self, block_hashes: list[bytes], sources: list[str], host_blocks: dict[int, torch.Tensor], probe_remote: bool
+    ) -> LoadResult:
         start = time.perf_counter()
         keys = self.fingerprint.keys(block_hashes)
+        if probe_remote and self.remote is not None:
+            rest = keys[len(sources) :]
+            sources = sources + ["remote"] * self.remote.longest_prefix(rest)
+        keys = keys[: len(sources)]
         blocks: list[torch.Tensor] = []
         loaded_sources: list[str] = []
         promote: list[tuple[BlockKey, bytes]] = []
@@ -168,7 +190,11 @@ class OffloadPolicy:
             end = position
             while end < len(keys) and sources[end] == source:
                 end += 1
-            run = self._load_run(source, keys[position:end], promote)
+            if source == "host":
+                run = _leading_present([host_blocks.get(i) for i in range(position, end)])
+                self._count_load("host", len(run), 0.0, failed=end - position - len(run))
+            else:
+                run = self._load_run(source, keys[position:end], promote)
             blocks += run
             loaded_sources += [source] * len(run)
             if len(run) < end - position:
@@ -259,3 +285,13 @@ class OffloadPolicy:
                 writer.close()
         for tier in self.tiers:
             tier.close()
+
+
+def _leading_present(blocks: list[torch.Tensor | None]) -> list[torch.Tensor]:
+    """The blocks before the first missing one."""
+    present: list[torch.Tensor] = []
+    for block in blocks:
+        if block is None:
+            break
+        present.append(block)
+    return present
