@@ -99,9 +99,10 @@ def test_breaker_half_open_admits_one_probe():
     now = [0.0]
     breaker = CircuitBreaker(failure_threshold=1, cooldown_s=1.0, clock=lambda: now[0])
     breaker.record_failure()
-    assert breaker.state == OPEN and not breaker.allow()
+    assert breaker.state == OPEN and breaker.is_open() and not breaker.allow()
     now[0] = 1.0
-    assert breaker.allow() and breaker.state == HALF_OPEN
+    assert not breaker.is_open()  # past the cool-down: a call would be the probe
+    assert breaker.allow() and breaker.state == HALF_OPEN and breaker.is_open()
     assert not breaker.allow()  # only one probe in flight
     breaker.record_failure()
     assert breaker.state == OPEN and not breaker.allow()

@@ -42,6 +42,13 @@ class CircuitBreaker:
                 return True
             return False
 
+    def is_open(self) -> bool:
+        """Open and still cooling down: a call now would be refused (no state change, unlike `allow`)."""
+        with self._lock:
+            return self.state == HALF_OPEN or (
+                self.state == OPEN and self._clock() - self._opened_at < self.cooldown_s
+            )
+
     def record_success(self) -> None:
         with self._lock:
             self.state = CLOSED

@@ -141,6 +141,11 @@ class OffloadPolicy:
                 progress |= found > 0
         return LookupResult(len(sources), sources)
 
+    def remote_available(self) -> bool:
+        """A remote tier is configured and its breaker would let a call through now."""
+        breaker = getattr(self.remote, "breaker", None)
+        return self.remote is not None and (breaker is None or not breaker.is_open())
+
     def load_host(self, block_hashes: Sequence[bytes]) -> list[torch.Tensor]:
         """Synchronous load of leading blocks from host memory (a memcpy); stops at the first miss."""
         if self.host is None:
