@@ -31,6 +31,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 bench: $(STAMP)
+	$(BIN)/pip install -q -e ".[bench]"  # the serving sweep's load generator (GuideLLM)
 	$(BIN)/python benchmarks/run_all.py
 
 clean:

@@ -26,7 +26,7 @@ BEAM_WIDTHS = (1, 4, 8)
 def measure(llm: LLM, run) -> tuple[int, float]:
     """Peak referenced blocks and seconds for `run(llm)` on an idle engine with an empty cache."""
     assert llm.reset_prefix_cache()
-    llm.engine.block_manager.peak_used_blocks = 0  # the peak since the engine started: restart it
+    llm.engine.block_manager.reset_peak()  # the peak since the engine started: restart it
     with Timer() as timer:
         run(llm)
     return llm.stats()["peak_used_blocks"], timer.seconds

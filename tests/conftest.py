@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
 TINY_VOCAB = 512
+
+# Every engine in the suite (server subprocesses too, which inherit the environment) checks the
+# allocator, the prefix cache and every block table after each step.
+os.environ.setdefault("KVSERVE_DEBUG_CHECKS", "1")
 
 
 def make_tiny_llama_dir(path: Path, tie_word_embeddings: bool = False, seed: int = 0) -> Path:

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from conftest import assert_pool_drained
 from kvserve import LLM, SamplingParams
+from kvserve.prefix.namespace import make_namespace
 
 SHARED_PREFIX = list(range(10, 58))  # 48 tokens: three blocks of 16 that requests may share
 
@@ -78,7 +79,7 @@ def test_random_operations_keep_pool_consistent(engine, ops, seed):
             prompt = prompt[: 150 - max_tokens]
             params = SamplingParams(max_tokens=max_tokens, temperature=0.0 if salt else 0.8, seed=seed,
                                     ignore_eos=True)
-            ids.append(engine.add_request(prompt, params, cache_salt=f"s{salt}" if salt else None))
+            ids.append(engine.add_request(prompt, params, namespace=make_namespace(f"s{salt}" if salt else None)))
         else:
             apply_step_or_abort(engine, op, ids)
         check_pool(engine)

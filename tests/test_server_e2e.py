@@ -249,11 +249,11 @@ def test_client_disconnect_aborts_and_frees_blocks(server, client):  # noqa: F81
     stream.close()
     counts = wait_until_drained(server.url, timeout=10)
     assert counts["free"] + counts["cached"] == metric_value(server.url, "kvserve_kv_cache_num_blocks")
-    assert metric_value(server.url, 'kvserve_requests_finished_total{finish_reason="abort"}') >= 1
+    assert metric_value(server.url, 'kvserve_request_success_total{finished_reason="abort"}') >= 1
 
 
 def test_non_streaming_client_that_hangs_up_is_aborted(server):  # noqa: F811
-    aborted = 'kvserve_requests_finished_total{finish_reason="abort"}'
+    aborted = 'kvserve_request_success_total{finished_reason="abort"}'
     aborted_before = metric_value(server.url, aborted, default=0.0)
     body = {"model": MODEL, "prompt": random_ids(40, seed=7), "max_tokens": 1500, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
@@ -269,7 +269,7 @@ def test_metrics_names(server, client):  # noqa: F811
         client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, extra_body=IGNORE_EOS)
     text = httpx.get(f"{server.url}/metrics").text
     for name in ("kvserve_prefix_cache_queries_total", "kvserve_prefix_cache_hits_total",
-                 "kvserve_kv_cache_usage_ratio", "kvserve_num_requests_running",
+                 "kvserve_kv_cache_usage_perc", "kvserve_num_requests_running",
                  "kvserve_num_requests_waiting", "kvserve_num_preemptions_total",
                  "kvserve_time_to_first_token_seconds_bucket",
                  "kvserve_time_per_output_token_seconds_bucket"):

@@ -17,7 +17,7 @@ from test_server_support import chat_model_dir, metric_value, server, wait_until
 MODEL = "tiny-chat"
 IGNORE_EOS = {"ignore_eos": True}
 USED_BLOCKS = 'kvserve_kv_cache_blocks{state="used"}'
-ABORTED = 'kvserve_requests_finished_total{finish_reason="abort"}'
+ABORTED = 'kvserve_request_success_total{finished_reason="abort"}'
 BEAM_PROMPT = [random.Random(24).randrange(3, 300) for _ in range(24)]
 
 
@@ -42,7 +42,7 @@ def texts(response) -> list[str]:
 
 def counters(url: str) -> dict[str, float]:
     names = ("kvserve_prompt_tokens_total", "kvserve_prefix_cache_queries_total",
-             'kvserve_requests_finished_total{finish_reason="length"}')
+             'kvserve_request_success_total{finished_reason="length"}')
     return {name: metric_value(url, name, default=0.0) for name in names}
 
 
@@ -61,7 +61,7 @@ def test_n_2_is_one_engine_request_prefilled_once(server, client):  # noqa: F811
     assert delta == {
         "kvserve_prompt_tokens_total": 40,  # one engine request finished: its prompt counted once
         "kvserve_prefix_cache_queries_total": 40,  # admitted (looked up, prefilled) once, not per choice
-        'kvserve_requests_finished_total{finish_reason="length"}': 1,
+        'kvserve_request_success_total{finished_reason="length"}': 1,
     }
 
 

@@ -126,13 +126,20 @@ def server(chat_model_dir: Path) -> Iterator[ServerProcess]:
 
 
 def metric_value(url: str, name: str, headers: dict | None = None, default: float | None = None) -> float:
-    """One sample of /metrics, e.g. `kvserve_kv_cache_blocks{state="used"}` (`default` if absent)."""
-    text = httpx.get(f"{url}/metrics", headers=headers, timeout=10).text
+    """One sample of /metrics, e.g. `kvserve_kv_cache_blocks{state="used"}` (`default` if absent).
+    The `model_name` label every series carries is left out of `name`."""
+    text = without_model_label(httpx.get(f"{url}/metrics", headers=headers, timeout=10).text)
     match = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.MULTILINE)
     if match is None and default is not None:
         return default
     assert match, f"{name} missing from /metrics"
     return float(match.group(1))
+
+
+def without_model_label(text: str) -> str:
+    """Prometheus text with the `model_name="..."` label removed from every sample."""
+    text = re.sub(r'model_name="[^"]*",?', "", text)
+    return text.replace(",}", "}").replace("{}", "")
 
 
 def wait_until_drained(url: str, headers: dict | None = None, timeout: float = 15.0) -> dict[str, float]:

@@ -10,7 +10,6 @@ import httpx
 import pytest
 
 from kvserve.config import EngineConfig
-from kvserve.engine.async_engine import AsyncEngine, EngineDeadError, RequestSpec
 from kvserve.engine.engine import LLMEngine
 from kvserve.engine.params import SamplingParams
 from kvserve.server.app import build_app
@@ -22,6 +21,7 @@ from kvserve.server.auth import (
     cache_namespace,
     load_api_keys,
 )
+from kvserve.serving.async_engine import AsyncEngine, EngineDeadError, RequestSpec
 from test_server_support import chat_model_dir  # noqa: F401
 
 # --- API keys and namespaces ------------------------------------------------------------------------------

@@ -1,7 +1,6 @@
 """kvserve: an LLM serving engine built around its KV cache."""
 
-from kvserve.engine.beam_search import BeamSearchParams
-from kvserve.engine.params import SamplingParams
+from kvserve.engine.params import BeamSearchParams, SamplingParams
 from kvserve.engine.request import CompletionOutput, RequestOutput
 from kvserve.llm import LLM
 

@@ -14,37 +14,82 @@ from kvserve.config import (
     EngineConfig,
 )
 from kvserve.engine.params import SamplingParams
+from kvserve.settings import SettingsError, apply_sources
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """The engine flags, one per `EngineConfig` field; every command that runs an engine takes them."""
     defaults = EngineConfig()
     group = parser.add_argument_group("engine")
     group.add_argument("--model", default=defaults.model, help="registry name, .gguf file or HF directory")
-    group.add_argument("--dtype", default=defaults.dtype, choices=DTYPES)
+    group.add_argument("--dtype", default=defaults.dtype, choices=DTYPES, help="weights and KV cache dtype")
     group.add_argument("--device", default=defaults.device, help="cpu or cuda")
-    group.add_argument("--block-size", type=int, default=defaults.block_size)
-    group.add_argument("--kv-cache-memory", default=None, help="KV pool size, e.g. 2GiB (default: from RAM)")
-    group.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (overrides memory)")
-    group.add_argument("--prefix-cache", default=defaults.prefix_cache, choices=PREFIX_CACHE_KINDS)
-    group.add_argument("--prefix-hash", default=defaults.prefix_hash, choices=PREFIX_HASH_KINDS)
-    group.add_argument("--max-model-len", type=int, default=None)
-    group.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
-    group.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens)
-    group.add_argument("--schedule-policy", default=defaults.schedule_policy, choices=SCHEDULE_POLICIES)
-    group.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
-    group.add_argument("--seed", type=int, default=defaults.seed)
+    group.add_argument("--block-size", type=int, default=defaults.block_size, help="tokens per KV block")
+    group.add_argument("--kv-cache-memory", default=None,
+                       help="KV pool size, e.g. 2GiB; None: a quarter of free RAM, at most 2 GiB")
+    group.add_argument("--num-blocks", type=int, default=None,
+                       help="KV pool size in blocks (overrides --kv-cache-memory)")
+    group.add_argument("--prefix-cache", default=defaults.prefix_cache, choices=PREFIX_CACHE_KINDS,
+                       help="prefix cache: radix tree, block-hash map, or off")
+    group.add_argument("--prefix-hash", default=defaults.prefix_hash, choices=PREFIX_HASH_KINDS,
+                       help="block hash function of the prefix cache")
+    group.add_argument("--max-model-len", type=int, default=None,
+                       help="longest prompt + output in tokens; None: the model's context length")
+    group.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs,
+                       help="most sequences running at once")
+    group.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens,
+                       help="token budget of one step (prefill chunks + decodes)")
+    group.add_argument("--schedule-policy", default=defaults.schedule_policy, choices=SCHEDULE_POLICIES,
+                       help="admission order: first come first served, or longest cached prefix first")
+    group.add_argument("--num-threads", type=int, default=None, help="torch CPU threads; None: torch's default")
+    group.add_argument("--seed", type=int, default=defaults.seed, help="seed of unseeded random requests")
 
 
 def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("sampling")
-    group.add_argument("--max-tokens", type=int, default=128)
-    group.add_argument("--temperature", type=float, default=0.0)
-    group.add_argument("--top-k", type=int, default=-1)
-    group.add_argument("--top-p", type=float, default=1.0)
-    group.add_argument("--min-p", type=float, default=0.0)
-    group.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
+    group.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most")
+    group.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    group.add_argument("--top-k", type=int, default=-1, help="keep the k most likely tokens; -1: all")
+    group.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass; 1: off")
+    group.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top prob; 0: off")
+    group.add_argument("--sampling-seed", type=int, default=None, help="per-request seed; None: from --seed")
     group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    group.add_argument("--ignore-eos", action="store_true")
+    group.add_argument("--ignore-eos", action="store_true", help="keep generating after EOS")
+
+
+def add_server_flags(parser: argparse.ArgumentParser) -> None:
+    """`kvserve serve` flags beyond the engine's, named as vLLM's where vLLM has them."""
+    from kvserve.server.options import DEFAULT_MAX_QUEUE, GRACEFUL_SHUTDOWN_S, LOG_LEVELS, STATS_LOG_INTERVAL_S
+
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="the model to serve, as `vllm serve MODEL` (same as --model)")
+    group = parser.add_argument_group("server")
+    group.add_argument("--config", default=None, help="YAML file of settings (keys are flag names); "
+                       "command-line flags override it, KVSERVE_<FLAG> environment variables sit in between")
+    group.add_argument("--host", default="127.0.0.1")
+    group.add_argument("--port", type=int, default=8000)
+    group.add_argument("--served-model-name", nargs="+", default=None,
+                       help="names clients may use in `model`; the first is reported (default: the model's name)")
+    group.add_argument("--api-key", nargs="+", default=[],
+                       help="operator API keys: full access, shared cache namespace (as vLLM's)")
+    group.add_argument("--api-keys", default=None, help="TOML/JSON file: API key -> tenant (enables auth)")
+    group.add_argument("--chat-template", default=None, help="a Jinja chat template: a file or the template inline")
+    group.add_argument("--allowed-origins", nargs="+", default=[],
+                       help="CORS origins allowed to call the API from a browser ('*' for any)")
+    group.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    group.add_argument("--stats-log-interval", type=float, default=STATS_LOG_INTERVAL_S,
+                       help="seconds between the throughput / KV-usage log lines (0: never)")
+    group.add_argument("--disable-log-stats", action="store_true", help="no periodic stats log line")
+    group.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE, help="waiting requests beyond this get 429")
+    group.add_argument("--shutdown-timeout", type=float, default=GRACEFUL_SHUTDOWN_S,
+                       help="seconds in-flight requests may run after SIGTERM before they are aborted")
+    group.add_argument("--version", action="version", version=_version_text())
+
+
+def _version_text() -> str:
+    from kvserve import __version__
+
+    return f"kvserve {__version__}"
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -60,28 +105,46 @@ def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvserve", description=__doc__)
+    parser = argparse.ArgumentParser(prog="kvserve", description=__doc__, formatter_class=DefaultsHelpFormatter)
+    parser.add_argument("--version", action="version", version=_version_text())
     commands = parser.add_subparsers(dest="command", required=True)
 
-    generate = commands.add_parser("generate", help="complete one prompt and print the result")
+    generate = commands.add_parser("generate", help="complete one prompt and print the result",
+                                   formatter_class=DefaultsHelpFormatter)
     generate.add_argument("prompt")
     generate.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     generate.add_argument("--stats", action="store_true", help="print engine stats afterwards")
     add_sampling_flags(generate)
     add_engine_flags(generate)
 
-    chat = commands.add_parser("chat", help="multi-turn chat in the terminal, streaming tokens")
+    chat = commands.add_parser("chat", help="multi-turn chat in the terminal, streaming tokens",
+                               formatter_class=DefaultsHelpFormatter)
     chat.add_argument("--system", default=None, help="system prompt")
     add_sampling_flags(chat)
     add_engine_flags(chat)
 
-    serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-keys", default=None, help="TOML/JSON file: API key -> tenant (enables auth)")
-    serve.add_argument("--max-queue", type=int, default=256, help="waiting requests beyond this get 429")
+    serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server", formatter_class=DefaultsHelpFormatter)
+    add_server_flags(serve)
     add_engine_flags(serve)
+    for command in (parser, generate, chat, serve):
+        _name_every_flag(command)
     return parser
+
+
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every flag with its default, unless its help already states one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.help and "default:" in action.help:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _name_every_flag(parser: argparse.ArgumentParser) -> None:
+    """argparse prints a default only beside help text: give every flag some, so --help shows them all."""
+    for action in parser._actions:
+        if not action.help and action.dest not in ("help", "version", argparse.SUPPRESS):
+            action.help = action.dest.replace("_", " ")
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -128,8 +191,31 @@ def run_chat(args: argparse.Namespace) -> int:
 def run_serve(args: argparse.Namespace) -> int:
     from kvserve.server.app import run_server
 
-    run_server(engine_config_from_args(args), args.host, args.port, args.api_keys, args.max_queue)
+    config = engine_config_from_args(args)
+    run_server(config, args.host, args.port, args.api_keys, args.max_queue, args.shutdown_timeout,
+               options=server_options_from_args(args))
     return 0
+
+
+def take_positional_model(args: argparse.Namespace, argv: Sequence[str]) -> None:
+    """`kvserve serve MODEL`: MODEL beats a config file or KVSERVE_MODEL; with --model too, they must agree."""
+    if getattr(args, "model_tag", None) is None:
+        return
+    explicit = any(word == "--model" or word.startswith("--model=") for word in argv)
+    if explicit and args.model != args.model_tag:
+        raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
+    args.model = args.model_tag
+
+
+def server_options_from_args(args: argparse.Namespace):  # -> ServerOptions (imported lazily: no FastAPI here)
+    from kvserve.server.options import ServerOptions, resolve_chat_template
+
+    template = resolve_chat_template(args.chat_template) if args.chat_template else None
+    return ServerOptions(
+        served_model_names=tuple(args.served_model_name or ()), api_keys=tuple(args.api_key),
+        chat_template=template, log_level=args.log_level, allowed_origins=tuple(args.allowed_origins),
+        stats_log_interval=0.0 if args.disable_log_stats else args.stats_log_interval,
+    )
 
 
 def _config_kwargs(config: EngineConfig) -> dict:
@@ -137,13 +223,30 @@ def _config_kwargs(config: EngineConfig) -> dict:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
+    try:
+        command = _command_parser(parser, argv)
+        if command is not None:
+            apply_sources(command, argv)  # --config FILE and KVSERVE_* become the command's defaults
+    except SettingsError as error:
+        print(f"kvserve: error: {error}", file=sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
     runners = {"generate": run_generate, "chat": run_chat, "serve": run_serve}
     try:
+        take_positional_model(args, argv)
         return runners[args.command](args)
     except ValueError as error:
         print(f"kvserve: error: {error}", file=sys.stderr)
         return 2
+
+
+def _command_parser(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.ArgumentParser | None:
+    """The sub-command's parser named in `argv` (its first word), if any."""
+    choices = next(a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    first = next((word for word in argv if not word.startswith("-")), None)
+    return choices.get(first) if first is not None else None
 
 
 if __name__ == "__main__":

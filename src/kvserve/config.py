@@ -6,8 +6,12 @@ import os
 import re
 from dataclasses import dataclass, fields
 
-PREFIX_CACHE_KINDS = ("radix", "hash", "off")
-PREFIX_HASH_KINDS = ("sha256", "xxhash")
+from kvserve.prefix.factory import PREFIX_CACHE_KINDS, PREFIX_HASH_KINDS
+
+__all__ = [
+    "DTYPES", "PREFIX_CACHE_KINDS", "PREFIX_HASH_KINDS",
+    "SCHEDULE_POLICIES", "EngineConfig", "parse_size",
+]
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 DTYPES = ("float32", "bfloat16", "float16")
 

@@ -8,10 +8,10 @@ from typing import Any
 from tqdm import tqdm
 
 from kvserve.config import EngineConfig
-from kvserve.engine.beam_search import BeamSearchParams
 from kvserve.engine.engine import LLMEngine
-from kvserve.engine.params import SamplingParams
+from kvserve.engine.params import BeamSearchParams, SamplingParams
 from kvserve.engine.request import Request, RequestOutput
+from kvserve.prefix.namespace import make_namespace
 
 Prompt = str | Sequence[int]
 Message = dict[str, Any]
@@ -42,8 +42,9 @@ class LLM:
             params = [params] * len(prompt_list)
         if len(params) != len(prompt_list):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompt_list)} prompts")
+        namespace = make_namespace(cache_salt)
         requests = [
-            self.engine.make_request(prompt, p, cache_salt=cache_salt)
+            self.engine.make_request(prompt, p, namespace=namespace)
             for prompt, p in zip(prompt_list, params, strict=True)
         ]
         return self._run_to_completion(requests, use_tqdm)
@@ -62,7 +63,8 @@ class LLM:
         params = BeamSearchParams(
             beam_width, max_tokens, length_penalty, early_stopping, num_return_sequences
         )
-        requests = [self.engine.make_request(p, params, cache_salt=cache_salt) for p in _as_list(prompts)]
+        namespace = make_namespace(cache_salt)
+        requests = [self.engine.make_request(p, params, namespace=namespace) for p in _as_list(prompts)]
         return self._run_to_completion(requests, use_tqdm)
 
     def chat(
@@ -88,7 +90,7 @@ class LLM:
 
         Closing the iterator early aborts the request and frees its blocks.
         """
-        request = self.engine.make_request(prompt, params, cache_salt=cache_salt)
+        request = self.engine.make_request(prompt, params, namespace=make_namespace(cache_salt))
         self.engine.add(request)
         finished = False
         try:

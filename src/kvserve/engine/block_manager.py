@@ -1,13 +1,20 @@
 """BlockManager: a request's block table, grown as tokens arrive, shared through the prefix cache.
 
 It composes the allocator (free blocks, reference counts) with a prefix cache (registered blocks),
-and is the only place the engine touches either. Checks (`can_*`) have no side effects.
-Forked sequences share blocks; the shared tail block is copied on write (see fork.py).
+and is the only place the engine touches either; its own fields (pending copies, the peak) change
+only through its methods. Checks (`can_*`) have no side effects. With `--prefix-cache off` the cache
+is `NoPrefixCache`: nothing matches, nothing registers, and no code here asks whether caching is on.
+
+Forked sequences share blocks (`fork`). Full blocks are never written again, so they stay shared;
+the partly filled tail is the only block that will be written: the first sequence that writes it
+while it is shared gets a private copy (`copy_tail_on_write`, a (src, dst) pair the engine copies on
+the pool before the forward), and the last holder writes in place.
 """
 
 from __future__ import annotations
 
-from kvserve.engine.fork import copy_tail_on_write, tail_is_shared
+from collections.abc import Iterable
+
 from kvserve.engine.request import Request
 from kvserve.kv.block_allocator import BlockAllocator
 from kvserve.prefix.base import PrefixCache
@@ -16,16 +23,14 @@ from kvserve.prefix.hashing import extend_block_hashes
 
 class BlockManager:
     def __init__(
-        self, allocator: BlockAllocator, prefix_cache: PrefixCache, block_size: int,
-        caching_enabled: bool, hash_algo: str = "sha256",
+        self, allocator: BlockAllocator, prefix_cache: PrefixCache, block_size: int, hash_algo: str = "sha256",
     ) -> None:
         self.allocator = allocator
         self.prefix_cache = prefix_cache
         self.block_size = block_size
-        self.caching_enabled = caching_enabled
         self.hash_algo = hash_algo
-        self.peak_used_blocks = 0
-        self.pending_copies: list[tuple[int, int]] = []  # copy-on-write (src, dst) for the next forward
+        self._peak_used_blocks = 0
+        self._pending_copies: list[tuple[int, int]] = []  # copy-on-write (src, dst) for the next forward
 
     @property
     def num_blocks(self) -> int:
@@ -42,8 +47,6 @@ class BlockManager:
 
     def match_prefix(self, request: Request) -> list[int]:
         """Cached blocks for the request's leading whole blocks, leaving >= 1 token to compute."""
-        if not self.caching_enabled:
-            return []
         num_usable_blocks = (request.num_tokens - 1) // self.block_size
         if num_usable_blocks == 0:
             return []
@@ -80,8 +83,6 @@ class BlockManager:
         published anything. At a block boundary the later one re-matches and skips what the other
         computed meanwhile. Returns the number of tokens adopted (0 when nothing applies).
         """
-        if not self.caching_enabled or request.group is not None:
-            return 0
         num_held = len(request.block_table)
         aligned = request.num_computed_tokens == num_held * self.block_size
         if not aligned or request.num_published_blocks != num_held or request.num_computed_tokens == 0:
@@ -101,20 +102,20 @@ class BlockManager:
     def can_grow(self, request: Request, num_new_tokens: int) -> bool:
         num_needed = self._num_missing_blocks(request, num_new_tokens)
         if request.may_share_tail:  # forked: writing a shared tail block takes a copy first
-            num_needed += tail_is_shared(self, request)
+            num_needed += self._tail_is_shared(request)
         return num_needed <= self.num_available_blocks()
 
     def grow(self, request: Request, num_new_tokens: int) -> None:
         """Allocate blocks so the next `num_new_tokens` tokens have slots; evicts cached blocks if needed."""
         if request.may_share_tail:
-            copy_tail_on_write(self, request)
+            self.copy_tail_on_write(request)
         num_missing = self._num_missing_blocks(request, num_new_tokens)
         if num_missing <= 0:
             return
         if num_missing > self.allocator.num_free:
             self.prefix_cache.evict(num_missing - self.allocator.num_free)
         request.block_table.extend(self.allocator.allocate(num_missing))
-        self.peak_used_blocks = max(self.peak_used_blocks, self.allocator.num_referenced())
+        self._note_peak()
 
     def _num_missing_blocks(self, request: Request, num_new_tokens: int) -> int:
         needed = self.blocks_for_tokens(request.num_computed_tokens + num_new_tokens)
@@ -124,8 +125,6 @@ class BlockManager:
 
     def publish_full_blocks(self, request: Request) -> None:
         """Register every block whose KV is now complete, so later (and concurrent) requests hit it."""
-        if not self.caching_enabled:
-            return
         num_full_blocks = request.num_computed_tokens // self.block_size
         if num_full_blocks <= request.num_published_blocks:
             return
@@ -159,9 +158,78 @@ class BlockManager:
         request.num_published_blocks = 0
         request.num_computed_tokens = 0
 
+    # --- forks and copy-on-write --------------------------------------------------------------------
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """`child` shares `parent`'s blocks: same table, one more reference each, same progress."""
+        child.block_table = list(parent.block_table)
+        child.block_hashes = list(parent.block_hashes)  # hashes of full blocks: common history
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_published_blocks = parent.num_published_blocks  # so the cache sees shared blocks once
+        self.prefix_cache.acquire(child.block_table)
+        if child.block_table:
+            parent.may_share_tail = child.may_share_tail = True
+
+    def _tail_is_shared(self, request: Request) -> bool:
+        """Whether the block the request writes next exists and is shared (so it must be copied first)."""
+        index = request.num_computed_tokens // self.block_size
+        table = request.block_table
+        return index < len(table) and self.allocator.ref_counts[table[index]] > 1
+
+    def copy_tail_on_write(self, request: Request) -> None:
+        """Give the request a private copy of its shared tail block (needs one available block)."""
+        request.may_share_tail = False  # after this the tail is private until the next fork
+        if not self._tail_is_shared(request):
+            return
+        if self.allocator.num_free == 0:
+            self.prefix_cache.evict(1)
+        index = request.num_computed_tokens // self.block_size
+        shared = request.block_table[index]
+        private = self.allocator.allocate(1)[0]
+        self._pending_copies.append((shared, private))
+        self.prefix_cache.release([shared])  # still held by the other sharers: only the count drops
+        request.block_table[index] = private
+        self._note_peak()
+
     def take_pending_copies(self) -> list[tuple[int, int]]:
-        copies, self.pending_copies = self.pending_copies, []
+        """The (src, dst) block copies queued since the last call; the caller runs them before the forward."""
+        copies, self._pending_copies = self._pending_copies, []
         return copies
+
+    @property
+    def pending_copies(self) -> list[tuple[int, int]]:
+        return list(self._pending_copies)
+
+    # --- statistics and checks --------------------------------------------------------------------
+
+    @property
+    def peak_used_blocks(self) -> int:
+        """Most blocks referenced at once since the start (or the last `reset_peak`)."""
+        return self._peak_used_blocks
+
+    def reset_peak(self) -> None:
+        self._peak_used_blocks = self.allocator.num_referenced()
+
+    def _note_peak(self) -> None:
+        self._peak_used_blocks = max(self._peak_used_blocks, self.allocator.num_referenced())
+
+    def check_invariants(self, holders: Iterable[Request]) -> None:
+        """The cache's and the allocator's accounting, and that `holders` (every request holding blocks)
+        account for every reference exactly; AssertionError on a mismatch."""
+        self.prefix_cache.check_invariants()
+        held: dict[int, int] = {}
+        for request in holders:
+            assert len(request.block_table) * self.block_size >= request.num_computed_tokens, (
+                f"{request.request_id}: {len(request.block_table)} blocks cannot hold "
+                f"{request.num_computed_tokens} computed tokens")
+            assert request.num_published_blocks <= len(request.block_table), request.request_id
+            for block_id in request.block_table:
+                assert not self.allocator.is_free(block_id), f"{request.request_id} holds free block {block_id}"
+                held[block_id] = held.get(block_id, 0) + 1
+        refs = self.allocator.ref_counts
+        for block_id, count in enumerate(refs):
+            holders_of_block = held.get(block_id, 0)
+            assert count == holders_of_block, f"block {block_id}: {count} references, {holders_of_block} holders"
 
     def reset_prefix_cache(self) -> bool:
         return self.prefix_cache.reset()

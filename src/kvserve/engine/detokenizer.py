@@ -31,14 +31,11 @@ def append_new_text(
     return ""
 
 
-def find_stop_string(text: str, stop: list[str], search_from: int) -> int:
-    """Index in `text` where the earliest stop string starts (searching new text only), or -1."""
-    earliest = -1
-    for stop_string in stop:
-        index = text.find(stop_string, max(0, search_from - len(stop_string) + 1))
-        if index != -1 and (earliest == -1 or index < earliest):
-            earliest = index
-    return earliest
+def find_stop_string(text: str, stop: list[str], search_from: int) -> int | None:
+    """Index in `text` where the earliest stop string starts (searching new text only), or None."""
+    starts = [text.find(s, max(0, search_from - len(s) + 1)) for s in stop]
+    found = [index for index in starts if index >= 0]
+    return min(found) if found else None
 
 
 def streamable_length(text: str, stop: list[str], finished: bool) -> int:

@@ -1,12 +1,19 @@
-"""LLMEngine.step(): schedule → batch → model → sample → publish blocks → report outputs.
+"""LLMEngine.step(): schedule -> run the model -> groups decide -> sample -> stop checks -> outputs.
 
-Parallel-sampling (n / best_of) and beam-search requests are groups of sequences sharing blocks
-(parallel.py, beam_search.py); while any is alive, sampling goes through `_step_with_groups`.
+Every submitted request is a `SequenceGroup` (engine/groups/): a plain request is a group of one,
+a parallel (n / best_of) request forks its members at the first token, a beam-search request keeps
+its beams. After the forward each group gets its members' logits rows and answers with decisions
+(fork, sample, extend, drop, finish); the engine applies them through the scheduler's and the block
+manager's public methods (order: groups/base.py). Every sampled token takes the same path.
+
+With `KVSERVE_DEBUG_CHECKS=1` (the test suite sets it) every step ends with the allocator, prefix
+cache and block-table checks (`Scheduler.check_invariants`).
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 import random
 import time
 from collections.abc import Sequence
@@ -14,27 +21,23 @@ from collections.abc import Sequence
 import torch
 
 from kvserve.config import EngineConfig, default_kv_cache_memory
-from kvserve.engine.beam_search import BeamGroup, BeamSearchParams
 from kvserve.engine.block_manager import BlockManager
-from kvserve.engine.detokenizer import (
-    DetokenizerState,
-    append_new_text,
-    find_stop_string,
-    streamable_length,
-)
-from kvserve.engine.fork import copy_blocks, enqueue_fork
+from kvserve.engine.groups import Decision, Drop, Extend, Finish, Fork, Sample, SequenceGroup, make_group
 from kvserve.engine.model_runner import ModelRunner
-from kvserve.engine.parallel import ParallelGroup, add_cumulative_logprobs
-from kvserve.engine.params import SamplingParams
-from kvserve.engine.request import FinishReason, Request, RequestOutput, TokenLogprob
-from kvserve.engine.sampler import sample
-from kvserve.engine.scheduler import Scheduler
-from kvserve.engine.validation import namespace_for, validate_prompt_ids
+from kvserve.engine.params import BeamSearchParams, SamplingParams
+from kvserve.engine.request import FinishReason, Request, RequestOutput
+from kvserve.engine.sampler import add_cumulative_logprobs, sample
+from kvserve.engine.scheduler import Scheduler, SchedulerOutput
+from kvserve.engine.tokens import append_sampled_token
+from kvserve.engine.validation import validate_prompt_ids
 from kvserve.kv.block_allocator import BlockAllocator
 from kvserve.kv.pool import KVPool, KVPoolShape, num_blocks_for_memory
 from kvserve.model.llama import LlamaModel
 from kvserve.model.registry import load_model
 from kvserve.prefix.factory import make_prefix_cache
+from kvserve.prefix.namespace import Namespace
+
+DEBUG_CHECKS_ENV = "KVSERVE_DEBUG_CHECKS"
 
 
 class LLMEngine:
@@ -56,16 +59,13 @@ class LLMEngine:
         prefix_cache = make_prefix_cache(
             config.prefix_cache, allocator, config.block_size, config.prefix_hash
         )
-        self.block_manager = BlockManager(
-            allocator, prefix_cache, config.block_size, config.prefix_cache != "off", config.prefix_hash
-        )
+        self.block_manager = BlockManager(allocator, prefix_cache, config.block_size, config.prefix_hash)
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.schedule_policy
         )
         self.runner = ModelRunner(self.model, self.kv_pool)
-        self.requests: dict[str, Request] = {}  # by id as submitted (a group: its root sequence)
-        self.groups: dict[str, ParallelGroup | BeamGroup] = {}
-        self._detokenizers: dict[str, DetokenizerState] = {}
+        self.groups: dict[str, SequenceGroup] = {}  # open requests, by id as submitted
+        self.debug_checks = os.environ.get(DEBUG_CHECKS_ENV, "0") not in ("", "0")
         self._seed_rng = random.Random(config.seed)
         self._request_counter = itertools.count()
         self.eos_token_ids = self._eos_token_ids()
@@ -97,35 +97,29 @@ class LLMEngine:
 
     def make_request(
         self, prompt: str | Sequence[int], params: SamplingParams | BeamSearchParams | None = None,
-        request_id: str | None = None, cache_salt: str | None = None,
-        namespace: tuple[str, ...] | None = None,
+        request_id: str | None = None, namespace: Namespace = (),
     ) -> Request:
-        """Validate and build a request without queueing it; raises ValueError naming the problem."""
+        """Validate and build a request without queueing it; raises ValueError naming the problem.
+
+        `namespace` comes from `make_namespace` (prefix/namespace.py), the one constructor."""
         params = params or SamplingParams()
         params.validate()
-        text = prompt if isinstance(prompt, str) else None
         prompt_ids = self._encode(prompt)
         validate_prompt_ids(prompt_ids, self.model_config.vocab_size)
         self._check_fits(len(prompt_ids), params.max_tokens)
         request_id = request_id if request_id is not None else f"req-{next(self._request_counter)}"
-        if request_id in self.requests:
+        if request_id in self.groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
         beam_params = params if isinstance(params, BeamSearchParams) else None
-        if beam_params is not None:
-            params = beam_params.sampling_params()
+        sampling = beam_params.sampling_params() if beam_params is not None else params
         request = Request(
-            request_id, prompt_ids, params,
-            namespace=namespace if namespace is not None else namespace_for(cache_salt),
-            prompt=text, eos_token_ids=self.eos_token_ids,
+            request_id, prompt_ids, sampling, namespace=namespace,
+            prompt=prompt if isinstance(prompt, str) else None, eos_token_ids=self.eos_token_ids,
+            beam_params=beam_params,
         )
-        seed = None
-        if not params.is_greedy:
-            seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-            request.generator = torch.Generator(device="cpu").manual_seed(seed)
-        if beam_params is not None:
-            request.group = BeamGroup(request, beam_params, self.tokenizer)
-        elif params.num_samples > 1:
-            request.group = ParallelGroup(request, params.n, params.num_samples, seed)
+        if not sampling.is_greedy:
+            request.seed = sampling.seed if sampling.seed is not None else self._seed_rng.getrandbits(63)
+            request.generator = torch.Generator(device="cpu").manual_seed(request.seed)
         return request
 
     def _encode(self, prompt: str | Sequence[int]) -> list[int]:
@@ -153,25 +147,37 @@ class LLMEngine:
 
     def add(self, request: Request) -> str:
         """Queue a request built by `make_request`."""
-        self.requests[request.request_id] = request
-        self._detokenizers[request.request_id] = DetokenizerState()
-        if request.group is not None:
-            self.groups[request.request_id] = request.group
+        if request.request_id in self.groups:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        group = make_group(request, request.beam_params, request.seed, self.tokenizer)
+        self.groups[request.request_id] = group
         self.scheduler.add(request)
         return request.request_id
 
-    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, **kwargs) -> str:
-        return self.add(self.make_request(prompt, params, **kwargs))
+    def add_request(
+        self, prompt: str | Sequence[int], params: SamplingParams | BeamSearchParams | None = None,
+        request_id: str | None = None, namespace: Namespace = (),
+    ) -> str:
+        """`make_request` then `add`."""
+        return self.add(self.make_request(prompt, params, request_id, namespace))
+
+    @property
+    def requests(self) -> dict[str, Request]:
+        """Open requests by id as submitted (each group's root sequence)."""
+        return {request_id: group.root for request_id, group in self.groups.items()}
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request and free its blocks; returns its final output, or None if unknown."""
-        request = self.requests.get(request_id)
-        if request is None:
+        group = self.groups.get(request_id)
+        if group is None:
             return None
-        if request.group is not None:
-            return self._abort_group(request.group)
-        self._finish(request, FinishReason.ABORT)
-        return self._output(request)
+        for sequence in group.sequences():
+            if not sequence.is_finished:
+                self._finish(sequence, FinishReason.ABORT)
+        group.mark_aborted()
+        output = group.output()
+        self._close(group)
+        return output
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -181,165 +187,81 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; returns outputs of the requests that produced a token."""
         scheduler_output = self.scheduler.schedule()
-        if not scheduler_output.scheduled:
-            return []
+        outputs = self._run(scheduler_output) if scheduler_output.scheduled else []
+        if self.debug_checks:
+            self.scheduler.check_invariants()
+        return outputs
+
+    def _run(self, scheduler_output: SchedulerOutput) -> list[RequestOutput]:
         if scheduler_output.blocks_to_copy:
-            copy_blocks(self.kv_pool, scheduler_output.blocks_to_copy)
+            self.runner.copy_blocks(scheduler_output.blocks_to_copy)
         logits, sampling = self.runner.run(scheduler_output.scheduled)
         for item in scheduler_output.scheduled:
             item.request.num_computed_tokens += item.num_new_tokens
             self.block_manager.publish_full_blocks(item.request)
-        if not sampling:
-            return []
-        requests = [item.request for item in sampling]
-        if self.groups:
-            return self._step_with_groups(logits, requests)
-        token_ids, logprobs = sample(logits, requests)
+        rows: dict[str, list[tuple[Request, int]]] = {}  # by group, in batch order
+        for row, item in enumerate(sampling):
+            rows.setdefault(item.request.group_id, []).append((item.request, row))
+        groups = [self.groups[group_id] for group_id in rows]
+        decided = [(group, group.decide(rows[group.request_id], logits)) for group in groups]
+        self._apply(decided, logits)
+        return self._collect(groups)
+
+    def _apply(self, decided: list[tuple[SequenceGroup, list[Decision]]], logits: torch.Tensor) -> None:
+        """Apply the groups' decisions in groups/base.py's order: forks, tokens, drops, finishes."""
+        decisions = [decision for _, group_decisions in decided for decision in group_decisions]
+        for decision in decisions:
+            if isinstance(decision, Fork):
+                self.scheduler.add_fork(decision.parent, decision.child)
+        samples = [decision for decision in decisions if isinstance(decision, Sample)]
+        if samples:
+            self._sample(samples, logits)
+        for decision in decisions:
+            if isinstance(decision, Extend):
+                decision.member.append_token(decision.token_id)
+                decision.member.cumulative_logprob = decision.cumulative_logprob
+        for decision in decisions:
+            if isinstance(decision, Drop):
+                self.scheduler.finish(decision.member)
+        for group, group_decisions in decided:
+            if any(isinstance(decision, Finish) for decision in group_decisions):
+                for sequence in group.sequences():
+                    if not sequence.is_finished:
+                        self.scheduler.finish(sequence)
+
+    def _sample(self, samples: list[Sample], logits: torch.Tensor) -> None:
+        """The one sampling path: every sampled token of the step, one `sample()` call."""
+        rows = [decision.row for decision in samples]
+        if rows != list(range(len(logits))):
+            logits = logits[rows]
+        members = [decision.member for decision in samples]
+        token_ids, logprobs = sample(logits, members)
+        tracked = [i for i, decision in enumerate(samples) if decision.track_logprob]
+        add_cumulative_logprobs(logits, members, token_ids, tracked)
         now = time.monotonic()
+        for member, token_id, logprob in zip(members, token_ids, logprobs, strict=True):
+            reason = append_sampled_token(member, token_id, logprob, now, self.tokenizer, self.max_model_len)
+            if reason is not None:
+                self._finish(member, reason)
+
+    def _collect(self, groups: list[SequenceGroup]) -> list[RequestOutput]:
         outputs = []
-        for request, token_id, logprob in zip(requests, token_ids, logprobs, strict=True):
-            self._append_token(request, token_id, logprob, now)
-            outputs.append(self._output(request))
+        for group in groups:
+            output = group.output()
+            if group.finished:
+                self._close(group)
+            if output is not None:
+                outputs.append(output)
         return outputs
-
-    def _append_token(
-        self, request: Request, token_id: int, logprob: TokenLogprob | None, now: float
-    ) -> None:
-        request.append_token(token_id)
-        if request.metrics.first_token_time is None:
-            request.metrics.first_token_time = now
-        if logprob is not None and request.logprobs is not None:
-            request.logprobs.append(logprob)
-        stop_string_hit = self._update_text(request)
-        reason = FinishReason.STOP if stop_string_hit else self._stop_reason(request, token_id)
-        if reason is not None:
-            self._finish(request, reason)
-
-    def _update_text(self, request: Request) -> bool:
-        """Extend the output text; True (and text truncated) when a stop string appeared."""
-        if self.tokenizer is None:
-            return False
-        state = self._detokenizers[request.request_id]
-        previous_length = len(request.output_text)
-        request.output_text += append_new_text(
-            self.tokenizer, request.output_token_ids, state, request.params.skip_special_tokens
-        )
-        if not request.params.stop:
-            return False
-        index = find_stop_string(request.output_text, request.params.stop, previous_length)
-        if index == -1:
-            return False
-        request.output_text = request.output_text[:index]
-        return True
-
-    def _stop_reason(self, request: Request, token_id: int) -> FinishReason | None:
-        params = request.params
-        if not params.ignore_eos and token_id in request.eos_token_ids:
-            return FinishReason.STOP
-        if token_id in params.stop_token_ids:
-            return FinishReason.STOP
-        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
-            return FinishReason.LENGTH
-        return None
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
         request.finish_reason = reason
         request.metrics.finished_time = time.monotonic()
         self.scheduler.finish(request)
-        self._detokenizers.pop(request.request_id, None)
-        if request.group is None:  # a group's entry goes when the whole group does (_close_group)
-            del self.requests[request.request_id]
 
-    def _output(self, request: Request) -> RequestOutput:
-        finished = request.is_finished
-        text_end = streamable_length(request.output_text, request.params.stop, finished)
-        delta_text = request.output_text[request.num_sent_chars : text_end]
-        delta_tokens = request.output_token_ids[request.num_sent_tokens :]
-        request.num_sent_chars = max(request.num_sent_chars, text_end)
-        request.num_sent_tokens = request.num_output_tokens
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt=request.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            text=request.output_text,
-            token_ids=list(request.output_token_ids),
-            finished=finished,
-            finish_reason=request.finish_reason.value if request.finish_reason else None,
-            num_cached_tokens=max(request.num_cached_tokens, 0),
-            metrics=request.metrics,
-            logprobs=request.logprobs,
-            delta_text=delta_text,
-            delta_token_ids=delta_tokens,
-        )
-
-    # --- groups: parallel sampling and beam search -------------------------------------------------
-
-    def _step_with_groups(self, logits: torch.Tensor, requests: list[Request]) -> list[RequestOutput]:
-        """step()'s sampling while groups are alive: fork parallel roots at their first token, sample
-        plain requests and members, hand beam rows to their groups and step the groups that are ready."""
-        rows, to_sample, beam_groups = self._route_rows(logits, requests)
-        outputs: list[RequestOutput] = []
-        touched: dict[ParallelGroup | BeamGroup, None] = {}  # ordered set
-        if to_sample:
-            logits = logits[rows]
-            token_ids, logprobs = sample(logits, to_sample)
-            add_cumulative_logprobs(logits, to_sample, token_ids)
-            now = time.monotonic()
-            for request, token_id, logprob in zip(to_sample, token_ids, logprobs, strict=True):
-                self._append_token(request, token_id, logprob, now)
-                if request.group is None:
-                    outputs.append(self._output(request))
-                else:
-                    touched[request.group] = None
-        for group in beam_groups:
-            if group.ready:
-                group.step(self.scheduler)
-                touched[group] = None
-        for group in touched:
-            output = group.output()
-            if group.finished:
-                self._close_group(group)
-            if output is not None:
-                outputs.append(output)
-        return outputs
-
-    def _route_rows(
-        self, logits: torch.Tensor, requests: list[Request]
-    ) -> tuple[list[int], list[Request], list[BeamGroup]]:
-        """Logits rows to sample (a parallel root's row once per member) and the beam groups fed."""
-        rows: list[int] = []
-        to_sample: list[Request] = []
-        beam_groups: dict[BeamGroup, None] = {}
-        for row, request in enumerate(requests):
-            group = request.group
-            if isinstance(group, BeamGroup):
-                group.add_row(request, logits[row])
-                beam_groups[group] = None
-                continue
-            members = [request]
-            if group is not None and not group.forked:
-                members = group.fork(self.block_manager)
-                for child in members[1:]:
-                    self._detokenizers[child.request_id] = DetokenizerState()
-                    enqueue_fork(self.scheduler, request, child)
-            rows.extend([row] * len(members))
-            to_sample.extend(members)
-        return rows, to_sample, list(beam_groups)
-
-    def _abort_group(self, group: ParallelGroup | BeamGroup) -> RequestOutput | None:
-        for sequence in group.sequences():
-            if not sequence.is_finished:
-                self._finish(sequence, FinishReason.ABORT)
-        group.mark_aborted()
-        output = group.output()
-        self._close_group(group)
-        return output
-
-    def _close_group(self, group: ParallelGroup | BeamGroup) -> None:
+    def _close(self, group: SequenceGroup) -> None:
         group.root.metrics.finished_time = time.monotonic()
         del self.groups[group.request_id]
-        del self.requests[group.request_id]
-        self._detokenizers.pop(group.request_id, None)
 
     # --- introspection -------------------------------------------------------------------------------
 

@@ -28,6 +28,14 @@ class ModelRunner:
         self.block_size = kv_pool.block_size
         self.device = model.device
 
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy whole blocks (every layer, keys and values) src -> dst; all sources are read first.
+        Copy-on-write of forked sequences' shared tail blocks, run before the forward."""
+        device = self.kv_pool.tensor.device
+        src = torch.tensor([s for s, _ in copies], dtype=torch.long, device=device)
+        dst = torch.tensor([d for _, d in copies], dtype=torch.long, device=device)
+        self.kv_pool.tensor[:, :, dst] = self.kv_pool.tensor[:, :, src]
+
     def run(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, list[ScheduledRequest]]:
         """Forward the batch; returns float32 logits for each sequence that reached its last token."""
         batch = self.prepare(scheduled)

@@ -1,4 +1,4 @@
-"""SamplingParams: how one request picks its tokens and when it stops."""
+"""SamplingParams and BeamSearchParams: how one request picks its tokens and when it stops."""
 
 from __future__ import annotations
 
@@ -67,3 +67,43 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+
+@dataclass(slots=True)
+class BeamSearchParams:
+    """Beam search settings; Hugging Face `generate(num_beams=beam_width, do_sample=False, ...)` names.
+
+    `num_return_sequences` (default: beam_width) hypotheses come back, best first. Stops on the
+    model's EOS ids or after `max_tokens` generated tokens; no stop strings.
+    """
+
+    beam_width: int
+    max_tokens: int = 16
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False  # True, False or "never", as in transformers
+    num_return_sequences: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first invalid field."""
+        if not isinstance(self.beam_width, int) or self.beam_width < 1:
+            raise ValueError(f"beam_width must be an integer >= 1, got {self.beam_width!r}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.early_stopping not in (True, False, "never"):
+            raise ValueError(f"early_stopping must be True, False or 'never', got {self.early_stopping!r}")
+        returned = self.num_return_sequences
+        if returned is not None and (not isinstance(returned, int) or not 1 <= returned <= self.beam_width):
+            raise ValueError(f"num_return_sequences must be between 1 and beam_width, got {returned!r}")
+
+    @property
+    def num_returned(self) -> int:
+        return self.num_return_sequences or self.beam_width
+
+    def sampling_params(self) -> SamplingParams:
+        """What each beam carries as a request (beams never sample: the group picks their tokens)."""
+        return SamplingParams(max_tokens=self.max_tokens, temperature=0.0,
+                              skip_special_tokens=self.skip_special_tokens)

@@ -1,19 +1,34 @@
-"""Request: one generation's state as it moves through the engine, and what it reports back."""
+"""Request: one generation's state as it moves through the engine, and what it reports back.
+
+A request's tokens by index, where its counters meet (bs = block_size; all ranges half-open):
+
+    [0, num_tokens)                           prompt + output so far (`all_token_ids`)
+    [0, num_computed_tokens)                  KV in the pool, in `block_table` (matched, adopted or computed)
+    [num_computed_tokens, num_tokens)         still to compute: a prefill chunk, or the last token (decode)
+    [0, num_published_blocks * bs)            full blocks registered in the prefix cache (<= computed)
+    [0, num_cached_tokens)                    found in the prefix cache at first admission, plus blocks
+                                              adopted while prefilling: the `cached_tokens` it reports
+    [num_published_blocks * bs, k * bs)       at a block boundary while prefilling: cached meanwhile by
+                                              another request -> adopt those blocks (k = blocks matched)
+    [published * bs, present * bs)            at publish: registered first by another request -> swap our
+                                              copies for the cached blocks, free ours
+
+Only the block manager moves `num_computed_tokens` back (preemption frees everything: 0) and touches
+`block_table`, `block_hashes` and `num_published_blocks`; the engine advances `num_computed_tokens`
+after each forward.
+"""
 
 from __future__ import annotations
 
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
-from kvserve.engine.params import SamplingParams
-
-if TYPE_CHECKING:
-    from kvserve.engine.beam_search import BeamGroup
-    from kvserve.engine.parallel import ParallelGroup
+from kvserve.engine.detokenizer import DetokenizerState, streamable_length
+from kvserve.engine.params import BeamSearchParams, SamplingParams
+from kvserve.prefix.base import Namespace
 
 
 class RequestStatus(enum.Enum):
@@ -108,7 +123,7 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    namespace: tuple[str, ...] = ()
+    namespace: Namespace = ()
     prompt: str | None = None
     eos_token_ids: frozenset[int] = frozenset()
     status: RequestStatus = RequestStatus.WAITING
@@ -118,21 +133,25 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_published_blocks: int = 0  # leading blocks registered in the prefix cache
-    num_cached_tokens: int = -1  # prefix hit at first admission; -1 until matched
+    num_cached_tokens: int = 0  # prefix hit at first admission (+ adopted), see the module docstring
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
     generator: torch.Generator | None = None
+    seed: int | None = None  # what `generator` was seeded with (a parallel group derives its members')
+    beam_params: BeamSearchParams | None = None  # a beam-search request as submitted (params: per beam)
     logprobs: list[TokenLogprob] | None = None
     output_text: str = ""
     num_sent_tokens: int = 0  # outputs already reported through deltas
     num_sent_chars: int = 0
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
-    group: ParallelGroup | BeamGroup | None = None  # the parallel / beam-search request it belongs to
+    group_id: str = ""  # the request as submitted that this sequence belongs to (itself, or a fork's root)
+    detokenizer: DetokenizerState = field(default_factory=DetokenizerState)
     may_share_tail: bool = False  # forked: the partial tail block may be shared (copy it before writing)
-    cumulative_logprob: float = 0.0  # kept for group members only
+    cumulative_logprob: float = 0.0  # kept when its group asks for it (parallel members, beams)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
+        self.group_id = self.group_id or self.request_id
         if self.params.logprobs is not None:
             self.logprobs = []
 
@@ -155,3 +174,20 @@ class Request:
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    @property
+    def was_admitted(self) -> bool:
+        """Admitted at least once (so a later admission is a resumption, not a first prefix query)."""
+        return self.metrics.first_scheduled_time is not None
+
+    def take_delta(self) -> tuple[str, list[int]]:
+        """Text and token ids produced since the last call; advances the sent counters.
+
+        Text that could still turn into a stop string is held back until it cannot (or until the end).
+        """
+        text_end = streamable_length(self.output_text, self.params.stop, self.is_finished)
+        delta_text = self.output_text[self.num_sent_chars : text_end]
+        delta_tokens = self.output_token_ids[self.num_sent_tokens :]
+        self.num_sent_chars = max(self.num_sent_chars, text_end)
+        self.num_sent_tokens = self.num_output_tokens
+        return delta_text, delta_tokens

@@ -77,3 +77,14 @@ def _logprobs(
             entry.top = list(zip(indices.tolist(), values.tolist(), strict=True))
         results[row] = entry
     return results
+
+
+def add_cumulative_logprobs(logits: torch.Tensor, requests: Sequence[Request], token_ids: list[int],
+                            rows: list[int]) -> None:
+    """Add the sampled token's raw log-prob to `cumulative_logprob` of requests[i] for i in `rows`."""
+    if not rows:
+        return
+    log_probs = logits[rows].log_softmax(dim=-1)
+    picked = log_probs[torch.arange(len(rows)), torch.tensor([token_ids[i] for i in rows])].tolist()
+    for row, logprob in zip(rows, picked, strict=True):
+        requests[row].cumulative_logprob += logprob

@@ -5,9 +5,11 @@ waiting ones are admitted while the token budget, `max_num_seqs` and the pool al
 request cannot get a block, the newest running request is preempted: its blocks are released (full
 ones stay in the prefix cache) and it goes back to the front of the queue, to be recomputed.
 
-A running request with nothing to compute is a beam waiting for its siblings' logits (beam search
-advances all beams of a request together); it is skipped. If nothing at all could run, such beams are
-preempted (queued behind the head) until the head of the queue fits, so a group never deadlocks.
+A running request with nothing to compute is waiting for the rest of its group (a beam whose
+siblings have not computed their logits yet); it is skipped. If nothing at all could run, such
+requests are preempted (queued behind the head) until the head of the queue fits, so a group never
+deadlocks. Forks join through `add_fork` and leave through `finish`: no other module edits `running`
+or `waiting`. `schedule()` ends by asserting what must hold after every step.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ class PrefixCacheCounters:
     recent: deque = field(default_factory=lambda: deque(maxlen=1000))  # (queried, hit) per request
 
     def record(self, request: Request, num_matched_tokens: int) -> None:
-        if request.num_preemptions:
+        if request.was_admitted:  # preempted (or a fork that found no room): a re-match
             self.preempted_queries += request.num_prompt_tokens
             self.preempted_hits += num_matched_tokens
             return
@@ -90,9 +92,20 @@ class Scheduler:
             self._schedule_waiting(output, budget)
         if not output.scheduled and self.waiting and self.running:
             self._unblock_waiting(output)
-        if self.block_manager.pending_copies:
-            output.blocks_to_copy = self.block_manager.take_pending_copies()
+        output.blocks_to_copy = self.block_manager.take_pending_copies()
+        self._assert_end_of_step(output)
         return output
+
+    def _assert_end_of_step(self, output: SchedulerOutput) -> None:
+        """What must hold after every schedule (vLLM states the same facts)."""
+        assert self.max_num_batched_tokens - output.num_tokens >= 0, "token budget below 0"
+        assert len(self.running) <= self.max_num_seqs, f"{len(self.running)} running > {self.max_num_seqs}"
+        block_size = self.block_manager.block_size
+        for item in output.scheduled:
+            request = item.request
+            assert request.status is RequestStatus.RUNNING, f"{request.request_id} scheduled while not running"
+            assert len(request.block_table) * block_size >= request.num_computed_tokens + item.num_new_tokens, (
+                f"{request.request_id}: blocks do not cover its tokens")
 
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
         index = 0
@@ -100,7 +113,7 @@ class Scheduler:
             request = self.running[index]
             self._adopt_cached_continuation(request)
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if num_new == 0:  # a beam holding its logits until its siblings have theirs
+            if num_new == 0:  # holding its logits until the rest of its group has theirs
                 index += 1
                 continue
             while not self.block_manager.can_grow(request, num_new):
@@ -149,24 +162,23 @@ class Scheduler:
                 self.counters.hits += adopted
 
     def _record_match(self, request: Request, num_matched_tokens: int) -> None:
-        if request.num_cached_tokens < 0:
+        if not request.was_admitted:
             request.num_cached_tokens = num_matched_tokens
-        if self.block_manager.caching_enabled:
-            self.counters.record(request, num_matched_tokens)
+        self.counters.record(request, num_matched_tokens)
 
     def _order_waiting_by_longest_prefix(self) -> None:
-        """SGLang's lpm: admit the longest cached prefix first; FCFS when the queue is long or cache off."""
-        if not self.block_manager.caching_enabled or len(self.waiting) > LPM_MAX_WAITING:
+        """SGLang's lpm: admit the longest cached prefix first; FCFS when the queue is long."""
+        if len(self.waiting) > LPM_MAX_WAITING:
             return
         # Preempted requests keep their place at the front: they already waited their turn.
-        resumed = [r for r in self.waiting if r.num_preemptions]
-        fresh = [r for r in self.waiting if not r.num_preemptions]
+        resumed = [r for r in self.waiting if r.was_admitted]
+        fresh = [r for r in self.waiting if not r.was_admitted]
         fresh.sort(key=lambda r: len(self.block_manager.match_prefix(r)), reverse=True)  # stable sort
         self.waiting = deque(resumed + fresh)
 
     def _unblock_waiting(self, output: SchedulerOutput) -> None:
-        """Nothing ran: every running request is a beam holding its logits while the queue's head (say a
-        preempted sibling) does not fit. Preempt from the newest until the head is admitted. The victims
+        """Nothing ran: every running request holds its logits for its group while the queue's head (say
+        a preempted sibling) does not fit. Preempt from the newest until the head is admitted. The victims
         keep their logits and go to the back: they need no compute before their group's next step."""
         while self.running and not output.scheduled:
             victim = self.running.pop()
@@ -183,6 +195,30 @@ class Scheduler:
             self.waiting.appendleft(request)
         else:
             self.waiting.append(request)
+
+    def add_fork(self, parent: Request, child: Request) -> None:
+        """Queue a fork of `parent`: running beside it, sharing its blocks, while `max_num_seqs` allows;
+        otherwise waiting right behind it (or at the front of the queue), holding no blocks, to be
+        computed on admission like a preempted request."""
+        if parent.status is RequestStatus.RUNNING and len(self.running) < self.max_num_seqs:
+            self.block_manager.fork(parent, child)
+            child.status = RequestStatus.RUNNING
+            self.running.append(child)
+            return
+        child.status = RequestStatus.WAITING
+        index = self.waiting.index(parent) + 1 if parent.status is RequestStatus.WAITING else 0
+        self.waiting.insert(index, child)
+
+    def check_invariants(self) -> None:
+        """Pool, cache and block-table checks (the engine runs them after every step under
+        KVSERVE_DEBUG_CHECKS=1); AssertionError on a mismatch."""
+        for request in self.waiting:
+            assert not request.block_table, f"waiting {request.request_id} holds blocks"
+            assert request.status is RequestStatus.WAITING, request.request_id
+        for request in self.running:
+            assert request.status is RequestStatus.RUNNING, request.request_id
+        assert len(self.running) <= self.max_num_seqs, f"{len(self.running)} running > {self.max_num_seqs}"
+        self.block_manager.check_invariants(self.running)
 
     def finish(self, request: Request) -> None:
         """Remove a finished or aborted request and release its blocks."""

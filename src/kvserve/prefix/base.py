@@ -15,6 +15,8 @@ Ownership model (shared by every implementation):
   BlockRemoved). It may be called several times per `evict`; it must not call back into the cache.
 - Accounting invariant at every moment:
   allocator.num_free + cache.num_evictable_blocks + allocator.num_referenced() == num_blocks.
+  `check_invariants()` recounts it (and each cache's own structure); the engine calls it after every
+  step when `KVSERVE_DEBUG_CHECKS=1`, as the test suite does.
 """
 
 from __future__ import annotations
@@ -23,10 +25,9 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from kvserve.kv.block_allocator import BlockAllocator
+from kvserve.prefix.namespace import Namespace
 
-# A namespace is a tuple of fields, e.g. () for no salt, (cache_salt,), or (tenant, cache_salt).
-# Fields stay separate everywhere (never concatenated), so ("ab", "c") != ("a", "bc").
-Namespace = tuple[str, ...]
+__all__ = ["Namespace", "NoPrefixCache", "PrefixCache", "check_accounting"]
 
 
 class PrefixCache(Protocol):
@@ -65,6 +66,23 @@ class PrefixCache(Protocol):
     def reset(self) -> bool:
         """Drop every registered block; only allowed when none is referenced."""
         ...
+
+    def check_invariants(self) -> None:
+        """Recount the cache's structure and the pool accounting; AssertionError on a mismatch."""
+        ...
+
+
+def check_accounting(alloc: BlockAllocator, registered: set[int], num_evictable: int) -> None:
+    """Shared by every cache: ref counts, free list and the accounting invariant."""
+    refs = alloc.ref_counts
+    assert all(count >= 0 for count in refs), "negative ref count"
+    assert num_evictable == sum(1 for b in registered if refs[b] == 0), "evictable count drifted"
+    for block_id in range(alloc.num_blocks):
+        if alloc.is_free(block_id):
+            assert refs[block_id] == 0, f"block {block_id} both free and referenced"
+        else:
+            assert refs[block_id] > 0 or block_id in registered, f"block {block_id} leaked (ref 0, not free)"
+    assert alloc.num_free + num_evictable + alloc.num_referenced() == alloc.num_blocks, "accounting"
 
 
 class NoPrefixCache:
@@ -106,3 +124,6 @@ class NoPrefixCache:
 
     def reset(self) -> bool:
         return self.allocator.num_referenced() == 0
+
+    def check_invariants(self) -> None:
+        check_accounting(self.allocator, set(), 0)

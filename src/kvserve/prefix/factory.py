@@ -1,4 +1,7 @@
-"""`--prefix-cache radix|hash|off` -> a PrefixCache."""
+"""`--prefix-cache radix|hash|off` -> a PrefixCache; the one list of cache kinds and hash kinds.
+
+`off` is NoPrefixCache: the only switch (the block manager and scheduler never ask whether caching is on).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ from kvserve.prefix.hashing import HashFunction
 from kvserve.prefix.radix import RadixCache
 
 PREFIX_CACHE_KINDS = ("radix", "hash", "off")
+PREFIX_HASH_KINDS = tuple(algo.value for algo in HashFunction)
 
 
 def make_prefix_cache(

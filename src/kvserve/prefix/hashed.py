@@ -20,9 +20,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvserve.kv.block_allocator import BlockAllocator
-from kvserve.prefix.base import Namespace
+from kvserve.prefix.base import Namespace, check_accounting
 from kvserve.prefix.hashing import HashFunction
-from kvserve.prefix.radix import check_accounting
 
 
 @dataclass(slots=True, eq=False)

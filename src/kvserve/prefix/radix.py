@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvserve.kv.block_allocator import BlockAllocator
-from kvserve.prefix.base import Namespace
+from kvserve.prefix.base import Namespace, check_accounting
 
 
 @dataclass(slots=True, eq=False)
@@ -306,13 +306,3 @@ class RadixCache:
         assert seen == set(self._node_of), "block map and tree disagree"
         check_accounting(alloc, seen, self._num_evictable)
 
-
-def check_accounting(alloc: BlockAllocator, registered: set[int], num_evictable: int) -> None:
-    """Shared by both caches: ref counts, free list and the accounting invariant."""
-    refs = alloc.ref_counts
-    assert all(count >= 0 for count in refs), "negative ref count"
-    assert num_evictable == sum(1 for b in registered if refs[b] == 0), "evictable count drifted"
-    for block_id in range(alloc.num_blocks):
-        if alloc.is_free(block_id):
-            assert refs[block_id] == 0, f"block {block_id} both free and referenced"
-    assert alloc.num_free + num_evictable + alloc.num_referenced() == alloc.num_blocks, "accounting"

@@ -5,11 +5,11 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from kvserve.engine.async_engine import EngineDeadError
 from kvserve.server.errors import ApiError
 from kvserve.server.generation import engine_unavailable
 from kvserve.server.metrics import CONTENT_TYPE
 from kvserve.server.state import Admin, server_state
+from kvserve.serving.async_engine import EngineDeadError
 
 router = APIRouter()
 

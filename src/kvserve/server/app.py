@@ -11,75 +11,115 @@ from collections.abc import AsyncIterator, Iterator
 
 import uvicorn
 from fastapi import FastAPI
+from starlette.middleware.cors import CORSMiddleware
 
 from kvserve.config import EngineConfig
-from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.engine import LLMEngine
-from kvserve.server import admin_routes, openai_routes
-from kvserve.server.auth import ApiKeys, load_api_keys
+from kvserve.server import admin_routes, extra_routes, openai_routes
+from kvserve.server.auth import ApiKeys, add_operator_keys, load_api_keys
 from kvserve.server.errors import install_error_handlers
 from kvserve.server.metrics import ServerMetrics
+from kvserve.server.options import DEFAULT_MAX_QUEUE, GRACEFUL_SHUTDOWN_S, ServerOptions
 from kvserve.server.responses import TokenTexts
 from kvserve.server.state import ServerState
+from kvserve.server.stats_log import StatsLogger, periodic_stats
+from kvserve.serving.async_engine import AsyncEngine
 
 logger = logging.getLogger("uvicorn.error")  # shows up alongside uvicorn's own lines
-DEFAULT_MAX_QUEUE = 256
-GRACEFUL_SHUTDOWN_S = 30.0
+__all__ = ["DEFAULT_MAX_QUEUE", "GRACEFUL_SHUTDOWN_S", "build_app", "run_server"]
 
 
 def build_app(
-    async_engine: AsyncEngine, served_model_name: str, api_keys: ApiKeys | None, max_queue: int
+    async_engine: AsyncEngine, served_model_name: str, api_keys: ApiKeys | None, max_queue: int,
+    options: ServerOptions | None = None,
 ) -> FastAPI:
     """An app serving `async_engine`; its lifespan starts the engine thread and shuts it down.
 
     `api_keys` None is single-tenant mode (no auth; `cache_salt` alone picks the namespace).
-    More than `max_queue` waiting requests are refused with 429.
+    More than `max_queue` waiting requests are refused with 429. `options` adds vLLM's server
+    conventions (served names, CORS, the periodic stats line).
     """
     if max_queue < 1:
         raise ValueError(f"max_queue must be >= 1, got {max_queue}")
+    options = options or ServerOptions()
+    names = options.model_names(served_model_name)
+    metrics = ServerMetrics(async_engine.stats, names[0], async_engine.info.max_model_len)
+    stats_logger = StatsLogger(metrics.totals, async_engine.stats, logger)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         async_engine.start()
         try:
-            yield
+            async with periodic_stats(stats_logger, options.stats_log_interval):
+                yield
         finally:
             # In-flight handlers were finished or cancelled (and aborted) by uvicorn's graceful shutdown.
             await asyncio.to_thread(async_engine.shutdown, False)
 
     app = FastAPI(title="kvserve", summary="OpenAI-compatible LLM server", lifespan=lifespan)
     app.state.server = ServerState(
-        engine=async_engine, model_name=served_model_name, api_keys=api_keys, max_queue=max_queue,
-        metrics=ServerMetrics(async_engine.stats), token_texts=TokenTexts(async_engine.tokenizer),
+        engine=async_engine, model_name=names[0], api_keys=api_keys, max_queue=max_queue,
+        metrics=metrics, token_texts=TokenTexts(async_engine.tokenizer), served_model_names=names,
     )
     install_error_handlers(app)
     app.include_router(openai_routes.router)
     app.include_router(admin_routes.router)
+    app.include_router(extra_routes.router)
+    _add_cors(app, options.allowed_origins)
     return app
+
+
+def _add_cors(app: FastAPI, origins: tuple[str, ...]) -> None:
+    """Browser access from `origins` (vLLM allows any origin by default; kvserve none unless asked)."""
+    if origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(origins), allow_methods=["*"],
+                           allow_headers=["*"], allow_credentials=False)
 
 
 def run_server(
     config: EngineConfig, host: str, port: int, api_keys_path: str | None, max_queue: int,
-    shutdown_timeout: float = GRACEFUL_SHUTDOWN_S,
+    shutdown_timeout: float = GRACEFUL_SHUTDOWN_S, options: ServerOptions | None = None,
 ) -> None:
     """Load the model and serve until SIGTERM/SIGINT; then stop accepting, let in-flight requests
     finish for up to `shutdown_timeout` seconds, abort the rest, and return (exit status 0)."""
-    api_keys = load_api_keys(api_keys_path) if api_keys_path else None  # fail before the slow model load
+    options = options or ServerOptions()
+    _configure_logging(options.log_level)
+    # Keys fail before the slow model load.
+    api_keys = add_operator_keys(load_api_keys(api_keys_path) if api_keys_path else None, options.api_keys)
     with _graceful_signals() as signals:
         engine = AsyncEngine(LLMEngine(config))
         try:
-            app = build_app(engine, engine.info.model_name, api_keys, max_queue)
+            _override_chat_template(engine, options.chat_template)
+            app = build_app(engine, engine.info.model_name, api_keys, max_queue, options)
             mode = f"{len(api_keys)} API keys" if api_keys else "single tenant, no auth"
-            logger.info("kvserve: model %s, %d KV blocks of %d tokens, %s", engine.info.model_name,
-                        engine.info.num_blocks, engine.info.block_size, mode)
+            logger.info("kvserve: model %s served as %s, %d KV blocks of %d tokens, %s", engine.info.model_name,
+                        ", ".join(options.model_names(engine.info.model_name)), engine.info.num_blocks,
+                        engine.info.block_size, mode)
             server = _GracefulServer(engine, shutdown_timeout, uvicorn.Config(
                 # uvicorn's own limit is a backstop: by then our abort has ended every stream.
-                app, host=host, port=port, timeout_graceful_shutdown=shutdown_timeout + 10, log_level="info",
+                app, host=host, port=port, timeout_graceful_shutdown=shutdown_timeout + 10,
+                log_level=options.log_level,
             ))
             signals.serving = True
             server.run()
         finally:
             engine.shutdown(drain=False)
+
+
+def _configure_logging(level: str) -> None:
+    """`--log-level` for kvserve's own loggers too (uvicorn configures its own from the same value)."""
+    numeric = 5 if level == "trace" else getattr(logging, level.upper())
+    logging.basicConfig(level=numeric, format="%(levelname)s:     %(name)s: %(message)s")
+    logging.getLogger("kvserve").setLevel(numeric)
+
+
+def _override_chat_template(engine: AsyncEngine, template: str | None) -> None:
+    """`--chat-template`: replace the model's template before any request is rendered."""
+    if template is None:
+        return
+    if engine.tokenizer is None:
+        raise ValueError("chat_template: this model has no tokenizer to render a template with")
+    engine.tokenizer.chat_template = template
 
 
 class _GracefulServer(uvicorn.Server):

@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvserve.engine.validation import validate_cache_salt
+from kvserve.prefix.namespace import Namespace, make_namespace
 
 try:
     import tomllib
@@ -65,6 +66,22 @@ class ApiKeys:
 
     def lookup(self, key: str) -> Principal | None:
         return self._by_digest.get(_digest(key))
+
+
+OPERATOR = SINGLE_TENANT  # `--api-key`: full access, single-tenant namespace
+
+
+def add_operator_keys(api_keys: ApiKeys | None, keys: Sequence[str]) -> ApiKeys | None:
+    """`api_keys` plus vLLM-style `--api-key` keys (each an OPERATOR); ValueError for a key in both."""
+    if not keys:
+        return api_keys
+    extra = ApiKeys({_checked_key(key, "--api-key"): OPERATOR for key in keys})
+    if api_keys is None:
+        return extra
+    if set(extra._by_digest) & set(api_keys._by_digest):
+        raise ValueError("--api-key: a key is also in the --api-keys file; give each key once")
+    extra._by_digest.update(api_keys._by_digest)
+    return extra
 
 
 def _digest(key: str) -> bytes:
@@ -143,10 +160,6 @@ def require_admin(principal: Principal) -> None:
         raise AuthError("this endpoint needs an admin API key", status=403)
 
 
-def cache_namespace(principal: Principal, cache_salt: str | None) -> tuple[str, ...]:
+def cache_namespace(principal: Principal, cache_salt: str | None) -> Namespace:
     """The prefix-cache namespace of a request; ValueError (naming cache_salt) for a bad salt."""
-    if cache_salt is not None:
-        validate_cache_salt(cache_salt)
-    if principal.tenant is None:
-        return () if cache_salt is None else (cache_salt,)
-    return (principal.tenant, cache_salt or "")
+    return make_namespace(cache_salt, principal.tenant)

@@ -19,14 +19,14 @@ from dataclasses import dataclass
 from fastapi import Request
 from pydantic import BaseModel
 
-from kvserve.engine.async_engine import AsyncEngine, EngineDeadError, RequestGroup, RequestSpec
-from kvserve.engine.beam_search import BeamSearchParams
-from kvserve.engine.params import SamplingParams
+from kvserve.engine.params import BeamSearchParams, SamplingParams
 from kvserve.engine.request import CompletionOutput, RequestOutput
+from kvserve.prefix.namespace import Namespace
 from kvserve.server.errors import ApiError, from_engine_value_error
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.protocol import Usage
 from kvserve.server.responses import ResponseContext, choices_of, usage_of
+from kvserve.serving.async_engine import AsyncEngine, EngineDeadError, RequestGroup, RequestSpec
 
 logger = logging.getLogger(__name__)
 SSE_DONE = "data: [DONE]\n\n"
@@ -47,7 +47,7 @@ class StreamFormat:
 
 async def submit(
     engine: AsyncEngine, ctx: ResponseContext, prompts: Sequence[list[int]],
-    params: SamplingParams | BeamSearchParams, namespace: tuple[str, ...], max_queue: int, prompt_param: str,
+    params: SamplingParams | BeamSearchParams, namespace: Namespace, max_queue: int, prompt_param: str,
 ) -> RequestGroup:
     """Queue one engine request per prompt (each carries its n choices) as one group; 429 when the
     queue is full."""
@@ -76,7 +76,7 @@ async def collect(group: RequestGroup, request: Request, metrics: ServerMetrics)
     finally:
         watcher.cancel()
         collector.cancel()  # no-op when done
-        metrics.observe_aborted(group.abort())
+        metrics.observe_aborted(group.abort(), group.request_ids)
     if collector not in done:
         raise ClientDisconnected
     try:
@@ -88,9 +88,9 @@ async def collect(group: RequestGroup, request: Request, metrics: ServerMetrics)
 async def _final_outputs(group: RequestGroup, metrics: ServerMetrics) -> dict[int, RequestOutput]:
     finals: dict[int, RequestOutput] = {}
     async for index, output in group:
+        metrics.observe_output(output)
         if output.finished:
             finals[index] = output
-            metrics.observe_finished(output)
     return finals
 
 
@@ -115,8 +115,7 @@ async def sse_stream(
             yield _event(chunk)
         async for prompt_index, output in group:
             latest[prompt_index] = output
-            if output.finished:
-                metrics.observe_finished(output)
+            metrics.observe_output(output)
             for index, completion in choices_of(ctx, prompt_index, output):
                 if index in finished_choices:
                     continue
@@ -133,7 +132,7 @@ async def sse_stream(
         yield f"data: {json.dumps(engine_unavailable(err).body())}\n\n"
         yield SSE_DONE
     finally:
-        metrics.observe_aborted(group.abort())
+        metrics.observe_aborted(group.abort(), group.request_ids)
 
 
 def _event(chunk: BaseModel) -> str:

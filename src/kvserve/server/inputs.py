@@ -16,11 +16,10 @@ from typing import Any
 
 import jinja2
 
-from kvserve.engine.async_engine import EngineInfo
-from kvserve.engine.beam_search import BeamSearchParams
-from kvserve.engine.params import SamplingParams
+from kvserve.engine.params import BeamSearchParams, SamplingParams
 from kvserve.server.errors import ApiError, bad_request, from_engine_value_error
 from kvserve.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
+from kvserve.serving.async_engine import EngineInfo
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_SEQUENCES = 64  # prompts × max(n, best_of, beam_width) per HTTP request

@@ -9,14 +9,15 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
-from kvserve.engine.async_engine import RequestGroup
 from kvserve.engine.request import RequestOutput
+from kvserve.prefix.namespace import Namespace
 from kvserve.server import inputs, responses
 from kvserve.server.auth import Principal, cache_namespace
 from kvserve.server.errors import ApiError, bad_request
 from kvserve.server.generation import ClientDisconnected, StreamFormat, collect, sse_stream, submit
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from kvserve.server.state import Caller, ServerState, parse_body, server_state
+from kvserve.serving.async_engine import RequestGroup
 
 router = APIRouter()
 CLIENT_CLOSED_REQUEST = 499  # nginx's code: nobody reads it, but logs show what happened
@@ -26,8 +27,9 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 @router.get("/v1/models")
 async def list_models(request: Request, _: Caller) -> JSONResponse:
     state = server_state(request)
-    card = ModelCard(id=state.model_name, created=0, max_model_len=state.engine.info.max_model_len)
-    return JSONResponse(ModelList(data=[card]).model_dump())
+    cards = [ModelCard(id=name, created=0, max_model_len=state.engine.info.max_model_len)
+             for name in state.model_names]
+    return JSONResponse(ModelList(data=cards).model_dump())
 
 
 @router.post("/v1/chat/completions")
@@ -40,7 +42,7 @@ async def chat_completions(request: Request, caller: Caller) -> Response:
     max_tokens = inputs.resolve_max_tokens(requested, [len(prompt_ids)], state.engine.info, None, "messages")
     params = inputs.engine_params(body, max_tokens, inputs.chat_logprobs(body))
     ctx = responses.ResponseContext.new(
-        "chatcmpl", state.model_name, body.n, [len(prompt_ids)], state.token_texts
+        "chatcmpl", body.model, body.n, [len(prompt_ids)], state.token_texts
     )
     group = await submit(state.engine, ctx, [prompt_ids], params, _namespace(caller, body.cache_salt),
                          state.max_queue, "messages")
@@ -65,7 +67,7 @@ async def completions(request: Request, caller: Caller) -> Response:
         body.max_tokens, prompt_lens, state.engine.info, inputs.DEFAULT_COMPLETION_MAX_TOKENS, "prompt"
     )
     params = inputs.engine_params(body, max_tokens, body.logprobs)
-    ctx = responses.ResponseContext.new("cmpl", state.model_name, body.n, prompt_lens, state.token_texts)
+    ctx = responses.ResponseContext.new("cmpl", body.model, body.n, prompt_lens, state.token_texts)
     group = await submit(state.engine, ctx, prompts, params, _namespace(caller, body.cache_salt),
                          state.max_queue, "prompt")
     want_logprobs = body.logprobs is not None
@@ -79,14 +81,14 @@ async def completions(request: Request, caller: Caller) -> Response:
 
 
 def _check_request(state: ServerState, body: ChatCompletionRequest | CompletionRequest) -> None:
-    if body.model != state.model_name:
-        raise ApiError(404, f"model {body.model!r} does not exist; this server serves {state.model_name!r}",
+    if body.model not in state.model_names:
+        raise ApiError(404, f"model {body.model!r} does not exist; this server serves {list(state.model_names)}",
                        "model", "model_not_found")
     inputs.reject_unsupported(body)
     inputs.check_group_options(body)
 
 
-def _namespace(caller: Principal, cache_salt: str | None) -> tuple[str, ...]:
+def _namespace(caller: Principal, cache_salt: str | None) -> Namespace:
     try:
         return cache_namespace(caller, cache_salt)
     except ValueError as err:

@@ -8,11 +8,11 @@ from typing import Annotated, TypeVar
 from fastapi import Depends, Request
 from pydantic import BaseModel, ValidationError
 
-from kvserve.engine.async_engine import AsyncEngine
 from kvserve.server.auth import ApiKeys, AuthError, Principal, authenticate, require_admin
 from kvserve.server.errors import ApiError, from_validation_error
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.responses import TokenTexts
+from kvserve.serving.async_engine import AsyncEngine
 
 MAX_BODY_BYTES = 16 * 1024 * 1024  # a 128k-token prompt is ~1 MB of JSON; this only stops abuse
 ModelT = TypeVar("ModelT", bound=BaseModel)
@@ -28,6 +28,11 @@ class ServerState:
     max_queue: int
     metrics: ServerMetrics
     token_texts: TokenTexts
+    served_model_names: tuple[str, ...] = ()  # every name requests may use; model_name is the first
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        return self.served_model_names or (self.model_name,)
 
 
 def server_state(request: Request) -> ServerState:

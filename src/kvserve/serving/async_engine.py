@@ -23,10 +23,10 @@ from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from kvserve.engine.beam_search import BeamSearchParams
 from kvserve.engine.engine import LLMEngine
-from kvserve.engine.params import SamplingParams
+from kvserve.engine.params import BeamSearchParams, SamplingParams
 from kvserve.engine.request import RequestOutput
+from kvserve.prefix.namespace import Namespace
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -44,7 +44,7 @@ class RequestSpec:
     prompt: str | list[int]
     params: SamplingParams | BeamSearchParams
     request_id: str
-    namespace: tuple[str, ...] = ()
+    namespace: Namespace = ()
 
 
 @dataclass(slots=True)
@@ -202,7 +202,7 @@ class AsyncEngine:
 
     async def generate(
         self, prompt_or_ids: str | list[int], params: SamplingParams, request_id: str,
-        namespace: tuple[str, ...] = (),
+        namespace: Namespace = (),
     ) -> AsyncIterator[RequestOutput]:
         """Stream one request's outputs; closing the iterator early aborts the request."""
         group = await self.add_requests([RequestSpec(prompt_or_ids, params, request_id, namespace)])

@@ -19,53 +19,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvserve.engine.beam_scoring import BeamScorer, Candidate, num_candidates, top_candidates
-from kvserve.engine.fork import enqueue_fork, fork_request
-from kvserve.engine.parallel import group_output
-from kvserve.engine.params import SamplingParams
+from kvserve.engine.groups.base import Decision, Drop, Extend, Finish, Fork
+from kvserve.engine.groups.beam_scoring import BeamScorer, Candidate, num_candidates, top_candidates
+from kvserve.engine.groups.fork import fork_sequence
+from kvserve.engine.groups.outputs import group_output
+from kvserve.engine.params import BeamSearchParams
 from kvserve.engine.request import CompletionOutput, Request, RequestOutput
-from kvserve.engine.scheduler import Scheduler
 from kvserve.model.tokenizer import Tokenizer
-
-
-@dataclass(slots=True)
-class BeamSearchParams:
-    """Beam search settings; Hugging Face `generate(num_beams=beam_width, do_sample=False, ...)` names.
-
-    `num_return_sequences` (default: beam_width) hypotheses come back, best first. Stops on the
-    model's EOS ids or after `max_tokens` generated tokens; no stop strings.
-    """
-
-    beam_width: int
-    max_tokens: int = 16
-    length_penalty: float = 1.0
-    early_stopping: bool | str = False  # True, False or "never", as in transformers
-    num_return_sequences: int | None = None
-    skip_special_tokens: bool = True
-
-    def __post_init__(self) -> None:
-        self.validate()
-
-    def validate(self) -> None:
-        """Raise ValueError naming the first invalid field."""
-        if not isinstance(self.beam_width, int) or self.beam_width < 1:
-            raise ValueError(f"beam_width must be an integer >= 1, got {self.beam_width!r}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if self.early_stopping not in (True, False, "never"):
-            raise ValueError(f"early_stopping must be True, False or 'never', got {self.early_stopping!r}")
-        returned = self.num_return_sequences
-        if returned is not None and (not isinstance(returned, int) or not 1 <= returned <= self.beam_width):
-            raise ValueError(f"num_return_sequences must be between 1 and beam_width, got {returned!r}")
-
-    @property
-    def num_returned(self) -> int:
-        return self.num_return_sequences or self.beam_width
-
-    def sampling_params(self) -> SamplingParams:
-        """What each beam carries as a request (beams never sample: the group picks their tokens)."""
-        return SamplingParams(max_tokens=self.max_tokens, temperature=0.0,
-                              skip_special_tokens=self.skip_special_tokens)
 
 
 @dataclass(slots=True, eq=False)
@@ -79,6 +39,7 @@ class BeamGroup:
     beams: list[Request] = field(init=False)
     rows: dict[Request, torch.Tensor] = field(default_factory=dict)  # this step's logits, per beam
     num_generated: int = 0
+    done: bool = False
     aborted: bool = False
     _ids: itertools.count = field(default_factory=itertools.count)
 
@@ -94,21 +55,21 @@ class BeamGroup:
 
     @property
     def finished(self) -> bool:
-        return not self.beams
+        return self.done
 
     def sequences(self) -> list[Request]:
         return self.beams
 
-    def add_row(self, beam: Request, logits: torch.Tensor) -> None:
-        self.rows[beam] = logits
+    def decide(self, rows: list[tuple[Request, int]], logits: torch.Tensor) -> list[Decision]:
+        """Keep the rows; once every live beam has one, take a beam step."""
+        for beam, row in rows:
+            self.rows[beam] = logits[row]
+        if self.done or len(self.rows) < len(self.beams):
+            return []
+        return self._step()
 
-    @property
-    def ready(self) -> bool:
-        """Every live beam has its logits for this step."""
-        return bool(self.beams) and len(self.rows) == len(self.beams)
-
-    def step(self, scheduler: Scheduler) -> None:
-        """One beam step: score the candidates, record finished ones, fork / keep / release beams."""
+    def _step(self) -> list[Decision]:
+        """One beam step: score the candidates, record finished ones, fork / keep / drop beams."""
         beams = self.beams
         log_probs = torch.stack([self.rows[beam] for beam in beams]).float().log_softmax(dim=-1)
         self.rows = {}
@@ -120,51 +81,44 @@ class BeamGroup:
         histories = [beam.output_token_ids for beam in beams]
         running = self.scorer.select(candidates, histories, self.num_generated)
         if self.scorer.is_done(running, self.num_generated):
-            self.release(scheduler)
-            return
-        self.beams = self._advance(running, scheduler)
+            self.done = True
+            return [Finish()]
+        return self._advance(running)
 
-    def _advance(self, running: list[Candidate], scheduler: Scheduler) -> list[Request]:
-        """The next beams: a parent's first pick continues in place, later picks fork from it."""
+    def _advance(self, running: list[Candidate]) -> list[Decision]:
+        """The next beams: a parent's first pick continues in place, later picks fork from it.
+
+        Forks copy the parent's history when they are decided, before any token of this step is
+        appended; a parent not picked at all is dropped (shared blocks lose one reference).
+        """
         parents = self.beams
         kept = [False] * len(parents)
+        decisions: list[Decision] = []
         next_beams = []
         for candidate in running:
             parent = parents[candidate.beam]
             if kept[candidate.beam]:
-                beam = fork_request(parent, f"{self.request_id}#b{next(self._ids)}", scheduler.block_manager)
-                enqueue_fork(scheduler, parent, beam)
+                beam = fork_sequence(parent, f"{self.request_id}#b{next(self._ids)}")
+                decisions.append(Fork(parent, beam))
             else:
                 kept[candidate.beam] = True
                 beam = parent
             next_beams.append(beam)
-        # Tokens go on only after every fork, so forks copy the parent's history without them.
-        for beam, candidate in zip(next_beams, running, strict=True):
-            beam.append_token(candidate.token_id)
-            beam.cumulative_logprob = candidate.score
-        for parent, is_kept in zip(parents, kept, strict=True):
-            if not is_kept:
-                scheduler.finish(parent)  # a dropped beam releases its blocks (shared ones lose a ref)
-        return next_beams
-
-    def release(self, scheduler: Scheduler) -> None:
-        """End the search: every live beam gives its blocks back."""
-        for beam in self.beams:
-            if not beam.is_finished:
-                scheduler.finish(beam)
-        self.beams = []
-        self.rows = {}
+        decisions += [Extend(beam, c.token_id, c.score) for beam, c in zip(next_beams, running, strict=True)]
+        decisions += [Drop(parent) for parent, is_kept in zip(parents, kept, strict=True) if not is_kept]
+        self.beams = next_beams
+        return decisions
 
     def mark_aborted(self) -> None:
         """After the engine aborted every live beam."""
         self.aborted = True
-        self.beams = []
+        self.done = True
         self.rows = {}
 
     def output(self) -> RequestOutput | None:
         """The finished hypotheses, best first (those finished so far when aborted); None while the
         search runs: hypotheses are only ranked at the end, so there is nothing to stream."""
-        if self.beams:
+        if not self.done:
             return None
         hypotheses = self.scorer.hypotheses[: self.params.num_returned]
         completions = [

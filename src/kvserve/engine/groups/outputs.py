@@ -1,0 +1,50 @@
+"""RequestOutputs of groups: one completion per member, each with the delta its request took."""
+
+from __future__ import annotations
+
+from kvserve.engine.request import CompletionOutput, Request, RequestOutput
+
+
+def plain_output(request: Request) -> RequestOutput:
+    """A single sequence's output now (top-level fields only, no `outputs`); takes its delta."""
+    return _request_output(request, [member_completion(0, request)], request.is_finished, grouped=False)
+
+
+def member_completion(index: int, request: Request) -> CompletionOutput:
+    """One member's completion so far; takes its delta."""
+    delta_text, delta_tokens = request.take_delta()
+    return CompletionOutput(
+        index=index, text=request.output_text,
+        token_ids=list(request.output_token_ids),
+        finish_reason=request.finish_reason.value if request.finish_reason else None,
+        cumulative_logprob=request.cumulative_logprob,
+        logprobs=None if request.logprobs is None else list(request.logprobs),
+        delta_text=delta_text, delta_token_ids=delta_tokens,
+    )
+
+
+def group_output(root: Request, completions: list[CompletionOutput], finished: bool) -> RequestOutput:
+    """A group's RequestOutput (`root`: the request as submitted); top-level fields mirror the first
+    completion."""
+    return _request_output(root, completions, finished, grouped=True)
+
+
+def _request_output(
+    root: Request, completions: list[CompletionOutput], finished: bool, grouped: bool
+) -> RequestOutput:
+    first = completions[0] if completions else CompletionOutput(0, "", [], None)
+    return RequestOutput(
+        request_id=root.request_id,
+        prompt=root.prompt,
+        prompt_token_ids=root.prompt_token_ids,
+        text=first.text,
+        token_ids=first.token_ids,
+        finished=finished,
+        finish_reason=first.finish_reason if finished else None,
+        num_cached_tokens=root.num_cached_tokens,
+        metrics=root.metrics,
+        logprobs=first.logprobs,
+        delta_text=first.delta_text,
+        delta_token_ids=first.delta_token_ids,
+        outputs=completions if grouped else None,
+    )
