@@ -1,6 +1,13 @@
-"""KV tiers benchmark (real default model, fp32).
+"""KV tiers benchmark (real default model, fp32, 2 threads, block size 16).
 
-1. Load-back cost per block per tier: fetch + decode + copy of one block of smollm2-135m's KV from host
+1. Multi-turn chat whose working set is 4x the device pool (--users users x --turns turns, one request
+   at a time, each turn = the history + a --message-token user message, --answer-tokens greedy tokens):
+   hit rate (turns 2+) split by source and TTFT p50/p90, for device only / + host (as large as the pool)
+   / + host + disk / + host + Redis on a fresh replica whose Redis another replica filled with the same
+   chat. Every configuration must produce the same transcript.
+2. Restart: an engine with a disk tier serves each user's last prompt again after a restart (warm: the
+   old directory) and from an empty directory (cold).
+3. Load-back cost per block per tier: fetch + decode + copy of one block of smollm2-135m's KV from host
    RAM, local disk (a temp directory; reads come from the page cache when it is warm, so this is a
    lower bound on a cold disk) and Redis (a local server on loopback), against recomputing that block
    (marginal prefill time per 16 tokens of a 1,024-token prompt with the prefix cache off).
@@ -9,9 +16,11 @@
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import sys
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -24,11 +33,12 @@ from kvserve.tiers.codec import BlockCodec  # noqa: E402
 from kvserve.tiers.disk import DiskStore  # noqa: E402
 from kvserve.tiers.host import HostStore  # noqa: E402
 from kvserve.tiers.local_redis import LocalRedis  # noqa: E402
-from kvserve.tiers.offload import OffloadPolicy  # noqa: E402
+from kvserve.tiers.offload import SOURCES, OffloadPolicy  # noqa: E402
 from kvserve.tiers.redis import RedisStore  # noqa: E402
 from kvserve.tiers.store import model_fingerprint  # noqa: E402
 
 PROMPT_TOKENS = 1024
+BLOCK_SIZE = 16
 
 
 def recompute_ms_per_block(llm: LLM, prompt: list[int], repeats: int) -> float:
@@ -89,19 +99,140 @@ def loadback(llm: LLM, prompt: list[int], repeats: int) -> str:
     return markdown_table(header, rows)
 
 
+@dataclass(slots=True)
+class Chat:
+    """Each user's messages; the answers come from the model (greedy), so every config sees the same."""
+
+    messages: list[list[list[int]]]  # [user][turn] -> token ids
+    answer_tokens: int
+
+    @classmethod
+    def make(cls, users: int, turns: int, message_tokens: int, answer_tokens: int) -> Chat:
+        low, high = load_workloads()["token_id_range"]
+        rng = random.Random(0)
+        messages = [[[rng.randrange(low, high) for _ in range(message_tokens)] for _ in range(turns)]
+                    for _ in range(users)]
+        return cls(messages, answer_tokens)
+
+    def working_set_tokens(self) -> int:
+        turns = len(self.messages[0])
+        return len(self.messages) * turns * (len(self.messages[0][0]) + self.answer_tokens)
+
+
+@dataclass(slots=True)
+class ChatRun:
+    ttfts: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    cached: dict[str, int] = field(default_factory=dict)
+    transcript: list[list[int]] = field(default_factory=list)
+    last_prompts: list[list[int]] = field(default_factory=list)
+
+
+def run_chat(llm: LLM, chat: Chat) -> ChatRun:
+    params = SamplingParams(max_tokens=chat.answer_tokens, temperature=0.0, ignore_eos=True)
+    histories: list[list[int]] = [[] for _ in chat.messages]
+    result = ChatRun()
+    for turn in range(len(chat.messages[0])):
+        for user, history in enumerate(histories):
+            prompt = history + chat.messages[user][turn]
+            output = llm.generate([prompt], params)[0]
+            history[:] = prompt + output.token_ids
+            result.ttfts.append(output.metrics.ttft)
+            if turn == len(chat.messages[0]) - 1:
+                result.last_prompts.append(prompt)
+            if turn > 0:
+                result.prompt_tokens += len(prompt)
+                for source, tokens in output.cached_tokens_by_source.items():
+                    result.cached[source] = result.cached.get(source, 0) + tokens
+    result.transcript = histories
+    if llm.engine.tiers is not None:
+        llm.engine.tiers.policy.flush()
+    return result
+
+
+def make_llm(num_blocks: int, **tiers) -> LLM:
+    return LLM("smollm2-135m", progress=False, num_blocks=num_blocks, block_size=BLOCK_SIZE,
+               max_num_batched_tokens=4096, **{"host_cache": 0, **tiers})
+
+
+def chat_row(name: str, run: ChatRun) -> list[object]:
+    total = sum(run.cached.values())
+    split = ", ".join(f"{s} {run.cached[s] / run.prompt_tokens:.0%}" for s in SOURCES if run.cached.get(s))
+    deciles = statistics.quantiles(run.ttfts, n=10)
+    return [name, f"{total / run.prompt_tokens:.0%}", split or "-", statistics.median(run.ttfts), deciles[8]]
+
+
+def chat_benchmark(chat: Chat, tmp: Path, redis_url: str) -> tuple[str, dict[str, ChatRun], int]:
+    pool_blocks = chat.working_set_tokens() // 4 // BLOCK_SIZE
+    probe = make_llm(pool_blocks)
+    host_bytes = pool_blocks * BlockCodec.for_pool(probe.engine.kv_pool.tensor).payload_bytes
+    del probe
+    configs = {
+        "device only": dict(),
+        "+ host": dict(host_cache=host_bytes),
+        "+ host + disk": dict(host_cache=host_bytes, disk_cache=str(tmp / "chat-disk")),
+        "+ host + Redis (fresh replica)": dict(host_cache=host_bytes, remote_cache=redis_url),
+    }
+    runs: dict[str, ChatRun] = {}
+    for name, tiers in configs.items():
+        if "remote_cache" in tiers:  # another replica fills Redis with the same conversations first
+            writer = make_llm(pool_blocks, **tiers)
+            run_chat(writer, chat)
+            writer.engine.close()
+        llm = make_llm(pool_blocks, **tiers)
+        runs[name] = run_chat(llm, chat)
+        llm.engine.close()
+        print(name, chat_row(name, runs[name]), flush=True)
+    transcripts = {tuple(map(tuple, run.transcript)) for run in runs.values()}
+    assert len(transcripts) == 1, "a tier changed an answer"
+    table = markdown_table(["configuration", "hit rate (turns 2+)", "by source", "TTFT p50 (s)", "TTFT p90 (s)"],
+                           [chat_row(name, run) for name, run in runs.items()])
+    return table, runs, pool_blocks
+
+
+def restart_benchmark(chat: Chat, runs: dict[str, ChatRun], tmp: Path, pool_blocks: int) -> str:
+    """The + host + disk engine's directory after a restart (warm) against an empty one (cold)."""
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    prompts = runs["+ host + disk"].last_prompts
+    rows = []
+    for name, directory in (("warm (same disk directory)", tmp / "chat-disk"), ("cold (empty directory)",
+                                                                                 tmp / "empty-disk")):
+        llm = make_llm(pool_blocks, disk_cache=str(directory))
+        outputs = [llm.generate([p], params)[0] for p in prompts]
+        llm.engine.close()
+        ttfts = [o.metrics.ttft for o in outputs]
+        cached = sum(o.cached_tokens_by_source.get("disk", 0) for o in outputs)
+        rows.append([name, f"{cached / sum(map(len, prompts)):.0%}", statistics.median(ttfts), max(ttfts)])
+    return markdown_table(["after restart", "served from disk", "TTFT p50 (s)", "TTFT max (s)"], rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--users", type=int, default=6)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--message-tokens", type=int, default=48)
+    parser.add_argument("--answer-tokens", type=int, default=16)
     args = parser.parse_args()
     torch.set_num_threads(2)
+    chat = Chat.make(args.users, args.turns, args.message_tokens, args.answer_tokens)
+    with tempfile.TemporaryDirectory() as tmp, LocalRedis() as redis_server:
+        chat_table, runs, pool_blocks = chat_benchmark(chat, Path(tmp), redis_server.url)
+        restart_table = restart_benchmark(chat, runs, Path(tmp), pool_blocks)
     prompt = load_workloads()["prefill"]["2048"][:PROMPT_TOKENS]
-    llm = LLM("smollm2-135m", progress=False, prefix_cache="off", kv_cache_memory="256MiB")
-    table = "### Load-back cost per block\n\n" + loadback(llm, prompt, args.repeats)
+    llm = LLM("smollm2-135m", progress=False, prefix_cache="off", kv_cache_memory="256MiB", host_cache=0)
+    table = (
+        f"### Multi-turn chat, working set {chat.working_set_tokens()} tokens = 4x the pool ({pool_blocks} "
+        f"blocks of {BLOCK_SIZE})\n\n{chat_table}\n\n### Restart\n\n{restart_table}\n\n"
+        f"### Load-back cost per block\n\n{loadback(llm, prompt, args.repeats)}"
+    )
     notes = (
-        "Load = fetch + checksum/header check + decode + copy into the pool, per block, batch of "
-        f"{PROMPT_TOKENS // llm.engine.kv_pool.block_size} blocks. Disk reads hit the page cache here (a "
-        "just-written file); a cold disk adds its read latency. Redis is a local server over loopback: "
-        "a remote one adds the network round trip and bandwidth."
+        f"{args.users} users x {args.turns} turns, {args.message_tokens}-token messages, {args.answer_tokens}-token "
+        "greedy answers, one request at a time; every configuration produced the same transcript. Hit rate = "
+        "cached prompt tokens / prompt tokens over turns 2+. Load = fetch + checksum/header check + decode + "
+        f"copy into the pool, per block, batch of {PROMPT_TOKENS // BLOCK_SIZE} blocks. Disk reads hit the page "
+        "cache here (just-written files); a cold disk adds its read latency. Redis is a local server over "
+        "loopback: a remote one adds the network round trip and bandwidth."
     )
     print(table)
     print(write_result("tiers", "KV tiers: host, disk, Redis", table, notes))

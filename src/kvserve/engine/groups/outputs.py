@@ -42,6 +42,7 @@ def _request_output(
         finished=finished,
         finish_reason=first.finish_reason if finished else None,
         num_cached_tokens=root.num_cached_tokens,
+        cached_tokens_by_source=dict(root.cached_tokens_by_source),
         metrics=root.metrics,
         logprobs=first.logprobs,
         delta_text=first.delta_text,
