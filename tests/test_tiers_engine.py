@@ -213,11 +213,11 @@ def test_usage_and_metrics_split_cached_tokens_by_source(tiny_model_dir, tmp_pat
     assert details.cached_tokens == sum(o.num_cached_tokens for o in outputs) > 0
     assert sum(details.cached_tokens_by_source.values()) == details.cached_tokens
     assert details.cached_tokens_by_source["host"] > 0
-    text = ServerMetrics(llm.stats).render().decode()
+    text = ServerMetrics(llm.stats, "m", 1024).render().decode()
     stats = llm.stats()
     for source in ("device", "host", "disk", "remote"):
         value = float(stats[f"prefix_cache_hits_{source}"])
-        assert f'kvserve_prompt_tokens_cached_total{{source="{source}"}} {value}' in text
-    assert f'kvserve_kv_tier_blocks{{tier="host"}} {float(stats["tiers"]["host"]["blocks"])}' in text
-    assert 'kvserve_kv_tier_loaded_blocks_total{tier="disk"}' in text
+        assert f'kvserve_prompt_tokens_cached_total{{model_name="m",source="{source}"}} {value}' in text
+    assert f'kvserve_kv_tier_blocks{{model_name="m",tier="host"}} {float(stats["tiers"]["host"]["blocks"])}' in text
+    assert 'kvserve_kv_tier_loaded_blocks_total{model_name="m",tier="disk"}' in text
     llm.engine.close()

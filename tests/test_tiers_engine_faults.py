@@ -7,6 +7,7 @@ import time
 from conftest import hf_greedy, random_prompts
 from kvserve import LLM, SamplingParams
 from kvserve.engine.request import RequestStatus
+from kvserve.server.metrics import ServerMetrics
 from kvserve.tiers.breaker import CLOSED, OPEN
 from kvserve.tiers.local_redis import LocalRedis
 from test_tiers_redis import DelayProxy
@@ -41,6 +42,8 @@ def test_redis_killed_mid_run_serving_goes_on_and_comes_back(tiny_model_dir, tin
             assert seconds < 3.0, f"a request waited {seconds:.2f}s on a dead Redis (client timeout 0.5 s)"
         remote = llm.stats()["tiers"]["remote"]
         assert remote["extra"]["breaker_state"] == OPEN and remote["errors"] >= 2
+        metrics = ServerMetrics(llm.stats, "m", 1024).render().decode()
+        assert 'kvserve_kv_tier_breaker_state{model_name="m",tier="remote"} 2.0' in metrics
         server = LocalRedis(port=server.port).start()
         time.sleep(2.1)  # the breaker's cool-down: the next call probes the server
         assert llm.generate([prompts[4]], GREEDY)[0].token_ids == expected[4]
