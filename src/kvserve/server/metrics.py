@@ -29,6 +29,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvserve.engine.request import RequestMetrics, RequestOutput
+from kvserve.tiers.offload import SOURCES
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 FINISH_REASONS = ("stop", "length", "abort")
@@ -93,7 +94,7 @@ class EngineStatsCollector(Collector):
         """Cached prompt tokens by source, and each lower KV tier's own families (see kvserve.tiers)."""
         cached = CounterMetricFamily("kvserve_prompt_tokens_cached", "Prompt tokens served from a KV cache, by "
                                      "where the blocks were at admission (kvserve).", labels=["model_name", "source"])
-        for source in ("device", "host", "disk", "remote"):
+        for source in SOURCES:
             cached.add_metric([self._model, source], stats.get(f"prefix_cache_hits_{source}", 0))
         yield cached
         tiers = {name: tier for name, tier in stats.get("tiers", {}).items() if name != "policy"}
