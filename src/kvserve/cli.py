@@ -1,4 +1,4 @@
-"""`kvserve generate | chat | serve`: the command line over the same engine flags everywhere."""
+"""`kvserve generate | chat | serve | router | cluster`: the command line over the same engine flags everywhere."""
 
 from __future__ import annotations
 
@@ -74,6 +74,7 @@ def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
 
 def add_server_flags(parser: argparse.ArgumentParser) -> None:
     """`kvserve serve` flags beyond the engine's, named as vLLM's where vLLM has them."""
+    from kvserve.server.limits import add_limit_flags
     from kvserve.server.options import DEFAULT_MAX_QUEUE, GRACEFUL_SHUTDOWN_S, LOG_LEVELS, STATS_LOG_INTERVAL_S
 
     parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
@@ -98,13 +99,24 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE, help="waiting requests beyond this get 429")
     group.add_argument("--shutdown-timeout", type=float, default=GRACEFUL_SHUTDOWN_S,
                        help="seconds in-flight requests may run after SIGTERM before they are aborted")
+    group.add_argument("--dashboard", action=argparse.BooleanOptionalAction, default=None,
+                       help="serve /dashboard (None: on with --api-keys or a loopback --host)")
     group.add_argument("--version", action="version", version=_version_text())
+    add_limit_flags(parser)
 
 
 def _version_text() -> str:
     from kvserve import __version__
 
     return f"kvserve {__version__}"
+
+
+def add_kv_events_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("kv events")
+    group.add_argument("--kv-events-endpoint", default=None,
+                       help="publish KV events (vLLM format, ZMQ PUB) on this address, e.g. tcp://*:5557")
+    group.add_argument("--kv-events-replay-endpoint", default=None,
+                       help="serve replays of recent KV-event batches on this ZMQ ROUTER address")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -140,8 +152,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server", formatter_class=DefaultsHelpFormatter)
     add_server_flags(serve)
+    add_kv_events_flags(serve)
     add_engine_flags(serve)
-    for command in (parser, generate, chat, serve):
+
+    from kvserve.router.cli import add_cluster_parser, add_router_parser
+
+    router = add_router_parser(commands, DefaultsHelpFormatter)
+    cluster = add_cluster_parser(commands, add_engine_flags, DefaultsHelpFormatter)
+    for command in (parser, generate, chat, serve, router, cluster):
         _name_every_flag(command)
     return parser
 
@@ -208,7 +226,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
     config = engine_config_from_args(args)
     run_server(config, args.host, args.port, args.api_keys, args.max_queue, args.shutdown_timeout,
-               options=server_options_from_args(args))
+               options=server_options_from_args(args), limits=limits_from_args(args, config.max_num_seqs),
+               kv_events_endpoint=args.kv_events_endpoint, kv_events_replay_endpoint=args.kv_events_replay_endpoint)
     return 0
 
 
@@ -222,6 +241,12 @@ def take_positional_model(args: argparse.Namespace, argv: Sequence[str]) -> None
     args.model = args.model_tag
 
 
+def limits_from_args(args: argparse.Namespace, max_num_seqs: int):  # -> ServerLimits
+    from kvserve.server.limits import limits_from_args as build
+
+    return build(args, max_num_seqs)
+
+
 def server_options_from_args(args: argparse.Namespace):  # -> ServerOptions (imported lazily: no FastAPI here)
     from kvserve.server.options import ServerOptions, resolve_chat_template
 
@@ -230,6 +255,7 @@ def server_options_from_args(args: argparse.Namespace):  # -> ServerOptions (imp
         served_model_names=tuple(args.served_model_name or ()), api_keys=tuple(args.api_key),
         chat_template=template, log_level=args.log_level, allowed_origins=tuple(args.allowed_origins),
         stats_log_interval=0.0 if args.disable_log_stats else args.stats_log_interval,
+        dashboard=args.dashboard,
     )
 
 
@@ -248,7 +274,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kvserve: error: {error}", file=sys.stderr)
         return 2
     args = parser.parse_args(argv)
-    runners = {"generate": run_generate, "chat": run_chat, "serve": run_serve}
+    from kvserve.router.cli import run_cluster, run_router
+
+    runners = {"generate": run_generate, "chat": run_chat, "serve": run_serve, "router": run_router,
+               "cluster": run_cluster}
     try:
         take_positional_model(args, argv)
         return runners[args.command](args)

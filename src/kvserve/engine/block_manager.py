@@ -33,6 +33,8 @@ class BlockManager:
         self._pending_copies: list[tuple[int, int]] = []  # copy-on-write (src, dst) for the next forward
         # Told (hashes, block ids) of blocks a forward has just completed and published (tiers: write-through).
         self.on_published: Callable[[list[bytes], list[int]], None] | None = None
+        # Called with (new block hashes, parent hash or None, their tokens) when blocks enter the cache.
+        self.on_stored: Callable[[list[bytes], bytes | None, list[int]], None] | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -142,6 +144,7 @@ class BlockManager:
             start = max(request.num_published_blocks, num_present)  # blocks present before were sent by others
             if start < num_full_blocks:
                 self.on_published(hashes[start:num_full_blocks], request.block_table[start:num_full_blocks])
+        self._announce_stored(hashes, tokens, num_present, num_full_blocks)
         request.num_published_blocks = num_full_blocks
 
     def _adopt_cached_duplicates(
@@ -184,9 +187,16 @@ class BlockManager:
         """The first `num_blocks` of the held table now hold the request's KV: register them in the prefix
         cache, then drop the hold (the request is admitted later through an ordinary device match)."""
         tokens = request.all_token_ids[: num_blocks * self.block_size]
-        self.prefix_cache.insert(tokens, request.block_hashes[:num_blocks], request.block_table[:num_blocks],
-                                 request.namespace)
+        hashes = request.block_hashes[:num_blocks]
+        num_present = self.prefix_cache.insert(tokens, hashes, request.block_table[:num_blocks], request.namespace)
+        self._announce_stored(hashes, tokens, num_present, num_blocks)
         self.free(request)
+
+    def _announce_stored(self, hashes: list[bytes], tokens: list[int], num_present: int, num_blocks: int) -> None:
+        """`on_stored` (KV events) for the blocks [num_present, num_blocks) that just entered the cache."""
+        if self.on_stored is not None and num_present < num_blocks:
+            parent = hashes[num_present - 1] if num_present else None
+            self.on_stored(hashes[num_present:num_blocks], parent, tokens[num_present * self.block_size :])
 
     # --- forks and copy-on-write --------------------------------------------------------------------
 

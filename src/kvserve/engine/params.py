@@ -1,15 +1,35 @@
-"""SamplingParams and BeamSearchParams: how one request picks its tokens and when it stops."""
+"""SamplingParams and BeamSearchParams: how one request picks its tokens and when it stops.
+
+Every numeric field is bounded here, so no value a caller can send reaches the sampler or the beam
+scorer as NaN, infinity or an int that overflows a tensor: a bad value is a ValueError naming its field
+(the server answers 400 with that field as `param`).
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+# Bounds (shared with the server's request models, so both refuse the same values).
+MAX_TOKENS_LIMIT = 2**31 - 1  # an int32 (contexts are far smaller; the engine checks the real limit)
+MAX_TEMPERATURE = 100.0  # beyond this the distribution is uniform in float32 anyway
+GREEDY_TEMPERATURE = 1e-5  # below this, sample greedily (as vLLM's _SAMPLING_EPS)
+GREEDY_TOP_P = 1e-7  # below this only the most likely token survives top-p (vocabularies < 10M)
+MAX_TOP_K = 2**31 - 1
+MAX_LOGPROBS = 20
+MAX_NUM_SAMPLES = 256  # n, best_of (and beam_width): each is a sequence holding KV blocks
+MAX_LENGTH_PENALTY = 10.0  # |length_penalty| of beam search; HF's useful range is about -2 to 2
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
+SEED_RANGE = (-(2**63), 2**64)
 
 
 @dataclass(slots=True)
 class SamplingParams:
     """Per-request sampling settings (vLLM's names and meanings).
 
-    temperature 0 means greedy. top_k -1 (or 0) disables top-k; top_p 1 and min_p 0 disable theirs.
+    temperature 0 (or below 1e-5) means greedy. top_k -1 (or 0) disables top-k; top_p 1 and min_p 0
+    disable theirs; a top_p below 1e-7 keeps only the most likely token, i.e. greedy.
     A request with a `seed` draws the same tokens whatever else shares its batch.
 
     `n` > 1 or `best_of` > 1 asks for several completions of one prompt (parallel sampling): the prompt
@@ -38,26 +58,28 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise ValueError naming the first invalid field."""
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (disabled) or >= 0, got {self.top_k!r}")
-        if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise ValueError(f"logprobs must be between 0 and 20, got {self.logprobs}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError("stop must be a list of non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise ValueError("stop_token_ids must be non-negative integers")
-        if not isinstance(self.n, int) or self.n < 1:
-            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
-        if self.best_of is not None and (not isinstance(self.best_of, int) or self.best_of < self.n):
-            raise ValueError(f"best_of must be an integer >= n ({self.n}), got {self.best_of!r}")
+        check_int("max_tokens", self.max_tokens, 1, MAX_TOKENS_LIMIT)
+        check_float("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
+        check_float("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        if not is_int(self.top_k) or not (self.top_k == -1 or 0 <= self.top_k <= MAX_TOP_K):
+            raise ValueError(f"top_k must be -1 (disabled) or an integer from 0 to {MAX_TOP_K}, got {self.top_k!r}")
+        check_float("min_p", self.min_p, 0.0, 1.0)
+        if self.seed is not None:
+            check_int("seed", self.seed, SEED_RANGE[0], SEED_RANGE[1] - 1)
+        if self.logprobs is not None:
+            check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        self._validate_stops()
+        check_int("n", self.n, 1, MAX_NUM_SAMPLES)
+        if self.best_of is not None and (not is_int(self.best_of) or not self.n <= self.best_of <= MAX_NUM_SAMPLES):
+            raise ValueError(f"best_of must be an integer from n ({self.n}) to {MAX_NUM_SAMPLES}, got {self.best_of!r}")
+
+    def _validate_stops(self) -> None:
+        if not isinstance(self.stop, list) or len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop must be a list of at most {MAX_STOP_STRINGS} strings")
+        if any(not isinstance(s, str) or not s or len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
+            raise ValueError(f"stop must be a list of non-empty strings of at most {MAX_STOP_STRING_CHARS} characters")
+        if any(not is_int(t) or not 0 <= t < 2**31 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be non-negative integers below 2**31")
 
     @property
     def num_samples(self) -> int:
@@ -66,7 +88,27 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        """Greedy when temperature or top_p is so small that only the most likely token can be drawn
+        (tiny values would otherwise underflow to 0 in float32 and empty the distribution)."""
+        return self.temperature < GREEDY_TEMPERATURE or self.top_p < GREEDY_TOP_P or self.top_k == 1
+
+
+def is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_int(name: str, value: object, low: int, high: int) -> None:
+    """ValueError naming `name` unless `value` is an int in [low, high]."""
+    if not is_int(value) or not low <= value <= high:
+        raise ValueError(f"{name} must be an integer from {low} to {high}, got {value!r}")
+
+
+def check_float(name: str, value: object, low: float, high: float, low_open: bool = False) -> None:
+    """ValueError naming `name` unless `value` is a finite number in [low, high] ((low, high] if low_open)."""
+    number_ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if not number_ok or not (low < value if low_open else low <= value) or value > high:
+        bracket = "(" if low_open else "["
+        raise ValueError(f"{name} must be a finite number in {bracket}{low}, {high}], got {value!r}")
 
 
 @dataclass(slots=True)
@@ -89,10 +131,9 @@ class BeamSearchParams:
 
     def validate(self) -> None:
         """Raise ValueError naming the first invalid field."""
-        if not isinstance(self.beam_width, int) or self.beam_width < 1:
-            raise ValueError(f"beam_width must be an integer >= 1, got {self.beam_width!r}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        check_int("beam_width", self.beam_width, 1, MAX_NUM_SAMPLES)
+        check_int("max_tokens", self.max_tokens, 1, MAX_TOKENS_LIMIT)
+        check_float("length_penalty", self.length_penalty, -MAX_LENGTH_PENALTY, MAX_LENGTH_PENALTY)
         if self.early_stopping not in (True, False, "never"):
             raise ValueError(f"early_stopping must be True, False or 'never', got {self.early_stopping!r}")
         returned = self.num_return_sequences

@@ -86,9 +86,11 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of `text`; special tokens written inside the text (e.g. `<|im_start|>`) stay whole.
 
-        `add_special_tokens` applies the post-processor (e.g. a BOS the model asks for).
+        `add_special_tokens` applies the post-processor (e.g. a BOS the model asks for). Goes through
+        `encode_batch`, which releases the GIL (`encode` holds it throughout: a long text would stall
+        every other thread, the server's event loop included).
         """
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`, dropping special tokens unless `skip_special_tokens` is False."""

@@ -1,10 +1,11 @@
-"""Operational routes: health, Prometheus metrics, prefix-cache reset."""
+"""Operational routes: health, load (for a router), Prometheus metrics, prefix-cache reset."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from kvserve.events.format import AllBlocksCleared
 from kvserve.server.errors import ApiError
 from kvserve.server.generation import engine_unavailable
 from kvserve.server.metrics import CONTENT_TYPE
@@ -30,6 +31,24 @@ async def metrics(request: Request, _: Admin) -> Response:
     return Response(server_state(request).metrics.render(), media_type=CONTENT_TYPE)
 
 
+@router.get("/load")
+async def load(request: Request, _: Admin) -> JSONResponse:
+    """Load and cache layout for a router: running / waiting requests, KV usage, block size, hash
+    function, KV-event endpoints, and this process's instance id. Admin-only with API keys, like
+    `/metrics` (load reveals other tenants' traffic)."""
+    state = server_state(request)
+    stats = state.engine.stats()
+    publisher = state.replica.kv_events
+    return JSONResponse({
+        "running": state.engine.num_running, "waiting": state.engine.num_waiting,
+        "kv_usage": stats["kv_cache_usage"], "num_blocks": stats["num_blocks"], "free_blocks": stats["free_blocks"],
+        "block_size": state.engine.info.block_size, "prefix_hash": state.replica.prefix_hash,
+        "kv_events_endpoint": publisher.endpoint if publisher else None,
+        "kv_events_replay_endpoint": publisher.replay_endpoint if publisher else None,
+        "instance": state.replica.instance,
+    })
+
+
 @router.post("/reset_prefix_cache")
 async def reset_prefix_cache(request: Request, _: Admin) -> JSONResponse:
     """Drop every cached block; 409 while requests hold blocks (retry when idle)."""
@@ -40,4 +59,7 @@ async def reset_prefix_cache(request: Request, _: Admin) -> JSONResponse:
     if not reset:
         raise ApiError(409, "blocks are in use by running requests; retry when the server is idle",
                        code="cache_in_use")
+    publisher = server_state(request).replica.kv_events
+    if publisher is not None:
+        publisher.publish([AllBlocksCleared()])
     return JSONResponse({"success": True})

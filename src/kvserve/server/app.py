@@ -8,20 +8,30 @@ import logging
 import signal
 import threading
 from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import uvicorn
 from fastapi import FastAPI
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse
 from starlette.middleware.cors import CORSMiddleware
 
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import LLMEngine
+from kvserve.events.engine_hook import attach_kv_events
+from kvserve.events.format import AllBlocksCleared
+from kvserve.events.publisher import KVEventPublisher
 from kvserve.server import admin_routes, extra_routes, openai_routes
 from kvserve.server.auth import ApiKeys, add_operator_keys, load_api_keys
+from kvserve.server.dashboard import dashboard_enabled
+from kvserve.server.dashboard import install as install_dashboard
 from kvserve.server.errors import install_error_handlers
+from kvserve.server.frontdoor import guarded_protocol
+from kvserve.server.limits import ServerLimits
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.options import DEFAULT_MAX_QUEUE, GRACEFUL_SHUTDOWN_S, ServerOptions
 from kvserve.server.responses import TokenTexts
-from kvserve.server.state import ServerState
+from kvserve.server.state import Caller, ReplicaInfo, ServerState
 from kvserve.server.stats_log import StatsLogger, periodic_stats
 from kvserve.serving.async_engine import AsyncEngine
 
@@ -31,13 +41,14 @@ __all__ = ["DEFAULT_MAX_QUEUE", "GRACEFUL_SHUTDOWN_S", "build_app", "run_server"
 
 def build_app(
     async_engine: AsyncEngine, served_model_name: str, api_keys: ApiKeys | None, max_queue: int,
-    options: ServerOptions | None = None,
+    options: ServerOptions | None = None, limits: ServerLimits | None = None, dashboard: bool = False,
+    replica: ReplicaInfo | None = None,
 ) -> FastAPI:
     """An app serving `async_engine`; its lifespan starts the engine thread and shuts it down.
 
     `api_keys` None is single-tenant mode (no auth; `cache_salt` alone picks the namespace).
-    More than `max_queue` waiting requests are refused with 429. `options` adds vLLM's server
-    conventions (served names, CORS, the periodic stats line).
+    More than `max_queue` requests that cannot start now are refused with 429. `options` adds vLLM's server
+    conventions (served names, CORS, the periodic stats line). `dashboard`: serve /dashboard.
     """
     if max_queue < 1:
         raise ValueError(f"max_queue must be >= 1, got {max_queue}")
@@ -45,6 +56,8 @@ def build_app(
     names = options.model_names(served_model_name)
     metrics = ServerMetrics(async_engine.stats, names[0], async_engine.info.max_model_len)
     stats_logger = StatsLogger(metrics.totals, async_engine.stats, logger)
+    limits = limits or ServerLimits()
+    workers = ThreadPoolExecutor(limits.input_workers, thread_name_prefix="kvserve-inputs")
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -55,17 +68,24 @@ def build_app(
         finally:
             # In-flight handlers were finished or cancelled (and aborted) by uvicorn's graceful shutdown.
             await asyncio.to_thread(async_engine.shutdown, False)
+            workers.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="kvserve", summary="OpenAI-compatible LLM server", lifespan=lifespan)
+    public_docs = limits.docs and api_keys is None
+    app = FastAPI(title="kvserve", summary="OpenAI-compatible LLM server", lifespan=lifespan,
+                  **({} if public_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}))
     app.state.server = ServerState(
         engine=async_engine, model_name=names[0], api_keys=api_keys, max_queue=max_queue,
         metrics=metrics, token_texts=TokenTexts(async_engine.tokenizer), served_model_names=names,
+        limits=limits, workers=workers, replica=replica or ReplicaInfo(),
     )
     install_error_handlers(app)
     app.include_router(openai_routes.router)
     app.include_router(admin_routes.router)
     app.include_router(extra_routes.router)
     _add_cors(app, options.allowed_origins)
+    install_dashboard(app, app.state.server, enabled=dashboard)
+    if limits.docs and api_keys is not None:
+        _add_keyed_docs(app)
     return app
 
 
@@ -76,21 +96,48 @@ def _add_cors(app: FastAPI, origins: tuple[str, ...]) -> None:
                            allow_headers=["*"], allow_credentials=False)
 
 
+def _add_keyed_docs(app: FastAPI) -> None:
+    """/openapi.json and /docs for callers with a valid key (the schema lists every route and field)."""
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi(_: Caller) -> JSONResponse:
+        return JSONResponse(app.openapi())
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs(_: Caller) -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="kvserve - docs")
+
+
 def run_server(
     config: EngineConfig, host: str, port: int, api_keys_path: str | None, max_queue: int,
     shutdown_timeout: float = GRACEFUL_SHUTDOWN_S, options: ServerOptions | None = None,
+    limits: ServerLimits | None = None, kv_events_endpoint: str | None = None,
+    kv_events_replay_endpoint: str | None = None,
 ) -> None:
     """Load the model and serve until SIGTERM/SIGINT; then stop accepting, let in-flight requests
-    finish for up to `shutdown_timeout` seconds, abort the rest, and return (exit status 0)."""
+    finish for up to `shutdown_timeout` seconds, abort the rest, and return (exit status 0).
+
+    With `kv_events_endpoint`, KV events are published there (vLLM's format; the first batch is an
+    AllBlocksCleared: a fresh process holds nothing)."""
     options = options or ServerOptions()
     _configure_logging(options.log_level)
     # Keys fail before the slow model load.
     api_keys = add_operator_keys(load_api_keys(api_keys_path) if api_keys_path else None, options.api_keys)
-    with _graceful_signals() as signals:
-        engine = AsyncEngine(LLMEngine(config))
+    limits = limits or ServerLimits(max_num_seqs=config.max_num_seqs)
+    publisher = (KVEventPublisher(kv_events_endpoint, kv_events_replay_endpoint)
+                 if kv_events_endpoint else None)
+    with _graceful_signals() as signals, _closing(publisher):
+        llm_engine = LLMEngine(config)
+        if publisher is not None:
+            publisher.publish([AllBlocksCleared()])
+            attach_kv_events(llm_engine.block_manager, publisher)
+        engine = AsyncEngine(llm_engine)
         try:
             _override_chat_template(engine, options.chat_template)
-            app = build_app(engine, engine.info.model_name, api_keys, max_queue, options)
+            show = dashboard_enabled(options.dashboard, host, api_keys is not None)
+            replica = ReplicaInfo(prefix_hash=config.prefix_hash, kv_events=publisher)
+            app = build_app(engine, engine.info.model_name, api_keys, max_queue, options, limits, dashboard=show,
+                            replica=replica)
             mode = f"{len(api_keys)} API keys" if api_keys else "single tenant, no auth"
             logger.info("kvserve: model %s served as %s, %d KV blocks of %d tokens, %s", engine.info.model_name,
                         ", ".join(options.model_names(engine.info.model_name)), engine.info.num_blocks,
@@ -99,6 +146,8 @@ def run_server(
                 # uvicorn's own limit is a backstop: by then our abort has ended every stream.
                 app, host=host, port=port, timeout_graceful_shutdown=shutdown_timeout + 10,
                 log_level=options.log_level,
+                http=guarded_protocol(limits.max_connections, limits.header_timeout_s),
+                timeout_keep_alive=limits.keep_alive_s,
             ))
             signals.serving = True
             server.run()
@@ -120,6 +169,15 @@ def _override_chat_template(engine: AsyncEngine, template: str | None) -> None:
     if engine.tokenizer is None:
         raise ValueError("chat_template: this model has no tokenizer to render a template with")
     engine.tokenizer.chat_template = template
+
+
+@contextlib.contextmanager
+def _closing(publisher: KVEventPublisher | None) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        if publisher is not None:
+            publisher.close()
 
 
 class _GracefulServer(uvicorn.Server):

@@ -90,12 +90,17 @@ def _digest(key: str) -> bytes:
 
 def load_api_keys(path: str | Path) -> ApiKeys:
     """Read a TOML or JSON key file (by extension; otherwise JSON, then TOML); ValueError if malformed."""
+    return ApiKeys(read_key_entries(path))
+
+
+def read_key_entries(path: str | Path) -> dict[str, Principal]:
+    """A key file's entries, key → Principal (the router needs an admin key from it to poll workers)."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as err:
         raise ValueError(f"cannot read API key file {path}: {err}") from err
-    return ApiKeys(parse_key_entries(_parse_document(text, path), source=str(path)))
+    return parse_key_entries(_parse_document(text, path), source=str(path))
 
 
 def _parse_document(text: str, path: Path) -> Any:

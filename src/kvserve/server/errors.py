@@ -15,6 +15,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 logger = logging.getLogger(__name__)
+RETRY_AFTER_S = 1  # seconds, on every 429 / 503
 
 # Leading words of engine ValueErrors -> the request field they are about.
 _PARAM_OF_ENGINE_FIELD = {
@@ -22,6 +23,7 @@ _PARAM_OF_ENGINE_FIELD = {
     "min_p": "min_p", "logprobs": "logprobs", "stop": "stop", "prompt": "prompt", "request": "max_tokens",
     "cache_salt": "cache_salt", "n": "n", "best_of": "best_of", "beam_width": "beam_width",
     "length_penalty": "length_penalty", "early_stopping": "early_stopping", "num_return_sequences": "n",
+    "seed": "seed", "stop_token_ids": "stop_token_ids",
 }
 
 
@@ -43,8 +45,15 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers())
+
+    def headers(self) -> dict[str, str] | None:
+        """401 names the scheme; 429 and 503 say when to come back (clients and proxies back off)."""
+        if self.status == 401:
+            return {"WWW-Authenticate": "Bearer"}
+        if self.status in (429, 503):
+            return {"Retry-After": str(RETRY_AFTER_S)}
+        return None
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
@@ -62,23 +71,78 @@ def from_engine_value_error(err: ValueError, prompt_param: str = "prompt") -> Ap
 
 
 def from_validation_error(err: ValidationError | RequestValidationError) -> ApiError:
-    """A 400 naming the first offending field of a pydantic error (e.g. `max_tokens`)."""
-    errors = err.errors()
+    """A 400 naming the first offending field of a pydantic error (e.g. `max_tokens`).
+
+    A value matching no shape of a union field reads "messages[0].content: expected a string or a list
+    of content parts, got an integer" rather than one line per rejected shape.
+    """
+    errors = [{**e, "loc": tuple(p for p in e.get("loc", ()) if p != "body")} for e in err.errors()]
     if not errors:
         return bad_request("invalid request body")
     first = errors[0]
-    loc = [part for part in first.get("loc", ()) if part != "body"]
+    loc = first["loc"]
     if first.get("type") == "json_invalid":
         return bad_request(f"request body is not valid JSON: {first.get('msg')}", code="invalid_json")
     if not loc:
         return bad_request(f"request body must be a JSON object: {first.get('msg')}")
     param = str(loc[0])
-    same_field = [e for e in errors if [p for p in e.get("loc", ()) if p != "body"][:1] == [loc[0]]]
-    message = f"{_format_loc(loc)}: {first.get('msg')}"
-    if len(same_field) > 1:  # a union: say which shapes are accepted instead of the first mismatch
-        shapes = sorted({str(e["loc"][1]) for e in same_field if len(e.get("loc", ())) > 1})
-        message = f"{param}: invalid type; expected one of {', '.join(shapes)}"
+    union = _union_error(errors)
+    if union is not None:
+        return bad_request(union, param)
+    message = f"{_format_loc(list(loc))}: {first.get('msg')}"
+    if str(first.get("type", "")).endswith("_type"):
+        message += f", got {_describe(first.get('input'))}"
     return bad_request(message, param)
+
+
+_SHAPES = {
+    "str": "a string", "list[TextPart]": "a list of content parts", "list[str]": "a list of strings",
+    "list[int]": "a list of token ids", "list[list[int]]": "a list of token-id lists", "int": "an integer",
+    "float": "a number", "bool": "true or false", "literal['never']": '"never"', "none": "null",
+}
+
+
+def _union_error(errors: list[dict]) -> str | None:
+    """One readable line when the first error's field is a union that rejected every shape."""
+    first_loc = errors[0]["loc"]
+    same_field = [e["loc"] for e in errors if e["loc"][:1] == first_loc[:1]]
+    if len(same_field) < 2:
+        return None
+    prefix = _common_prefix(same_field)
+    shapes = [loc[len(prefix)] for loc in same_field if len(loc) > len(prefix)]
+    if len(set(shapes)) < 2 or not all(isinstance(shape, str) for shape in shapes):
+        return None
+    value = next((e.get("input") for e in errors if e["loc"] == (*prefix, shapes[0])), errors[0].get("input"))
+    names = [_SHAPES.get(shape, shape) for shape in dict.fromkeys(shapes)]
+    expected = names[0] if len(names) == 1 else ", ".join(names[:-1]) + f" or {names[-1]}"
+    return f"{_format_loc(list(prefix))}: expected {expected}, got {_describe(value)}"
+
+
+def _common_prefix(locs: list[tuple]) -> tuple:
+    prefix = locs[0]
+    for loc in locs[1:]:
+        size = 0
+        while size < min(len(prefix), len(loc)) and prefix[size] == loc[size]:
+            size += 1
+        prefix = prefix[:size]
+    return prefix
+
+
+def _describe(value: object) -> str:
+    """The JSON type of a rejected value, in words."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return f"a list containing {_describe(value[0])}" if value else "an empty list"
+    return "an object"
 
 
 def _format_loc(loc: list) -> str:

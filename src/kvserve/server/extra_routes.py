@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvserve import __version__
 from kvserve.server.errors import ApiError, bad_request
+from kvserve.server.limits import max_prompt_bytes
 from kvserve.server.protocol import ChatMessage, ModelCard
 from kvserve.server.state import Caller, ServerState, parse_body, server_state
 
@@ -62,7 +63,12 @@ async def tokenize(request: Request, _: Caller) -> JSONResponse:
     body = await parse_body(request, TokenizeRequest)
     _check_model(state, body.model)
     tokenizer = _tokenizer(state)
-    ids = tokenizer.encode(_text_of(tokenizer, body), add_special_tokens=body.add_special_tokens)
+    text = await state.off_loop(_text_of, tokenizer, body)
+    limit = max_prompt_bytes(state.engine.info.max_model_len)
+    if len(text.encode("utf-8", "surrogatepass")) > limit:
+        raise bad_request(f"the text is longer than {limit} bytes, more than this model's context could hold",
+                          "prompt" if body.prompt is not None else "messages")
+    ids = await state.off_loop(tokenizer.encode, text, body.add_special_tokens)
     strs = [state.token_texts(token_id) for token_id in ids] if body.return_token_strs else None
     response = TokenizeResponse(count=len(ids), max_model_len=state.engine.info.max_model_len, tokens=ids,
                                 token_strs=strs)
@@ -78,7 +84,7 @@ async def detokenize(request: Request, _: Caller) -> JSONResponse:
     bad = next((token for token in body.tokens if not 0 <= token < vocab_size), None)
     if bad is not None:
         raise bad_request(f"token id {bad} is outside the vocabulary [0, {vocab_size})", "tokens")
-    text = _tokenizer(state).decode(body.tokens, skip_special_tokens=False)
+    text = await state.off_loop(_tokenizer(state).decode, body.tokens, False)
     return JSONResponse(DetokenizeResponse(prompt=text).model_dump())
 
 

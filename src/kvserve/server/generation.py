@@ -26,9 +26,10 @@ from kvserve.server.errors import ApiError, from_engine_value_error
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.protocol import Usage
 from kvserve.server.responses import ResponseContext, choices_of, usage_of
+from kvserve.server.state import ServerState
 from kvserve.serving.async_engine import AsyncEngine, EngineDeadError, RequestGroup, RequestSpec
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("uvicorn.error")  # alongside uvicorn's own lines
 SSE_DONE = "data: [DONE]\n\n"
 
 
@@ -46,12 +47,13 @@ class StreamFormat:
 
 
 async def submit(
-    engine: AsyncEngine, ctx: ResponseContext, prompts: Sequence[list[int]],
-    params: SamplingParams | BeamSearchParams, namespace: Namespace, max_queue: int, prompt_param: str,
+    state: ServerState, ctx: ResponseContext, prompts: Sequence[list[int]],
+    params: SamplingParams | BeamSearchParams, namespace: Namespace, prompt_param: str,
 ) -> RequestGroup:
-    """Queue one engine request per prompt (each carries its n choices) as one group; 429 when the
-    queue is full."""
-    if engine.num_waiting >= max_queue:
+    """Queue one engine request per prompt (each carries its n choices) as one group; 429 when
+    `max_queue` requests already wait that cannot start now."""
+    engine, max_queue = state.engine, state.max_queue
+    if queue_backlog(engine, state.limits.max_num_seqs) >= max_queue:
         raise ApiError(429, f"the server's request queue is full ({max_queue} waiting); retry later",
                        code="queue_full", type_="rate_limit_error")
     specs = [RequestSpec(ids, params, ctx.request_id(p), namespace) for p, ids in enumerate(prompts)]
@@ -63,8 +65,19 @@ async def submit(
         raise engine_unavailable(err) from err
 
 
+def queue_backlog(engine: AsyncEngine, max_num_seqs: int | None) -> int:
+    """Waiting requests that cannot start now: those beyond the free sequence slots (all of them when
+    the slot count is unknown). Just-submitted requests wait until the next step admits them, so
+    counting every waiting request would refuse bursts while slots are free."""
+    free_slots = 0 if max_num_seqs is None else max(0, max_num_seqs - engine.num_running)
+    return engine.num_waiting - free_slots
+
+
 def engine_unavailable(err: Exception) -> ApiError:
-    return ApiError(503, f"the engine is not running: {err}", code="engine_unavailable", type_="server_error")
+    """503 with a generic message: the cause (an internal exception) goes to the log, not the caller."""
+    logger.error("engine unavailable: %s", err)
+    return ApiError(503, "the engine is not running; retry later", code="engine_unavailable",
+                    type_="server_error")
 
 
 async def collect(group: RequestGroup, request: Request, metrics: ServerMetrics) -> dict[int, RequestOutput]:
@@ -76,8 +89,10 @@ async def collect(group: RequestGroup, request: Request, metrics: ServerMetrics)
     finally:
         watcher.cancel()
         collector.cancel()  # no-op when done
-        metrics.observe_aborted(group.abort(), group.request_ids)
+        num_aborted = group.abort()
+        metrics.observe_aborted(num_aborted, group.request_ids)
     if collector not in done:
+        logger.info("client disconnected before its response; %d engine request(s) aborted", num_aborted)
         raise ClientDisconnected
     try:
         return collector.result()
@@ -132,7 +147,10 @@ async def sse_stream(
         yield f"data: {json.dumps(engine_unavailable(err).body())}\n\n"
         yield SSE_DONE
     finally:
-        metrics.observe_aborted(group.abort(), group.request_ids)
+        num_aborted = group.abort()
+        if num_aborted:  # the client hung up (or the server is stopping): one line, no traceback
+            logger.info("%s: stream closed before the end; %d engine request(s) aborted", ctx.id, num_aborted)
+        metrics.observe_aborted(num_aborted, group.request_ids)
 
 
 def _event(chunk: BaseModel) -> str:

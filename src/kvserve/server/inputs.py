@@ -4,6 +4,11 @@ Everything a caller can get wrong is checked here, before anything reaches the e
 problem is a 400 naming its field: empty or over-long prompts, token ids outside the vocabulary,
 a max_tokens that does not fit the context, unsupported options or combinations of them.
 
+`check_chat_size` / `check_completion_size` refuse an obviously over-long input by its size alone
+(UTF-8 bytes, or token count) on the event loop; `chat_prompt_ids` / `completion_prompt_ids` do the
+heavy part (templating, tokenizing) and are called on the server's worker pool. Tokenizing goes
+through the `tokenizers` batch call, which releases the GIL while it works.
+
 A prompt's n choices are one engine request: `SamplingParams(n=..., best_of=...)` (the prompt is
 prefilled once and its blocks shared; choice i samples with seed + i) or, with `use_beam_search`,
 `BeamSearchParams(num_return_sequences=n)`.
@@ -18,6 +23,7 @@ import jinja2
 
 from kvserve.engine.params import BeamSearchParams, SamplingParams
 from kvserve.server.errors import ApiError, bad_request, from_engine_value_error
+from kvserve.server.limits import MAX_BYTES_PER_TOKEN, max_prompt_bytes
 from kvserve.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
 from kvserve.serving.async_engine import EngineInfo
 
@@ -37,7 +43,55 @@ def chat_prompt_ids(tokenizer: Any, messages: Sequence[ChatMessage]) -> list[int
     except (jinja2.TemplateError, ValueError, TypeError, KeyError) as err:
         # Templates reject some conversations themselves (e.g. roles that do not alternate).
         raise bad_request(f"messages cannot be rendered by the chat template: {err}", "messages") from err
-    return tokenizer.encode(text)
+    return _encode(tokenizer, text)
+
+
+def _encode(tokenizer: Any, text: str) -> list[int]:
+    return tokenizer.encode(text)  # releases the GIL while it works (see Tokenizer.encode)
+
+
+def prompt_token_limit(info: EngineInfo) -> int:
+    """Tokens a prompt may have at most: the context, or the whole KV pool if that is smaller."""
+    return min(info.max_model_len, info.num_blocks * info.block_size)
+
+
+def check_chat_size(messages: Sequence[ChatMessage], info: EngineInfo) -> None:
+    """400 before templating when the messages' text alone could not fit the context."""
+    size = sum(_utf8_size(m.text()) + _utf8_size(m.name or "") for m in messages)
+    _check_bytes(size, info, "messages")
+
+
+def _prompt_list(prompt: Any) -> list:
+    """A completion's `prompt` as a list of prompts (a text, or a list of token ids, is one prompt)."""
+    return [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else prompt
+
+
+def check_completion_size(body: CompletionRequest, info: EngineInfo) -> None:
+    """400 before tokenizing when there are too many prompts × choices, or when a text prompt's bytes
+    (or a token-id prompt's length) cannot fit the context."""
+    prompts = _prompt_list(body.prompt)
+    check_choice_count(max(1, len(prompts)), body)
+    limit = prompt_token_limit(info)
+    for one in prompts:
+        if isinstance(one, str):
+            _check_bytes(_utf8_size(one), info, "prompt")
+        elif len(one) >= limit:
+            raise _too_long(f"the prompt has {len(one)} tokens", limit, "prompt")
+
+
+def _utf8_size(text: str) -> int:
+    return len(text.encode("utf-8", "surrogatepass"))
+
+
+def _check_bytes(size: int, info: EngineInfo, param: str) -> None:
+    limit = prompt_token_limit(info)
+    if size > max_prompt_bytes(limit):
+        raise _too_long(f"the prompt is {size} bytes (more than {MAX_BYTES_PER_TOKEN} per token)", limit, param)
+
+
+def _too_long(what: str, limit: int, param: str) -> ApiError:
+    return ApiError(400, f"{what}, but this model's context allows {limit - 1} tokens (the rest is for the "
+                    "completion)", param, "context_length_exceeded")
 
 
 def completion_prompt_ids(tokenizer: Any, prompt: Any, vocab_size: int) -> list[list[int]]:
@@ -59,7 +113,7 @@ def _prompt_ids(tokenizer: Any, prompt: str | list[int], vocab_size: int) -> lis
             raise bad_request("prompt is empty", "prompt")
         if tokenizer is None:
             raise bad_request("this model has no tokenizer: send the prompt as token ids", "prompt")
-        return tokenizer.encode(prompt)
+        return _encode(tokenizer, prompt)
     if not prompt:
         raise bad_request("prompt is empty", "prompt")
     for token_id in prompt:
@@ -135,11 +189,10 @@ def resolve_max_tokens(
     With no request value and no default, take what is left of the context (as vLLM does), capped at
     what the KV pool can hold, so an unset max_tokens never makes a request unrunnable.
     """
-    limit = min(info.max_model_len, info.num_blocks * info.block_size)
+    limit = prompt_token_limit(info)
     longest = max(prompt_lens)
     if longest >= limit:
-        raise ApiError(400, f"the prompt has {longest} tokens, but this model's context allows {limit - 1} "
-                       "(the rest is for the completion)", prompt_param, "context_length_exceeded")
+        raise _too_long(f"the prompt has {longest} tokens", limit, prompt_param)
     max_tokens = requested if requested is not None else default if default is not None else limit - longest
     if longest + max_tokens > info.max_model_len:
         raise ApiError(400, f"prompt ({longest} tokens) + max_tokens ({max_tokens}) exceeds max_model_len "

@@ -16,11 +16,10 @@ from kvserve.server.auth import Principal, cache_namespace
 from kvserve.server.errors import ApiError, bad_request
 from kvserve.server.generation import ClientDisconnected, StreamFormat, collect, sse_stream, submit
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from kvserve.server.state import Caller, ServerState, parse_body, server_state
+from kvserve.server.state import CLIENT_CLOSED_REQUEST, Caller, ServerState, parse_body, server_state
 from kvserve.serving.async_engine import RequestGroup
 
 router = APIRouter()
-CLIENT_CLOSED_REQUEST = 499  # nginx's code: nobody reads it, but logs show what happened
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -37,15 +36,15 @@ async def chat_completions(request: Request, caller: Caller) -> Response:
     state = server_state(request)
     body = await parse_body(request, ChatCompletionRequest)
     _check_request(state, body)
-    prompt_ids = inputs.chat_prompt_ids(state.engine.tokenizer, body.messages)
+    inputs.check_chat_size(body.messages, state.engine.info)
+    prompt_ids = await state.off_loop(inputs.chat_prompt_ids, state.engine.tokenizer, body.messages)
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_tokens = inputs.resolve_max_tokens(requested, [len(prompt_ids)], state.engine.info, None, "messages")
     params = inputs.engine_params(body, max_tokens, inputs.chat_logprobs(body))
     ctx = responses.ResponseContext.new(
         "chatcmpl", body.model, body.n, [len(prompt_ids)], state.token_texts
     )
-    group = await submit(state.engine, ctx, [prompt_ids], params, _namespace(caller, body.cache_salt),
-                         state.max_queue, "messages")
+    group = await submit(state, ctx, [prompt_ids], params, _namespace(caller, body.cache_salt), "messages")
     fmt = StreamFormat(
         first_chunks=responses.chat_role_chunks,
         chunk=partial(responses.chat_chunk, logprobs=body.logprobs),
@@ -60,16 +59,17 @@ async def completions(request: Request, caller: Caller) -> Response:
     state = server_state(request)
     body = await parse_body(request, CompletionRequest)
     _check_request(state, body)
-    prompts = inputs.completion_prompt_ids(state.engine.tokenizer, body.prompt, state.engine.info.vocab_size)
-    inputs.check_choice_count(len(prompts), body)
+    inputs.check_completion_size(body, state.engine.info)
+    prompts = await state.off_loop(
+        inputs.completion_prompt_ids, state.engine.tokenizer, body.prompt, state.engine.info.vocab_size
+    )
     prompt_lens = [len(p) for p in prompts]
     max_tokens = inputs.resolve_max_tokens(
         body.max_tokens, prompt_lens, state.engine.info, inputs.DEFAULT_COMPLETION_MAX_TOKENS, "prompt"
     )
     params = inputs.engine_params(body, max_tokens, body.logprobs)
     ctx = responses.ResponseContext.new("cmpl", body.model, body.n, prompt_lens, state.token_texts)
-    group = await submit(state.engine, ctx, prompts, params, _namespace(caller, body.cache_salt),
-                         state.max_queue, "prompt")
+    group = await submit(state, ctx, prompts, params, _namespace(caller, body.cache_salt), "prompt")
     want_logprobs = body.logprobs is not None
     fmt = StreamFormat(
         first_chunks=lambda _: [],
@@ -108,4 +108,6 @@ async def _respond(
     except ClientDisconnected:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     # pydantic's JSON writes non-finite floats as null; json.dumps would emit invalid "-Infinity".
-    return Response(final(finals).model_dump_json(), media_type="application/json")
+    # Off the loop: n choices with logprobs can be megabytes of JSON.
+    body = await state.off_loop(lambda: final(finals).model_dump_json())
+    return Response(body, media_type="application/json")

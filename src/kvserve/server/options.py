@@ -28,6 +28,7 @@ class ServerOptions:
     log_level: str = "info"
     allowed_origins: tuple[str, ...] = ()
     stats_log_interval: float = STATS_LOG_INTERVAL_S
+    dashboard: bool | None = None  # None: on with API keys or on a loopback host
 
     def __post_init__(self) -> None:
         if self.log_level not in LOG_LEVELS:

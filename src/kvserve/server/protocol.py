@@ -13,10 +13,19 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvserve.engine.params import (
+    MAX_LENGTH_PENALTY,
+    MAX_LOGPROBS,
+    MAX_TEMPERATURE,
+    MAX_TOKENS_LIMIT,
+    MAX_TOP_K,
+    SEED_RANGE,
+)
+
 # n, best_of and beam_width: each sample / beam is a sequence holding KV blocks, so this bounds one
 # caller's share (the prompt itself is prefilled once and shared).
 MAX_N = 16
-MAX_LOGPROBS = 20
+MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty| (OpenAI's range; only 0 is supported)
 
 # --- requests ----------------------------------------------------------------------------------------
 
@@ -52,12 +61,12 @@ class SamplingFields(StrictModel):
     """Fields shared by chat and text completions."""
 
     model: str
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)
-    min_p: float | None = Field(None, ge=0, le=1)
-    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
+    temperature: float | None = Field(None, ge=0, le=MAX_TEMPERATURE, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
+    top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K)
+    min_p: float | None = Field(None, ge=0, le=1, allow_inf_nan=False)
+    seed: int | None = Field(None, ge=SEED_RANGE[0], lt=SEED_RANGE[1])
     n: int = Field(1, ge=1, le=MAX_N)
     best_of: int | None = Field(None, ge=1, le=MAX_N)  # samples drawn; the n most likely are returned
     stop: str | list[str] | None = None
@@ -65,8 +74,8 @@ class SamplingFields(StrictModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     cache_salt: str | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)
+    frequency_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)
     use_beam_search: bool = False  # kvserve extension; only /v1/completions runs it (chat: 400)
 
     @property
@@ -76,7 +85,7 @@ class SamplingFields(StrictModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
@@ -88,7 +97,7 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
     # Beam search (with use_beam_search): the n best of `beam_width` beams come back, best first.
     beam_width: int | None = Field(None, ge=1, le=MAX_N)  # default: n
-    length_penalty: float = Field(1.0, allow_inf_nan=False)
+    length_penalty: float = Field(1.0, ge=-MAX_LENGTH_PENALTY, le=MAX_LENGTH_PENALTY, allow_inf_nan=False)
     early_stopping: bool | Literal["never"] = False
 
 

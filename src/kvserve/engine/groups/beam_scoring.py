@@ -15,10 +15,15 @@ Per step, for one request with W beams (transformers 4.5x / 5.x semantics, check
   with its current length (`early_stopping=False`), or with max_tokens when `early_stopping="never"`
   and length_penalty > 0 (with "never" and length_penalty <= 0, its current length again).
 The result is the finished hypotheses, best first (HF returns the first `num_return_sequences`).
+
+`length_normalized` divides as HF does while `length ** penalty` is a normal float (so scores stay
+bit-equal to transformers), and goes through log space otherwise: a huge penalty or a long output
+then gives 0 or -inf instead of an OverflowError / ZeroDivisionError on the engine thread.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -38,6 +43,21 @@ class Hypothesis:
     cumulative_logprob: float
     score: float  # cumulative_logprob / len(token_ids) ** length_penalty
     finish_reason: str  # "stop" (ended on EOS) or "length"
+
+
+_MAX_LOG_FLOAT = 700.0  # exp(±700) is a normal float64; math.exp overflows just above 709
+
+
+def length_normalized(score: float, length: int, penalty: float) -> float:
+    """`score / length ** penalty` (score <= 0 is a log-prob sum, length >= 1), never raising."""
+    log_denominator = penalty * math.log(length)
+    if abs(log_denominator) <= _MAX_LOG_FLOAT:
+        return score / (length**penalty)  # HF's arithmetic, exactly
+    if score == 0.0:
+        return 0.0
+    log_magnitude = math.log(abs(score)) - log_denominator
+    magnitude = math.inf if log_magnitude > _MAX_LOG_FLOAT else math.exp(log_magnitude)
+    return math.copysign(magnitude, score)
 
 
 def num_candidates(beam_width: int, num_eos_ids: int) -> int:
@@ -91,7 +111,7 @@ class BeamScorer:
 
     def _hypothesis(self, candidate: Candidate, history: list[int], is_eos: bool) -> Hypothesis:
         token_ids = [*history, candidate.token_id]
-        score = candidate.score / (len(token_ids) ** self.length_penalty)
+        score = length_normalized(candidate.score, len(token_ids), self.length_penalty)
         return Hypothesis(token_ids, candidate.score, score, "stop" if is_eos else "length")
 
     def is_done(self, running: list[Candidate], num_generated: int) -> bool:
@@ -106,5 +126,5 @@ class BeamScorer:
             best_length = self.max_tokens
         else:
             best_length = num_generated
-        best_possible = running[0].score / (best_length**self.length_penalty)
+        best_possible = length_normalized(running[0].score, best_length, self.length_penalty)
         return best_possible <= self.hypotheses[-1].score

@@ -1,0 +1,319 @@
+"""Router policies compared over real workers, and the router's own overhead.
+
+Starts --max-workers `python -m kvserve.server` workers (KV events on), then for each workload runs:
+one worker alone (direct, no router), and 2 and 4 workers behind the router with each policy
+(round_robin, least_load, cache_aware, kv_events). Every run starts from empty caches. Workloads
+(token-id prompts, so no tokenizer is involved):
+
+- chat: --users users × --turns turns, concurrently; each user has a private system prompt, and each
+  turn resends the whole conversation (the previous prompt, a simulated reply, a new question);
+- rag:  --queries questions, --concurrency at a time, each prefixed by one of --docs shared documents.
+
+Reported per run: prefix-cache hit rate (cached / prompt tokens, as the workers report them), TTFT p50
+and p90 (client side, streaming), and the requests each worker served. Then the router alone: one
+routing decision (cache_aware tree lookup + insert; kv_events hashing + index lookup) with 100k tokens
+in each of 4 workers' indexes, p50/p99; and TTFT of the same small requests direct vs. through the router.
+
+    python benchmarks/router.py            # reduced sizes (see the notes in the result file)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS, command_line, markdown_table, write_result  # noqa: E402
+from kvserve.prefix.hashing import block_hashes  # noqa: E402
+from kvserve.router.cluster import Cluster  # noqa: E402
+from kvserve.router.config import RouterConfig  # noqa: E402
+from kvserve.router.keys import RouteKey  # noqa: E402
+from kvserve.router.policies import CacheAwarePolicy, CacheAwareSettings, KvEventsPolicy  # noqa: E402
+from kvserve.router.thread import RouterThread  # noqa: E402
+from kvserve.router.workers import Worker, WorkerLoad  # noqa: E402
+
+POLICIES = ("round_robin", "least_load", "cache_aware", "kv_events")
+TOKEN_RANGE = [1000, 48000]  # benchmarks/data/workloads.json: ids fed directly (--token-range overrides)
+
+
+@dataclass(slots=True)
+class RunStats:
+    ttfts: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    errors: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cached_tokens / max(self.prompt_tokens, 1)
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], max_tokens: int,
+                      stats: RunStats) -> None:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    started, first = time.perf_counter(), None
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                stats.errors += 1
+                return
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[len("data: "):])
+                if first is None and event.get("choices"):
+                    first = time.perf_counter() - started
+                if event.get("usage"):
+                    stats.prompt_tokens += event["usage"]["prompt_tokens"]
+                    details = event["usage"].get("prompt_tokens_details") or {}
+                    stats.cached_tokens += details.get("cached_tokens") or 0
+    except httpx.HTTPError:
+        stats.errors += 1
+        return
+    if first is not None:
+        stats.ttfts.append(first)
+
+
+def random_ids(rng: random.Random, count: int) -> list[int]:
+    return [rng.randrange(*TOKEN_RANGE) for _ in range(count)]
+
+
+async def chat_workload(url: str, model: str, args: argparse.Namespace) -> RunStats:
+    stats, rng = RunStats(), random.Random(1)
+    users = [(random_ids(rng, args.system), [random_ids(rng, args.user) for _ in range(args.turns)],
+              [random_ids(rng, args.reply) for _ in range(args.turns)]) for _ in range(args.users)]
+
+    async def user(client: httpx.AsyncClient, system: list[int], questions: list[list[int]],
+                   replies: list[list[int]]) -> None:
+        history = list(system)
+        for question, reply in zip(questions, replies, strict=True):
+            prompt = history + question
+            await one_request(client, url, model, prompt, args.max_tokens, stats)
+            history = prompt + reply
+
+    async with httpx.AsyncClient(timeout=600) as client:
+        await asyncio.gather(*(user(client, *u) for u in users))
+    return stats
+
+
+async def rag_workload(url: str, model: str, args: argparse.Namespace) -> RunStats:
+    stats, rng = RunStats(), random.Random(2)
+    docs = [random_ids(rng, args.doc_len) for _ in range(args.docs)]
+    prompts = [docs[rng.randrange(args.docs)] + random_ids(rng, args.user) for _ in range(args.queries)]
+    gate = asyncio.Semaphore(args.concurrency)
+
+    async def ask(client: httpx.AsyncClient, prompt: list[int]) -> None:
+        async with gate:
+            await one_request(client, url, model, prompt, args.max_tokens, stats)
+
+    async with httpx.AsyncClient(timeout=600) as client:
+        await asyncio.gather(*(ask(client, prompt) for prompt in prompts))
+    return stats
+
+
+WORKLOADS = {"chat": chat_workload, "rag": rag_workload}
+
+
+def reset_caches(urls: list[str]) -> None:
+    for url in urls:
+        deadline = time.monotonic() + 60
+        while httpx.post(f"{url}/reset_prefix_cache", timeout=30).status_code != 200:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{url} would not reset its prefix cache")
+            time.sleep(0.2)
+
+
+def served_per_worker(router_url: str, urls: list[str]) -> list[int]:
+    text = httpx.get(f"{router_url}/metrics").text
+    counts = dict.fromkeys(urls, 0)
+    for line in text.splitlines():
+        if line.startswith("kvserve_router_requests_total{") and 'outcome="ok"' in line:
+            for url in urls:
+                if f'worker="{url}"' in line:
+                    counts[url] += int(float(line.rsplit(" ", 1)[1]))
+    return [counts[url] for url in urls]
+
+
+def compare_policies(cluster: Cluster, model: str, args: argparse.Namespace) -> list[list[object]]:
+    rows: list[list[object]] = []
+    for name, workload in WORKLOADS.items():
+        reset_caches(cluster.urls[:1])
+        started = time.perf_counter()
+        stats = asyncio.run(workload(cluster.urls[0], model, args))
+        rows.append(_row(name, 1, "one worker (direct)", stats, [len(stats.ttfts)], time.perf_counter() - started))
+        for num_workers in sorted({min(2, args.max_workers), args.max_workers}):
+            urls = cluster.urls[:num_workers]
+            for policy in POLICIES:
+                reset_caches(urls)
+                config = RouterConfig(workers=urls, policy=policy, poll_interval=0.25)
+                with RouterThread(config) as router:
+                    if policy == "kv_events":
+                        _wait_for_streams(router, num_workers)
+                    started = time.perf_counter()
+                    stats = asyncio.run(workload(router.url, model, args))
+                    elapsed = time.perf_counter() - started
+                    rows.append(_row(name, num_workers, policy, stats, served_per_worker(router.url, urls), elapsed))
+                print(rows[-1], flush=True)
+    return rows
+
+
+def _wait_for_streams(router: RouterThread, count: int) -> None:
+    deadline = time.monotonic() + 30
+    policy = router.router.policy
+    while len(getattr(policy, "streams", {})) < count or any(s.stats.last_seq is None for s in policy.streams.values()):
+        if time.monotonic() > deadline:
+            raise RuntimeError("KV event streams did not sync")
+        time.sleep(0.05)
+
+
+def _row(workload: str, workers: int, policy: str, stats: RunStats, per_worker: list[int],
+         elapsed: float) -> list[object]:
+    return [workload, workers, policy, f"{100 * stats.hit_rate:.1f}%", f"{1000 * percentile(stats.ttfts, 0.5):.0f}",
+            f"{1000 * percentile(stats.ttfts, 0.9):.0f}", " / ".join(map(str, per_worker)), stats.errors,
+            f"{elapsed:.1f}"]
+
+
+def decision_latency(tokens_per_tree: int, num_workers: int = 4, prompt_len: int = 1024,
+                     samples: int = 2000) -> list[list[object]]:
+    """Routing decisions with `tokens_per_tree` tokens indexed for each worker (no HTTP)."""
+    rng = random.Random(3)
+    pool = [Worker(url=f"http://w{i}", healthy=True, load=WorkerLoad(block_size=16, prefix_hash="sha256"))
+            for i in range(num_workers)]
+    namespace = ()
+    systems = [random_ids(rng, 256) for _ in range(32)]
+    sequences = [systems[rng.randrange(32)] + random_ids(rng, prompt_len - 256) for _ in range(256)]
+    cache_aware = CacheAwarePolicy(CacheAwareSettings(tree_budget=tokens_per_tree))
+    kv_events = KvEventsPolicy()
+    for worker in pool:
+        filled = 0
+        while filled < tokens_per_tree:
+            seq = systems[rng.randrange(32)] + random_ids(rng, prompt_len - 256)
+            cache_aware.on_routed(RouteKey(tokens=tuple(seq), namespace=namespace, exact=True), worker)
+            kv_events.index.store(worker.url, block_hashes(seq, 16, namespace))
+            filled += len(seq)
+    rows = []
+    for name, policy in (("cache_aware", cache_aware), ("kv_events", kv_events)):
+        times = []
+        for i in range(samples):
+            seq = sequences[i % len(sequences)] if i % 2 else systems[i % 32] + random_ids(rng, prompt_len - 256)
+            key = RouteKey(tokens=tuple(seq), namespace=namespace, exact=True)
+            started = time.perf_counter()
+            decision = policy.choose(key, pool)
+            policy.on_routed(key, decision.worker)
+            times.append(time.perf_counter() - started)
+        sizes = [cache_aware.tree(w).num_tokens if name == "cache_aware" else 16 * kv_events.index.num_blocks(w.url)
+                 for w in pool]
+        rows.append([name, num_workers, f"{min(sizes)}–{max(sizes)}", prompt_len,
+                     f"{1e6 * percentile(times, 0.5):.0f}", f"{1e6 * percentile(times, 0.99):.0f}"])
+    return rows
+
+
+def proxy_overhead(cluster: Cluster, model: str, count: int) -> list[list[object]]:
+    """TTFT of tiny unique prompts (4 tokens, 1 output token: almost no model work), alternating direct to
+    a worker and through a router in front of it, so drift in the machine's load hits both alike."""
+    rng = random.Random(4)
+    url = cluster.urls[0]
+    with RouterThread(RouterConfig(workers=[url], policy="cache_aware", poll_interval=0.5)) as router:
+        direct, routed = RunStats(), RunStats()
+
+        async def run() -> None:
+            async with httpx.AsyncClient(timeout=120) as client:
+                for _ in range(count):
+                    await one_request(client, url, model, random_ids(rng, 4), 1, direct)
+                    await one_request(client, router.url, model, random_ids(rng, 4), 1, routed)
+
+        asyncio.run(run())
+        routing = _histogram_mean(router.url, "kvserve_router_routing_seconds")
+    rows = [[label, len(stats.ttfts), f"{1000 * percentile(stats.ttfts, 0.5):.1f}",
+             f"{1000 * percentile(stats.ttfts, 0.9):.1f}"] for label, stats in (("direct", direct),
+                                                                                ("through the router", routed))]
+    difference = percentile(routed.ttfts, 0.5) - percentile(direct.ttfts, 0.5)
+    rows.append(["difference (p50)", "", f"{1000 * difference:+.1f}", ""])
+    rows.append(["router's own work per request (mean: parse, key, decide)", "", f"{1000 * routing:.2f}", ""])
+    return rows
+
+
+def _histogram_mean(url: str, name: str) -> float:
+    values = {}
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        for suffix in ("_sum", "_count"):
+            if line.startswith(name + suffix + " "):
+                values[suffix] = float(line.rsplit(" ", 1)[1])
+    return values.get("_sum", 0.0) / max(values.get("_count", 0.0), 1.0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--max-workers", type=int, default=4)
+    parser.add_argument("--num-blocks", type=int, default=512, help="KV blocks per worker (16 tokens each)")
+    parser.add_argument("--users", type=int, default=16)
+    parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--system", type=int, default=48, help="tokens of each user's system prompt")
+    parser.add_argument("--user", type=int, default=16, help="tokens per question")
+    parser.add_argument("--reply", type=int, default=8, help="tokens per (simulated) assistant reply")
+    parser.add_argument("--docs", type=int, default=4)
+    parser.add_argument("--doc-len", type=int, default=192)
+    parser.add_argument("--queries", type=int, default=32)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=2)
+    parser.add_argument("--tree-tokens", type=int, default=100_000)
+    parser.add_argument("--overhead-requests", type=int, default=40)
+    parser.add_argument("--reuse-policies", action="store_true",
+                        help="take the policy table from the last run's results/router.json (re-measure the rest)")
+    parser.add_argument("--token-range", type=int, nargs=2, default=TOKEN_RANGE, help="prompt ids: [low, high)")
+    args = parser.parse_args()
+    TOKEN_RANGE[:] = args.token_range
+
+    decisions = decision_latency(args.tree_tokens)
+    print(decisions, flush=True)
+    argv = ["--model", args.model, "--num-blocks", str(args.num_blocks), "--num-threads", "1"]
+    with Cluster.start_args(argv, args.max_workers, kv_events=True) as cluster:
+        model = httpx.get(f"{cluster.urls[0]}/v1/models").json()["data"][0]["id"]
+        overhead = proxy_overhead(cluster, model, args.overhead_requests)
+        print(overhead, flush=True)
+        saved = RESULTS / "router.json"
+        if args.reuse_policies:
+            rows = json.loads(saved.read_text())["rows"]
+        else:
+            rows = compare_policies(cluster, model, args)
+            saved.write_text(json.dumps({"command": command_line(), "rows": rows}))
+
+    table = markdown_table(["workload", "workers", "policy", "hit rate", "TTFT p50 ms", "TTFT p90 ms",
+                            "requests per worker", "errors", "wall s"], rows)
+    decision_table = markdown_table(["policy", "workers", "tokens indexed per worker", "prompt tokens",
+                                     "decision p50 µs", "decision p99 µs"], decisions)
+    overhead_table = markdown_table(["path", "requests", "TTFT p50 ms", "TTFT p90 ms"], overhead)
+    earlier = json.loads((RESULTS / "router.json").read_text())["command"] if args.reuse_policies else ""
+    policy_source = f"Policy table from an earlier run: `{earlier}`\n\n" if earlier else ""
+    notes = policy_source + (
+        f"Sizes: chat {args.users} users × {args.turns} turns (system {args.system}, question {args.user}, "
+        f"simulated reply {args.reply} tokens); RAG {args.queries} questions over {args.docs} shared documents of "
+        f"{args.doc_len} tokens, {args.concurrency} at a time; {args.max_tokens} output tokens per request; "
+        f"{args.num_blocks} KV blocks and 1 torch thread per worker; model {args.model}. All workers share the "
+        "same 2 cores, so more workers add no compute here: TTFT differences come from cache hits and queueing, "
+        "not from parallel hardware.\n\n**Router decision latency** (in process, no HTTP):\n\n"
+        f"{decision_table}\n\n**Proxied vs direct TTFT** (unique 4-token prompts, 1 output token, alternating "
+        "direct / router):\n\n"
+        f"{overhead_table}"
+    )
+    path = write_result("router", "Router: policies over replicas", table, notes)
+    print(path.read_text())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""ZMQ PUB publisher of KV-event batches, as vLLM's `ZmqEventPublisher` does it on the wire.
+
+Each batch goes out as three frames: topic, an 8-byte big-endian sequence number (0, 1, 2, ... per
+process), and the msgpack payload. A bounded buffer of recent batches serves replay requests on an
+optional ROUTER socket: a client sends the first sequence number it is missing (8 bytes) and gets
+every buffered batch from there as (seq, payload), then (-1, b"") to end.
+
+`publish` may be called from any thread (the engine's); a background thread owns the sockets
+(ZMQ sockets are not thread-safe) and never blocks the caller: a full queue drops the batch, and
+subscribers see the gap in the sequence numbers and resynchronise.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+
+import zmq
+
+from kvserve.events.format import KVEvent, KVEventBatch, encode_batch
+
+logger = logging.getLogger("kvserve.events")
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+
+class KVEventPublisher:
+    """Bind `endpoint` (e.g. `tcp://127.0.0.1:5557`); `publish(events)` sends one batch."""
+
+    def __init__(
+        self, endpoint: str, replay_endpoint: str | None = None, topic: str = "", buffer_steps: int = 10_000,
+        max_queue: int = 100_000,
+    ) -> None:
+        self.endpoint = endpoint
+        self.replay_endpoint = replay_endpoint
+        self._topic = topic.encode("utf-8")
+        self._queue: queue.Queue[KVEventBatch | None] = queue.Queue(maxsize=max_queue)
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self._next_seq = 0
+        self.num_dropped = 0
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="kv-event-publisher", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self._error is not None:
+            raise ValueError(f"cannot bind KV event endpoint {endpoint}: {self._error}") from self._error
+
+    @property
+    def num_published(self) -> int:
+        return self._next_seq
+
+    def publish(self, events: Sequence[KVEvent]) -> None:
+        """Queue one batch (no-op for an empty one); never blocks."""
+        if not events:
+            return
+        try:
+            self._queue.put_nowait(KVEventBatch(ts=time.time(), events=list(events)))
+        except queue.Full:
+            self.num_dropped += 1  # the sequence gap makes subscribers resync
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Send what is queued, then close the sockets."""
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        context = zmq.Context.instance()
+        pub = context.socket(zmq.PUB)
+        replay = context.socket(zmq.ROUTER) if self.replay_endpoint else None
+        try:
+            pub.bind(self.endpoint)
+            if replay is not None:
+                replay.bind(self.replay_endpoint)
+        except zmq.ZMQError as err:
+            self._error = err
+            pub.close(linger=0)
+            if replay is not None:
+                replay.close(linger=0)
+            self._ready.set()
+            return
+        self._ready.set()
+        try:
+            self._loop(pub, replay)
+        finally:
+            pub.close(linger=500)
+            if replay is not None:
+                replay.close(linger=0)
+
+    def _loop(self, pub: zmq.Socket, replay: zmq.Socket | None) -> None:
+        while True:
+            if replay is not None and replay.poll(0):
+                self._serve_replay(replay)
+            try:
+                batch = self._queue.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            if batch is None:
+                return
+            seq, payload = self._next_seq, encode_batch(batch)
+            self._next_seq += 1
+            pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
+            self._buffer.append((seq, payload))
+
+    def _serve_replay(self, replay: zmq.Socket) -> None:
+        frames = replay.recv_multipart()
+        if len(frames) != 3 or len(frames[2]) != 8:
+            logger.warning("kv events: ignoring a malformed replay request (%d frames)", len(frames))
+            return
+        client, _, start_bytes = frames
+        start = int.from_bytes(start_bytes, "big")
+        for seq, payload in list(self._buffer):
+            if seq >= start:
+                replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
+        replay.send_multipart((client, b"", END_SEQ, b""))

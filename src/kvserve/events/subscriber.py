@@ -1,0 +1,148 @@
+"""Subscribe to one worker's KV events and deliver them in order, or say that history was lost.
+
+On connect the stream asks the replay socket for everything the publisher still buffers (its
+history, when it started recently), then follows the live feed. Sequence numbers drive resynchronisation:
+- the first batch received is not seq 0 (joined late), or a later one skips ahead (dropped batches):
+  ask the replay socket for the missing ones; if it cannot fill the gap, `reset` -- the consumer
+  forgets the worker's blocks (an index that under-claims only costs a cache hit; one that
+  over-claims steers requests to a cache that is not there);
+- a sequence number at or below the last one: the worker restarted (its cache is empty) -- `reset`,
+  then continue from the new stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Protocol
+
+import zmq
+import zmq.asyncio
+
+from kvserve.events.format import KVEventBatch, decode_batch
+
+logger = logging.getLogger("kvserve.events")
+REPLAY_TIMEOUT_S = 2.0
+
+
+class EventHandler(Protocol):
+    def apply(self, batch: KVEventBatch) -> None: ...
+
+    def reset(self, reason: str) -> None: ...
+
+
+@dataclass(slots=True)
+class StreamStats:
+    batches: int = 0
+    replayed: int = 0
+    resets: int = 0
+    last_seq: int | None = None
+
+
+class EventStream:
+    """One SUB socket on `endpoint`; `run()` until cancelled."""
+
+    def __init__(self, endpoint: str, handler: EventHandler, replay_endpoint: str | None = None,
+                 context: zmq.asyncio.Context | None = None) -> None:
+        self.endpoint = endpoint
+        self.replay_endpoint = replay_endpoint
+        self.handler = handler
+        self.stats = StreamStats()
+        self._context = context or zmq.asyncio.Context.instance()
+        self._replayed: tuple[int, int] | None = None  # live copies of these may still be queued: skip them
+
+    async def run(self) -> None:
+        sub = self._context.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(self.endpoint)
+        try:
+            await self.catch_up()
+            while True:
+                frames = await sub.recv_multipart()
+                if len(frames) != 3:
+                    logger.warning("kv events from %s: expected 3 frames, got %d", self.endpoint, len(frames))
+                    continue
+                await self.deliver(int.from_bytes(frames[1], "big", signed=True), frames[2])
+        finally:
+            sub.close(linger=0)
+
+    async def catch_up(self) -> None:
+        """Apply what the publisher still buffers after the last applied batch (on connect: its history)."""
+        start = 0 if self.stats.last_seq is None else self.stats.last_seq + 1
+        received = await self._fetch(start)
+        if not received:
+            return
+        first = min(received)
+        if first != start:
+            logger.info("kv events from %s: history before batch %d is gone; the index starts there",
+                        self.endpoint, first)
+        seq = first
+        while seq in received:
+            self._apply(seq, received[seq])
+            seq += 1
+        self.stats.replayed += seq - first
+        self._replayed = (first, seq - 1)
+
+    async def deliver(self, seq: int, payload: bytes) -> None:
+        """Apply batch `seq`, first recovering whatever came before it that was missed."""
+        last = self.stats.last_seq
+        if self._replayed is not None:
+            if self._replayed[0] <= seq <= self._replayed[1]:
+                return  # the live copy of a batch already applied from the replay
+            self._replayed = None
+        if last is not None and seq <= last:
+            self._reset(f"sequence went back from {last} to {seq}: the worker restarted")
+            last = None
+        expected = 0 if last is None else last + 1
+        if seq > expected and not await self._replay(expected, seq):
+            self._reset(f"batches {expected}..{seq - 1} were missed and cannot be replayed")
+        self._apply(seq, payload)
+
+    def _apply(self, seq: int, payload: bytes) -> None:
+        try:
+            batch = decode_batch(payload)
+        except ValueError as err:
+            logger.warning("kv events from %s: batch %d dropped: %s", self.endpoint, seq, err)
+            self._reset(f"batch {seq} was unreadable")
+        else:
+            self.handler.apply(batch)
+        self.stats.batches += 1
+        self.stats.last_seq = seq
+
+    def _reset(self, reason: str) -> None:
+        logger.info("kv events from %s: index reset: %s", self.endpoint, reason)
+        self.stats.resets += 1
+        self.handler.reset(reason)
+
+    async def _replay(self, start: int, stop: int) -> bool:
+        """Apply batches start..stop-1 from the replay socket; True when all of them came back."""
+        received = await self._fetch(start)
+        if received is None or any(seq not in received for seq in range(start, stop)):
+            return False
+        for seq in range(start, stop):
+            self._apply(seq, received[seq])
+        self.stats.replayed += stop - start
+        return True
+
+    async def _fetch(self, start: int) -> dict[int, bytes] | None:
+        """Every batch from `start` the publisher still buffers; None without a replay socket or on failure."""
+        if self.replay_endpoint is None:
+            return None
+        dealer = self._context.socket(zmq.DEALER)
+        dealer.connect(self.replay_endpoint)
+        received: dict[int, bytes] = {}
+        try:
+            await dealer.send_multipart((b"", start.to_bytes(8, "big")))
+            while True:
+                frames = await asyncio.wait_for(dealer.recv_multipart(), REPLAY_TIMEOUT_S)
+                seq = int.from_bytes(frames[1], "big", signed=True)
+                if seq < 0:
+                    return received
+                if seq >= start:
+                    received[seq] = frames[2]
+        except (TimeoutError, IndexError, zmq.ZMQError) as err:
+            logger.warning("kv events: replay from %s failed: %s", self.replay_endpoint, err)
+            return None
+        finally:
+            dealer.close(linger=0)

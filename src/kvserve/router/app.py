@@ -1,0 +1,170 @@
+"""The router's ASGI app: the worker's OpenAI API, proxied to the worker a policy picks.
+
+    POST /v1/chat/completions, /v1/completions   keyed (tokens + tenant namespace), routed, proxied
+    GET  /v1/models                               proxied to any healthy worker
+    GET  /health                                  200 while at least one worker is in the pool
+    GET  /metrics                                 the router's own Prometheus metrics
+
+Retries: a request goes to at most `max_attempts` different workers; a worker that fails before any
+byte reached the caller leaves the pool (it rejoins when its polls succeed) and the request moves on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from kvserve.router.keys import CHAT_PATH, COMPLETIONS_PATH, RequestKeyer, RouteKey
+from kvserve.router.metrics import RouterMetrics
+from kvserve.router.policies.base import Policy
+from kvserve.router.proxy import (
+    CLIENT_CLOSED_REQUEST,
+    ClientGone,
+    Upstream,
+    WorkerFailed,
+    error_response,
+    forward_headers,
+)
+from kvserve.router.workers import Worker, WorkerPool
+
+MAX_BODY_BYTES = 16 * 1024 * 1024  # the workers' own limit
+PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+@dataclass(slots=True)
+class Router:
+    """Everything the routes share."""
+
+    pool: WorkerPool
+    policy: Policy
+    keyer: RequestKeyer
+    client: httpx.AsyncClient
+    metrics: RouterMetrics
+    max_attempts: int = 3
+
+    async def route(self, request: Request, path: str) -> Response:
+        body = await _read_body(request)
+        if body is None:
+            return error_response(413, f"request body exceeds {MAX_BODY_BYTES} bytes", "request_too_large")
+        started = time.perf_counter()
+        parsed = _json_or_none(body)
+        key = await asyncio.to_thread(self.keyer.key, path, parsed, request.headers.get("authorization"))
+        streaming = isinstance(parsed, dict) and parsed.get("stream") is True
+        tried: set[Worker] = set()
+        errors: list[str] = []
+        for attempt in range(self.max_attempts):
+            candidates = [worker for worker in self.pool.healthy() if worker not in tried]
+            if not candidates:
+                break
+            worker = self._decide(key, candidates, started if attempt == 0 else None)
+            tried.add(worker)
+            upstream = Upstream(self.client, worker, path, body, forward_headers(request), self.metrics)
+            try:
+                response = await (upstream.stream(request) if streaming else upstream.unary(request))
+            except WorkerFailed as err:
+                errors.append(f"{worker.url}: {err}")
+                self.pool.mark_down(worker, str(err))
+                self.metrics.routed.labels(worker.url, "failed").inc()
+                self.metrics.retries.inc()
+                continue
+            except ClientGone:
+                self.metrics.routed.labels(worker.url, "client_gone").inc()
+                return Response(status_code=CLIENT_CLOSED_REQUEST)
+            self.metrics.routed.labels(worker.url, "ok").inc()
+            return response
+        self.metrics.failures.labels("no_worker").inc()
+        detail = "; ".join(errors) if errors else "no worker is in the pool"
+        return error_response(503, f"no worker could take the request: {detail}", "no_worker_available")
+
+    def _decide(self, key: RouteKey, candidates: list[Worker], started: float | None) -> Worker:
+        decision = self.policy.choose(key, candidates)
+        self.policy.on_routed(key, decision.worker)
+        self.metrics.decisions.labels(self.policy.name, decision.reason).inc()
+        if key.usable:
+            assert key.tokens is not None
+            self.metrics.prompt_tokens.labels(decision.worker.url).inc(len(key.tokens))
+            self.metrics.matched_tokens.labels(decision.worker.url).inc(decision.matched_tokens)
+        if started is not None:
+            self.metrics.routing.observe(time.perf_counter() - started)
+        return decision.worker
+
+    async def models(self, request: Request) -> Response:
+        for worker in self.pool.healthy():
+            try:
+                answer = await self.client.get(worker.url + "/v1/models", headers=forward_headers(request))
+            except httpx.TransportError as err:
+                self.pool.mark_down(worker, str(err))
+                continue
+            return Response(answer.content, status_code=answer.status_code,
+                            media_type=answer.headers.get("content-type"))
+        return error_response(503, "no worker is in the pool", "no_worker_available")
+
+
+def build_router_app(router: Router) -> FastAPI:
+    """The app; its lifespan polls the pool (once before serving) and runs the policy's background work."""
+    router.pool.on_join.append(router.policy.on_join)
+    router.pool.on_leave.append(router.policy.on_leave)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await router.policy.start()
+        await router.pool.poll_all()
+        poller = asyncio.create_task(router.pool.run())
+        try:
+            yield
+        finally:
+            poller.cancel()
+            await router.policy.stop()
+            await router.client.aclose()
+
+    app = FastAPI(title="kvserve router", summary="cache-aware router over kvserve workers", lifespan=lifespan)
+    app.state.router = router
+
+    @app.post(CHAT_PATH)
+    async def chat_completions(request: Request) -> Response:
+        return await router.route(request, CHAT_PATH)
+
+    @app.post(COMPLETIONS_PATH)
+    async def completions(request: Request) -> Response:
+        return await router.route(request, COMPLETIONS_PATH)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        return await router.models(request)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        workers = {worker.url: worker.healthy for worker in router.pool.workers}
+        status = 200 if any(workers.values()) else 503
+        return JSONResponse({"status": "ok" if status == 200 else "unavailable", "policy": router.policy.name,
+                             "workers": workers}, status_code=status)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(router.metrics.render(), media_type=PROMETHEUS_CONTENT_TYPE)
+
+    return app
+
+
+async def _read_body(request: Request) -> bytes | None:
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_BODY_BYTES:
+            return None
+    return bytes(body)
+
+
+def _json_or_none(body: bytes) -> object:
+    try:
+        return json.loads(body)
+    except ValueError:
+        return None  # the worker answers the 400

@@ -1,0 +1,82 @@
+"""`kvserve router` and `kvserve cluster`: their flags and entry points (kvserve.cli adds the commands).
+
+    kvserve router --worker http://10.0.0.2:8000 --worker http://10.0.0.3:8000 --policy cache_aware \\
+        --model smollm2-135m --api-keys keys.toml
+    kvserve cluster --replicas 2 --policy kv_events --num-blocks 1024     # N workers + a router, here
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+from kvserve.router import config as defaults
+from kvserve.router.config import POLICY_NAMES, RouterConfig
+
+
+def add_router_parser(commands: argparse._SubParsersAction, formatter: type = argparse.HelpFormatter
+                      ) -> argparse.ArgumentParser:
+    parser = commands.add_parser("router", help="route OpenAI requests over kvserve workers", formatter_class=formatter)
+    parser.add_argument("--worker", action="append", dest="workers", default=[], metavar="URL", required=True,
+                        help="worker base URL, e.g. http://10.0.0.2:8000 (repeatable)")
+    parser.add_argument("--model", default=None,
+                        help="the workers' model: its tokenizer keys prompts (weights are not loaded)")
+    _add_common_flags(parser, port=8080)
+    return parser
+
+
+def add_cluster_parser(
+    commands: argparse._SubParsersAction, add_engine_flags: Callable[[argparse.ArgumentParser], None],
+    formatter: type = argparse.HelpFormatter,
+) -> argparse.ArgumentParser:
+    parser = commands.add_parser("cluster", help="start N workers on this machine and a router in front",
+                                 formatter_class=formatter)
+    parser.add_argument("--replicas", type=int, default=2, help="workers to start")
+    parser.add_argument("--worker-host", default="127.0.0.1", help="address the workers bind")
+    _add_common_flags(parser, port=8000)
+    add_engine_flags(parser)
+    return parser
+
+
+def _add_common_flags(parser: argparse.ArgumentParser, port: int) -> None:
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=port)
+    parser.add_argument("--api-keys", default=None,
+                        help="the workers' API key file: tenants → namespaces; its first admin key polls /load")
+    group = parser.add_argument_group("routing")
+    group.add_argument("--policy", default="cache_aware", choices=POLICY_NAMES)
+    group.add_argument("--poll-interval", type=float, default=1.0, help="seconds between /load polls")
+    group.add_argument("--max-attempts", type=int, default=3, help="workers tried per request")
+    group.add_argument("--balance-abs", type=int, default=defaults.BALANCE_ABS)
+    group.add_argument("--balance-rel", type=float, default=defaults.BALANCE_REL)
+    group.add_argument("--cache-threshold", type=float, default=defaults.CACHE_THRESHOLD)
+    group.add_argument("--tree-budget", type=int, default=defaults.TREE_BUDGET, help="tokens per worker tree")
+    group.add_argument("--load-weight", type=float, default=defaults.LOAD_WEIGHT, help="kv_events load weight")
+
+
+def router_config(args: argparse.Namespace, workers: list[str]) -> RouterConfig:
+    return RouterConfig(
+        workers=workers, policy=args.policy, host=args.host, port=args.port, model=args.model,
+        api_keys=args.api_keys, poll_interval=args.poll_interval, max_attempts=args.max_attempts,
+        balance_abs=args.balance_abs, balance_rel=args.balance_rel, cache_threshold=args.cache_threshold,
+        tree_budget=args.tree_budget, load_weight=args.load_weight,
+    )
+
+
+def run_router(args: argparse.Namespace) -> int:
+    from kvserve.router.serve import run_router as serve
+
+    serve(router_config(args, args.workers))
+    return 0
+
+
+def run_cluster(args: argparse.Namespace) -> int:
+    from kvserve.cli import engine_config_from_args
+    from kvserve.router.cluster import Cluster
+    from kvserve.router.serve import run_router as serve
+
+    engine = engine_config_from_args(args)
+    with Cluster.start(engine, args.replicas, args.worker_host, args.api_keys,
+                       kv_events=args.policy == "kv_events") as cluster:
+        serve(router_config(args, cluster.urls))
+    return 0

@@ -1,0 +1,37 @@
+"""Router settings and their defaults (light: the CLI imports this to build its parser)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+POLICY_NAMES = ("cache_aware", "kv_events", "least_load", "round_robin")
+BALANCE_ABS = 8  # load difference (requests) beyond which cache affinity is ignored ...
+BALANCE_REL = 1.5  # ... if the busiest worker also has this many times the least busy one's load
+CACHE_THRESHOLD = 0.5  # cache_aware: follow the best match only if it covers more than this of the prompt
+TREE_BUDGET = 1_000_000  # tokens per worker tree
+LOAD_WEIGHT = 0.5  # kv_events: score = cached fraction − LOAD_WEIGHT × load / max load
+
+
+@dataclass(slots=True)
+class RouterConfig:
+    workers: list[str] = field(default_factory=list)
+    policy: str = "cache_aware"
+    host: str = "127.0.0.1"
+    port: int = 8080
+    model: str | None = None  # whose tokenizer keys prompts; None: token-id prompts exactly, text by characters
+    api_keys: str | None = None  # the workers' key file: tenants → namespaces, and an admin key for /load
+    poll_interval: float = 1.0
+    max_attempts: int = 3
+    balance_abs: int = BALANCE_ABS
+    balance_rel: float = BALANCE_REL
+    cache_threshold: float = CACHE_THRESHOLD
+    tree_budget: int = TREE_BUDGET
+    load_weight: float = LOAD_WEIGHT
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICY_NAMES:
+            raise ValueError(f"policy must be one of {POLICY_NAMES}, got {self.policy!r}")
+        if self.poll_interval <= 0:
+            raise ValueError(f"poll_interval must be > 0, got {self.poll_interval}")
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")

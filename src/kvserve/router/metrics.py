@@ -1,0 +1,73 @@
+"""The router's Prometheus metrics: decisions by policy and reason, per-worker load and match rate,
+retries, and where the proxy's time goes (routing work vs. waiting for the worker's first byte)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvserve.router.workers import Worker
+
+ROUTING_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
+FIRST_BYTE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+
+
+class WorkerCollector(Collector):
+    """Per-worker gauges read from the pool at scrape time."""
+
+    def __init__(self, workers: Callable[[], list[Worker]]) -> None:
+        self._workers = workers
+
+    def collect(self) -> Iterator[Metric]:
+        families = {
+            "healthy": GaugeMetricFamily("kvserve_router_worker_healthy", "1 while the worker is in the pool.",
+                                         labels=["worker"]),
+            "in_flight": GaugeMetricFamily("kvserve_router_worker_in_flight",
+                                           "Requests this router has outstanding on the worker.", labels=["worker"]),
+            "running": GaugeMetricFamily("kvserve_router_worker_running", "Running requests (polled).",
+                                         labels=["worker"]),
+            "waiting": GaugeMetricFamily("kvserve_router_worker_waiting", "Waiting requests (polled).",
+                                         labels=["worker"]),
+            "kv_usage": GaugeMetricFamily("kvserve_router_worker_kv_usage_ratio", "KV usage (polled).",
+                                          labels=["worker"]),
+            "generation": GaugeMetricFamily("kvserve_router_worker_generation", "Times the worker (re)joined.",
+                                            labels=["worker"]),
+        }
+        for worker in self._workers():
+            labels = [worker.url]
+            families["healthy"].add_metric(labels, float(worker.healthy))
+            families["in_flight"].add_metric(labels, worker.in_flight)
+            families["running"].add_metric(labels, worker.load.running)
+            families["waiting"].add_metric(labels, worker.load.waiting)
+            families["kv_usage"].add_metric(labels, worker.load.kv_usage)
+            families["generation"].add_metric(labels, worker.generation)
+        yield from families.values()
+
+
+class RouterMetrics:
+    def __init__(self, workers: Callable[[], list[Worker]]) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(WorkerCollector(workers))
+        self.decisions = Counter("kvserve_router_decisions", "Routing decisions.", ["policy", "reason"],
+                                 registry=self.registry)
+        self.routed = Counter("kvserve_router_requests", "Requests sent to each worker by outcome.",
+                              ["worker", "outcome"], registry=self.registry)
+        self.prompt_tokens = Counter("kvserve_router_prompt_tokens", "Prompt tokens of keyed requests routed.",
+                                     ["worker"], registry=self.registry)
+        self.matched_tokens = Counter(
+            "kvserve_router_matched_tokens", "Prompt tokens the policy expected cached on the chosen worker "
+            "(matched / prompt = the worker's match rate).", ["worker"], registry=self.registry)
+        self.retries = Counter("kvserve_router_retries", "Requests re-sent to another worker before streaming.",
+                               registry=self.registry)
+        self.failures = Counter("kvserve_router_failed", "Requests that failed after no worker could take them "
+                                "or mid-stream.", ["stage"], registry=self.registry)
+        self.routing = Histogram("kvserve_router_routing_seconds", "Router work per request: parse, tokenize, "
+                                 "decide.", buckets=ROUTING_BUCKETS, registry=self.registry)
+        self.first_byte = Histogram("kvserve_router_upstream_first_byte_seconds", "From sending to a worker to "
+                                    "its first response byte.", buckets=FIRST_BYTE_BUCKETS, registry=self.registry)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

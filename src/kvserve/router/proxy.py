@@ -1,0 +1,158 @@
+"""Forward one request to one worker: the body as received, the caller's headers (API key included)
+unchanged, the answer back as it comes.
+
+A worker *fails* a request when it cannot be reached, drops the connection, or answers 503 (engine
+dead or draining) before the first byte of the answer reached our caller; `WorkerFailed` tells the
+caller to mark it down and try another worker. Once bytes have been relayed there is no retry: a
+stream that breaks gets a final SSE `error` event (and no `[DONE]`), so the client sees a clear
+failure rather than a silently truncated answer.
+
+Client disconnects propagate: the upstream request is cancelled (its connection closed), which the
+worker sees as its own client disconnect, so it aborts the request and frees its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import httpx
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from kvserve.router.metrics import RouterMetrics
+from kvserve.router.workers import Worker
+
+CLIENT_CLOSED_REQUEST = 499
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# Hop-by-hop and framing headers are the proxy's own business; everything else passes unchanged.
+_DROPPED_REQUEST_HEADERS = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "upgrade",
+                            "te", "trailer", "proxy-authorization", "proxy-connection", "accept-encoding"}
+_PASSED_RESPONSE_HEADERS = ("content-type", "retry-after")
+T = TypeVar("T")
+
+
+class WorkerFailed(Exception):
+    """The worker could not take the request; nothing was sent to the caller yet."""
+
+
+class ClientGone(Exception):
+    """The caller disconnected while we waited for the worker."""
+
+
+def forward_headers(request: Request) -> dict[str, str]:
+    return {name: value for name, value in request.headers.items() if name.lower() not in _DROPPED_REQUEST_HEADERS}
+
+
+@dataclass(slots=True)
+class Upstream:
+    """One attempt: `worker` gets `body` at `path`."""
+
+    client: httpx.AsyncClient
+    worker: Worker
+    path: str
+    body: bytes
+    headers: dict[str, str]
+    metrics: RouterMetrics
+
+    async def unary(self, request: Request) -> Response:
+        started = time.perf_counter()
+        self.worker.in_flight += 1
+        try:
+            answer = await _unless_disconnected(request, self.client.post(
+                self.worker.url + self.path, content=self.body, headers=self.headers, timeout=None))
+        except httpx.TransportError as err:
+            raise WorkerFailed(f"{type(err).__name__}: {err}") from err
+        finally:
+            self.worker.in_flight -= 1
+        self.metrics.first_byte.observe(time.perf_counter() - started)
+        if answer.status_code == 503:
+            raise WorkerFailed(f"worker answered 503: {answer.text[:200]}")
+        return Response(answer.content, status_code=answer.status_code, headers=_response_headers(answer))
+
+    async def stream(self, request: Request) -> Response:
+        """Open the stream and wait for its first chunk (retryable until then), then relay the rest."""
+        started = time.perf_counter()
+        self.worker.in_flight += 1
+        answer: httpx.Response | None = None
+        try:
+            sent = self.client.build_request("POST", self.worker.url + self.path, content=self.body,
+                                             headers=self.headers, timeout=None)
+            answer = await _unless_disconnected(request, self.client.send(sent, stream=True))
+            if answer.status_code != 200:
+                content = await answer.aread()
+                if answer.status_code == 503:
+                    raise WorkerFailed(f"worker answered 503: {content[:200]!r}")
+                self.worker.in_flight -= 1
+                await answer.aclose()
+                return Response(content, status_code=answer.status_code, headers=_response_headers(answer))
+            chunks = answer.aiter_raw()
+            first = await _unless_disconnected(request, anext(chunks, b""))
+        except BaseException as err:
+            self.worker.in_flight -= 1
+            if answer is not None:
+                await answer.aclose()
+            if isinstance(err, httpx.TransportError):
+                raise WorkerFailed(f"{type(err).__name__}: {err}") from err
+            raise
+        self.metrics.first_byte.observe(time.perf_counter() - started)
+        return StreamingResponse(self._relay(request, answer, first, chunks), status_code=200,
+                                 media_type=answer.headers.get("content-type", "text/event-stream"),
+                                 headers=SSE_HEADERS)
+
+    async def _relay(
+        self, request: Request, answer: httpx.Response, first: bytes, chunks: AsyncIterator[bytes]
+    ) -> AsyncIterator[bytes]:
+        watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+        try:
+            if first:
+                yield first
+            async for chunk in chunks:
+                if watcher.done():
+                    break  # our caller left: closing the upstream makes the worker abort
+                yield chunk
+        except httpx.TransportError as err:
+            self.metrics.failures.labels("mid_stream").inc()
+            yield _sse_error(f"worker {self.worker.url} failed mid-stream: {type(err).__name__}: {err}")
+        finally:
+            watcher.cancel()
+            self.worker.in_flight -= 1
+            await answer.aclose()
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it (ClientGone) if the caller disconnects first."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task not in done:
+        task.cancel()
+        raise ClientGone()
+    return task.result()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    # The body has been read: from here the ASGI server's receive() blocks until the client leaves.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _response_headers(answer: httpx.Response) -> dict[str, str]:
+    return {name: answer.headers[name] for name in _PASSED_RESPONSE_HEADERS if name in answer.headers}
+
+
+def _sse_error(message: str) -> bytes:
+    body = {"error": {"message": message, "type": "worker_error", "param": None, "code": "worker_failed"}}
+    return f"data: {json.dumps(body)}\n\n".encode()
+
+
+def error_response(status: int, message: str, code: str) -> Response:
+    body = {"error": {"message": message, "type": "router_error", "param": None, "code": code}}
+    return Response(json.dumps(body), status_code=status, media_type="application/json")

@@ -1,0 +1,146 @@
+"""The worker pool: health checks, load polling, and who is in the pool right now.
+
+Every `interval` seconds each worker's `GET /load` is polled (running / waiting requests, KV usage,
+block size, hash function, KV-event endpoint). A worker that fails `max_failures` polls in a row, or
+that refuses a connection while a request is proxied to it, leaves the pool at once; when its polls
+succeed again it rejoins with a new `generation`, and the policies drop whatever they had indexed for
+it (its cache died with the old process).
+
+Load as the router sees it: `max(in_flight, running + waiting)`. The router's own count of requests
+it has outstanding on a worker is exact and immediate; the polled counts catch traffic that did not
+come through this router.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+logger = logging.getLogger("kvserve.router")
+POLL_TIMEOUT_S = 5.0
+
+
+@dataclass(slots=True)
+class WorkerLoad:
+    """One `/load` answer."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    block_size: int | None = None
+    prefix_hash: str | None = None
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
+    instance: str | None = None  # changes when the worker process restarts
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> WorkerLoad:
+        return cls(
+            running=int(data.get("running", 0)), waiting=int(data.get("waiting", 0)),
+            kv_usage=float(data.get("kv_usage", 0.0)), block_size=data.get("block_size"),
+            prefix_hash=data.get("prefix_hash"), kv_events_endpoint=data.get("kv_events_endpoint"),
+            kv_events_replay_endpoint=data.get("kv_events_replay_endpoint"), instance=data.get("instance"),
+        )
+
+
+@dataclass(slots=True, eq=False)
+class Worker:
+    """A worker as the router tracks it. `generation` counts (re)joins: indexes are per generation."""
+
+    url: str
+    healthy: bool = False
+    generation: int = 0
+    load: WorkerLoad = field(default_factory=WorkerLoad)
+    in_flight: int = 0
+    failures: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.url
+
+    @property
+    def load_score(self) -> int:
+        return max(self.in_flight, self.load.running + self.load.waiting)
+
+
+JoinCallback = Callable[[Worker], None]
+
+
+class WorkerPool:
+    """The workers, their health and load; `on_join` / `on_leave` tell the policies."""
+
+    def __init__(
+        self, urls: list[str], client: httpx.AsyncClient, interval: float = 1.0, max_failures: int = 2,
+        poll_headers: dict[str, str] | None = None,
+    ) -> None:
+        if not urls:
+            raise ValueError("the router needs at least one --worker URL")
+        if len(set(urls)) != len(urls):
+            raise ValueError("duplicate --worker URL")
+        self.workers = [Worker(url=url.rstrip("/")) for url in urls]
+        self._client = client
+        self._interval = interval
+        self._max_failures = max_failures
+        self._poll_headers = poll_headers or {}
+        self.on_join: list[JoinCallback] = []
+        self.on_leave: list[JoinCallback] = []
+
+    def healthy(self) -> list[Worker]:
+        return [worker for worker in self.workers if worker.healthy]
+
+    async def run(self) -> None:
+        """Poll forever (cancel to stop)."""
+        while True:
+            await self.poll_all()
+            await asyncio.sleep(self._interval)
+
+    async def poll_all(self) -> None:
+        await asyncio.gather(*(self._poll(worker) for worker in self.workers))
+
+    async def _poll(self, worker: Worker) -> None:
+        try:
+            load = await self._fetch_load(worker)
+        except (httpx.HTTPError, ValueError) as err:
+            worker.failures += 1
+            if worker.healthy and worker.failures >= self._max_failures:
+                self.mark_down(worker, f"{type(err).__name__}: {err}")
+            return
+        worker.failures = 0
+        restarted = worker.healthy and load.instance is not None and load.instance != worker.load.instance
+        if restarted:  # came back between two polls: same URL, new process, empty cache
+            self.mark_down(worker, "restarted")
+        worker.load = load
+        if not worker.healthy:
+            self._join(worker)
+
+    async def _fetch_load(self, worker: Worker) -> WorkerLoad:
+        timeout = max(2 * self._interval, POLL_TIMEOUT_S)  # a busy worker answers late, not never
+        response = await self._client.get(f"{worker.url}/load", headers=self._poll_headers, timeout=timeout)
+        if response.status_code in (401, 403, 404):  # no admin key, or an older worker: health only
+            response = await self._client.get(f"{worker.url}/health", timeout=timeout)
+            if response.status_code == 200:
+                return WorkerLoad()
+        if response.status_code != 200:
+            raise ValueError(f"{response.request.url.path} answered {response.status_code}")
+        return WorkerLoad.from_json(response.json())
+
+    def _join(self, worker: Worker) -> None:
+        worker.healthy = True
+        worker.generation += 1
+        logger.info("router: worker %s joined (generation %d)", worker.url, worker.generation)
+        for callback in self.on_join:
+            callback(worker)
+
+    def mark_down(self, worker: Worker, reason: str) -> None:
+        """Take `worker` out of the pool now (a failed poll or a refused proxy connection)."""
+        if not worker.healthy:
+            return
+        worker.healthy = False
+        logger.warning("router: worker %s left the pool: %s", worker.url, reason)
+        for callback in self.on_leave:
+            callback(worker)

@@ -1,0 +1,138 @@
+"""KV events: vLLM's wire format (round trip, the array form, bad input), and a real ZMQ publisher
+feeding a subscriber on loopback: in-order delivery, replay of what a late subscriber missed,
+gap → resync, and a restarted publisher (sequence back to 0) → the worker's index is rebuilt."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgpack
+import pytest
+
+from kvserve.events.format import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, decode_batch, encode_batch
+from kvserve.events.publisher import KVEventPublisher
+from kvserve.events.subscriber import EventStream
+from kvserve.prefix.hashing import block_hashes
+from kvserve.router.index import BlockIndex, WorkerEvents
+from kvserve.server.launcher import free_port
+
+H = [bytes([i]) * 32 for i in range(8)]
+
+
+def test_format_round_trip_and_vllm_layout():
+    batch = KVEventBatch(ts=12.5, events=[
+        BlockStored([H[0], H[1]], None, list(range(8)), 4), BlockRemoved([H[0]]), AllBlocksCleared(),
+    ], data_parallel_rank=0)
+    payload = encode_batch(batch)
+    assert decode_batch(payload) == batch
+    raw = msgpack.unpackb(payload)
+    assert raw["events"][0] == {"type": "BlockStored", "block_hashes": [H[0], H[1]], "parent_block_hash": None,
+                                "token_ids": list(range(8)), "block_size": 4, "lora_id": None, "medium": "GPU",
+                                "lora_name": None}
+    assert raw["events"][2] == {"type": "AllBlocksCleared"}
+
+
+def test_decoder_accepts_the_array_form_and_ignores_newer_fields():
+    array_form = msgpack.packb([1.0, [["BlockStored", [H[2]], H[1], [1, 2, 3, 4], 4, None, "GPU"],
+                                      ["BlockRemoved", [H[2]], "CPU"], ["AllBlocksCleared"]], 0])
+    batch = decode_batch(array_form)
+    assert batch.events == [BlockStored([H[2]], H[1], [1, 2, 3, 4], 4, None, "GPU"), BlockRemoved([H[2]], "CPU"),
+                            AllBlocksCleared()]
+    newer = msgpack.packb({"ts": 0, "events": [{"type": "BlockRemoved", "block_hashes": [H[0]], "medium": "GPU",
+                                                "group_idx": 3}]})
+    assert decode_batch(newer).events == [BlockRemoved([H[0]], "GPU")]
+
+
+@pytest.mark.parametrize("payload", [b"\xc1", msgpack.packb({"events": [{"type": "Nope"}]}),
+                                     msgpack.packb({"ts": 0}), msgpack.packb({"events": [{"type": "BlockStored"}]})])
+def test_decoder_rejects_malformed_batches(payload):
+    with pytest.raises(ValueError):
+        decode_batch(payload)
+
+
+def endpoints() -> tuple[str, str]:
+    return f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+
+
+async def wait_until(condition, timeout: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+async def rebind(endpoint: str, replay_endpoint: str) -> KVEventPublisher:
+    """A new publisher on the same endpoints (ZMQ releases a closed socket's port asynchronously)."""
+    for _ in range(100):
+        try:
+            return KVEventPublisher(endpoint, replay_endpoint)
+        except ValueError:
+            await asyncio.sleep(0.05)
+    raise TimeoutError(f"{endpoint} stayed busy")
+
+
+def test_publisher_to_index_with_replay_and_restart():
+    asyncio.run(_publisher_to_index())
+
+
+async def _publisher_to_index() -> None:
+    pub_endpoint, replay_endpoint = endpoints()
+    publisher = KVEventPublisher(pub_endpoint, replay_endpoint)
+    tokens = list(range(100, 116))
+    hashes = block_hashes(tokens, 4, ("alice", ""), "sha256")
+    # Published before anyone subscribes: a late subscriber must get these by replay.
+    publisher.publish([AllBlocksCleared()])
+    publisher.publish([BlockStored(hashes[:2], None, tokens[:8], 4)])
+    index = BlockIndex()
+    handler = WorkerEvents(index, "w0")
+    stream = EventStream(pub_endpoint, handler, replay_endpoint)
+    task = asyncio.create_task(stream.run())
+    try:
+        await asyncio.sleep(0.3)  # let the SUB connect
+        publisher.publish([BlockStored(hashes[2:], hashes[1], tokens[8:], 4)])
+        await wait_until(lambda: stream.stats.last_seq == 2)
+        assert index.longest_runs(hashes, ["w0"]) == {"w0": 4}
+        assert stream.stats.replayed == 2 and handler.resets == 0
+        publisher.publish([BlockRemoved([hashes[1]])])
+        await wait_until(lambda: stream.stats.last_seq == 3)
+        assert index.longest_runs(hashes, ["w0"]) == {"w0": 1}
+        # The worker restarts: a new process, sequence numbers from 0, an empty cache.
+        publisher.close()
+        publisher = await rebind(pub_endpoint, replay_endpoint)
+        await asyncio.sleep(0.3)
+        publisher.publish([AllBlocksCleared()])
+        publisher.publish([BlockStored(hashes[:1], None, tokens[:4], 4)])
+        await wait_until(lambda: stream.stats.resets >= 1 and stream.stats.last_seq == 1)
+        assert index.longest_runs(hashes, ["w0"]) == {"w0": 1} and index.num_blocks("w0") == 1
+        index.check_invariants()
+    finally:
+        task.cancel()
+        publisher.close()
+
+
+def test_unfillable_gap_resets_the_workers_index():
+    asyncio.run(_gap_without_replay())
+
+
+async def _gap_without_replay() -> None:
+    index = BlockIndex()
+    index.store("w0", H[:3])
+    handler = WorkerEvents(index, "w0")
+    stream = EventStream("tcp://127.0.0.1:1", handler, replay_endpoint=None)  # never connected: fed by hand
+    stored = encode_batch(KVEventBatch(ts=0.0, events=[BlockStored([H[5]], None, [1, 2, 3, 4], 4)]))
+    await stream.deliver(0, stored)
+    assert handler.resets == 0 and index.num_blocks("w0") == 4
+    await stream.deliver(5, stored)  # batches 1..4 lost, nobody to replay them: forget, then go on
+    assert handler.resets == 1 and index.num_blocks("w0") == 1
+    await stream.deliver(6, b"garbage")  # unreadable: also a reset
+    assert handler.resets == 2 and index.num_blocks("w0") == 0 and stream.stats.last_seq == 6
+
+
+def test_publisher_reports_a_busy_endpoint():
+    endpoint, _ = endpoints()
+    first = KVEventPublisher(endpoint)
+    try:
+        with pytest.raises(ValueError, match="cannot bind"):
+            KVEventPublisher(endpoint)
+    finally:
+        first.close()

@@ -1,0 +1,313 @@
+"""Router policies and indexes, without processes: the token tree (by property against a brute-force
+model), SGLang's cache_aware rule, tenant isolation of every routing key, least_load, round_robin,
+the exact block index and the kv_events policy."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvserve.events.format import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from kvserve.prefix.hashing import block_hashes
+from kvserve.router.index import BlockIndex
+from kvserve.router.keys import RequestKeyer, RouteKey
+from kvserve.router.policies import (
+    CacheAwarePolicy,
+    CacheAwareSettings,
+    KvEventsPolicy,
+    LeastLoadPolicy,
+    RoundRobinPolicy,
+)
+from kvserve.router.radix import TokenTree
+from kvserve.router.workers import Worker, WorkerLoad
+from kvserve.server.auth import load_api_keys
+
+ALICE, BOB = ("alice", ""), ("bob", "")
+
+
+def workers(count: int, block_size: int = 4) -> list[Worker]:
+    return [Worker(url=f"http://w{i}", healthy=True, load=WorkerLoad(block_size=block_size, prefix_hash="sha256"))
+            for i in range(count)]
+
+
+def key(tokens, namespace=ALICE) -> RouteKey:
+    return RouteKey(tokens=tuple(tokens), namespace=namespace, exact=True)
+
+
+# --- token tree ------------------------------------------------------------------------------------
+
+
+def test_tree_matches_longest_prefix_and_splits_edges():
+    tree = TokenTree(budget=1000)
+    tree.insert([1, 2, 3, 4, 5])
+    tree.insert([1, 2, 9])
+    assert tree.match([1, 2, 3, 4, 5, 6]) == 5
+    assert tree.match([1, 2, 9, 9]) == 3
+    assert tree.match([1, 2]) == 2
+    assert tree.match([7]) == 0
+    assert tree.num_tokens == 6
+    tree.check_invariants()
+
+
+def test_tree_evicts_least_recently_used_to_budget():
+    tree = TokenTree(budget=10)
+    tree.insert([1] * 6)
+    tree.insert([2] * 6)  # 12 > 10: the older [1]*6 goes
+    tree.check_invariants()
+    assert tree.num_tokens <= 10
+    assert tree.match([2] * 6) == 6 and tree.match([1] * 6) == 0
+
+
+sequences = st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=12), min_size=1, max_size=25)
+
+
+@settings(max_examples=80, deadline=None)
+@given(sequences, st.lists(st.integers(0, 3), max_size=12))
+def test_tree_match_equals_brute_force_without_eviction(inserted, probe):
+    tree = TokenTree(budget=10_000)
+    for seq in inserted:
+        tree.insert(seq)
+    tree.check_invariants()
+    expected = max(_common_prefix(seq, probe) for seq in inserted)
+    assert tree.match(probe) == expected
+    assert tree.num_tokens <= sum(map(len, inserted))
+
+
+@settings(max_examples=80, deadline=None)
+@given(sequences, st.integers(8, 40))
+def test_tree_under_budget_keeps_invariants_and_the_latest_insert(inserted, budget):
+    tree = TokenTree(budget=budget)
+    for seq in inserted:
+        tree.insert(seq)
+        tree.check_invariants()
+        # The newest sequence survives its own eviction whenever it fits in the low-water mark.
+        if len(seq) <= int(budget * 0.9):
+            assert tree.match(seq) == len(seq)
+        assert tree.match(seq) <= len(seq)
+
+
+def _common_prefix(a, b) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+# --- cache_aware -------------------------------------------------------------------------------------
+
+
+def test_cache_aware_sends_a_prefix_back_where_it_went():
+    policy, pool = CacheAwarePolicy(), workers(3)
+    conversation = list(range(100, 164))
+    first = policy.choose(key(conversation), pool)
+    policy.on_routed(key(conversation), first.worker)
+    follow_up = policy.choose(key(conversation + [7, 8, 9, 10]), pool)
+    assert follow_up.worker is first.worker and follow_up.reason == "cache_hit"
+    assert follow_up.matched_tokens == len(conversation)
+
+
+def test_cache_aware_spreads_new_prefixes_by_tree_size():
+    policy, pool = CacheAwarePolicy(), workers(2)
+    chosen = []
+    for i in range(6):
+        prompt = key([1000 + i] * 32)
+        decision = policy.choose(prompt, pool)
+        assert decision.reason == "smallest_tree"
+        policy.on_routed(prompt, decision.worker)
+        chosen.append(decision.worker)
+    assert chosen.count(pool[0]) == chosen.count(pool[1]) == 3
+
+
+def test_cache_aware_ignores_affinity_when_imbalanced():
+    policy, pool = CacheAwarePolicy(CacheAwareSettings(balance_abs=4, balance_rel=1.5)), workers(2)
+    prompt = key(range(64))
+    policy.on_routed(prompt, pool[0])
+    pool[0].in_flight = 10  # 10 − 0 > 4 and 10 > 1.5 × 0
+    decision = policy.choose(prompt, pool)
+    assert decision.worker is pool[1] and decision.reason == "imbalance"
+    pool[0].in_flight = 3  # within the absolute threshold: affinity wins
+    assert policy.choose(prompt, pool).worker is pool[0]
+
+
+def test_cache_aware_threshold_fraction():
+    policy, pool = CacheAwarePolicy(CacheAwareSettings(cache_threshold=0.5)), workers(2)
+    policy.on_routed(key(range(10)), pool[0])
+    policy.on_routed(key([999] * 40), pool[1])  # pool[1] has the bigger tree
+    assert policy.choose(key(range(30)), pool).reason == "smallest_tree"  # 10/30 matched: not enough
+    assert policy.choose(key(range(15)), pool).worker is pool[0]  # 10/15 > 0.5
+
+
+def test_cache_aware_never_matches_across_tenants():
+    """Tenant B's identical prompt finds nothing in the tree that A's prompt warmed."""
+    policy, pool = CacheAwarePolicy(), workers(2)
+    prompt = list(range(200, 264))
+    first = policy.choose(key(prompt, ALICE), pool)
+    policy.on_routed(key(prompt, ALICE), first.worker)
+    decision = policy.choose(key(prompt, BOB), pool)
+    assert decision.reason == "smallest_tree" and decision.matched_tokens == 0
+    assert decision.worker is not first.worker  # the cold one: A's warm replica is not B's
+    # cache_salt splits namespaces the same way within one tenant
+    assert policy.choose(key(prompt, ("alice", "salt")), pool).matched_tokens == 0
+
+
+def test_rejoined_worker_starts_with_an_empty_tree():
+    policy, pool = CacheAwarePolicy(), workers(2)
+    policy.on_routed(key(range(64)), pool[0])
+    policy.on_join(pool[0])
+    assert policy.tree(pool[0]).num_tokens == 0
+
+
+# --- least_load, round_robin ----------------------------------------------------------------------------
+
+
+def test_least_load_picks_the_least_loaded_and_rotates_ties():
+    policy, pool = LeastLoadPolicy(), workers(3)
+    pool[0].load.running, pool[1].load.waiting = 2, 1
+    assert policy.choose(key([1]), pool).worker is pool[2]
+    pool[2].in_flight = 5
+    assert policy.choose(key([1]), pool).worker is pool[1]
+    idle = workers(2)
+    assert {policy.choose(key([1]), idle).worker.url for _ in range(4)} == {"http://w0", "http://w1"}
+
+
+def test_round_robin_cycles():
+    policy, pool = RoundRobinPolicy(), workers(3)
+    assert [policy.choose(key([1]), pool).worker.url for _ in range(6)] == [w.url for w in pool] * 2
+
+
+# --- the exact index and kv_events -----------------------------------------------------------------------
+
+
+def stored(hashes, tokens=(), parent=None) -> KVEventBatch:
+    return KVEventBatch(ts=0.0, events=[BlockStored(list(hashes), parent, list(tokens), 4)])
+
+
+def test_block_index_runs_stop_at_the_first_hole():
+    index = BlockIndex()
+    h = [bytes([i]) * 32 for i in range(5)]
+    index.apply("a", stored(h[:3]))
+    index.apply("b", stored([h[0], h[2], h[3]]))
+    assert index.longest_runs(h, ["a", "b", "c"]) == {"a": 3, "b": 1, "c": 0}
+    index.apply("a", KVEventBatch(ts=0.0, events=[BlockRemoved([h[1]])]))
+    assert index.longest_runs(h, ["a"]) == {"a": 1}
+    index.apply("b", KVEventBatch(ts=0.0, events=[AllBlocksCleared()]))
+    assert index.num_blocks("b") == 0 and index.longest_runs(h, ["b"]) == {"b": 0}
+    index.check_invariants()
+
+
+def test_kv_events_policy_follows_the_index_within_the_tenant():
+    policy, pool = KvEventsPolicy(), workers(2, block_size=4)
+    tokens = list(range(50, 70))  # 5 full blocks
+    hashes = block_hashes(tokens, 4, ALICE, "sha256")
+    policy.index.store(pool[1].url, hashes[:4])
+    decision = policy.choose(key(tokens), pool)
+    assert decision.worker is pool[1] and decision.reason == "cache_hit" and decision.matched_tokens == 16
+    bob = policy.choose(key(tokens, BOB), pool)  # same tokens, other tenant: other hashes
+    assert bob.matched_tokens == 0 and bob.reason == "least_load"
+
+
+def test_kv_events_policy_weighs_load_against_cached_blocks():
+    policy, pool = KvEventsPolicy(load_weight=0.5), workers(2, block_size=4)
+    tokens = list(range(16))
+    hashes = block_hashes(tokens, 4, ALICE, "sha256")
+    policy.index.store(pool[0].url, hashes[:1])  # a quarter of the prompt cached on w0
+    pool[0].in_flight = 4  # and w0 is the busy one: 0.25 − 0.5 < 0 − 0
+    assert policy.choose(key(tokens), pool).worker is pool[1]
+    policy.index.store(pool[0].url, hashes)  # the whole prompt: 1 − 0.5 > 0
+    assert policy.choose(key(tokens), pool).worker is pool[0]
+
+
+def test_kv_events_policy_counts_what_it_just_sent_until_the_worker_reports():
+    from kvserve.router.index import WorkerEvents
+
+    policy, pool = KvEventsPolicy(), workers(2, block_size=4)
+    tokens = list(range(300, 332))
+    first = policy.choose(key(tokens), pool)
+    assert first.reason == "least_load"
+    policy.on_routed(key(tokens), first.worker)
+    burst = policy.choose(key(tokens + [1, 2]), pool)  # no event yet: the prefill is still queued
+    assert burst.worker is first.worker and burst.reason == "cache_hit" and burst.matched_tokens == 32
+    assert policy.choose(key(tokens, BOB), pool).matched_tokens == 0  # pending entries are namespaced too
+    hashes = block_hashes(tokens, 4, ALICE, "sha256")
+    events = WorkerEvents(policy.index, first.worker.url, policy.pending)
+    events.apply(KVEventBatch(ts=0.0, events=[BlockRemoved(hashes[2:3])]))  # reported: the index decides
+    assert policy.choose(key(tokens), pool).matched_tokens == 8
+
+
+def test_pending_blocks_expire_and_are_swept():
+    from kvserve.router.index import PendingBlocks
+
+    pending = PendingBlocks(ttl=10.0)
+    pending.add("w", [b"a", b"b"], now=0.0)
+    assert pending.holds("w", b"a", now=9.9) and not pending.holds("w", b"a", now=10.1)
+    for i in range(3000):  # far past the sweep threshold: expired entries do not pile up
+        pending.add("w", [i.to_bytes(4, "little")], now=100.0 + i)
+    assert len(pending) < 2100
+
+
+def test_kv_events_policy_needs_exact_tokens():
+    policy, pool = KvEventsPolicy(), workers(2)
+    approximate = RouteKey(tokens=(1, 2, 3, 4), namespace=ALICE, exact=False)
+    assert policy.choose(approximate, pool).reason == "unkeyed"
+
+
+# --- keys: tokens and namespaces as the server derives them -------------------------------------------
+
+
+@pytest.fixture()
+def api_keys(tmp_path):
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps({"keys": {"sk-a": "alice", "sk-a2": "alice", "sk-b": "bob"}}))
+    return load_api_keys(path)
+
+
+def test_keyer_namespaces_follow_the_key_file(api_keys):
+    keyer = RequestKeyer(None, api_keys)
+    body = {"prompt": [5, 6, 7]}
+    a = keyer.key("/v1/completions", body, "Bearer sk-a")
+    assert a.namespace == ("alice", "") and a.tokens == (5, 6, 7) and a.exact
+    assert keyer.key("/v1/completions", body, "Bearer sk-a2").namespace == ("alice", "")  # one tenant, 2 keys
+    assert keyer.key("/v1/completions", body, "Bearer sk-b").namespace == ("bob", "")
+    salted = keyer.key("/v1/completions", {**body, "cache_salt": "s1"}, "Bearer sk-a")
+    assert salted.namespace == ("alice", "s1")
+    assert not keyer.key("/v1/completions", body, "Bearer sk-nope").usable  # the worker answers 401
+    assert not keyer.key("/v1/completions", body, None).usable
+
+
+def test_keyer_single_tenant_and_text_fallback():
+    keyer = RequestKeyer(None, None)
+    assert keyer.key("/v1/completions", {"prompt": [1, 2]}, "Bearer anything").namespace == ()
+    assert keyer.key("/v1/completions", {"prompt": [1, 2], "cache_salt": "x"}, None).namespace == ("x",)
+    text = keyer.key("/v1/completions", {"prompt": "hi"}, None)
+    assert text.tokens == (ord("h"), ord("i")) and not text.exact  # no tokenizer: characters
+    chat = keyer.key("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, None)
+    assert chat.usable and not chat.exact
+    assert not keyer.key("/v1/chat/completions", {"messages": "nope"}, None).usable
+    assert not keyer.key("/v1/completions", [1, 2], None).usable
+
+
+# --- command line ----------------------------------------------------------------------------------------
+
+
+def test_router_and_cluster_commands_parse():
+    from kvserve.cli import build_parser, engine_config_from_args
+    from kvserve.router.cli import router_config
+    from kvserve.router.cluster import engine_argv
+
+    args = build_parser().parse_args(["router", "--worker", "http://a:1", "--worker", "http://b:2", "--policy",
+                                      "kv_events", "--cache-threshold", "0.7"])
+    config = router_config(args, args.workers)
+    assert config.workers == ["http://a:1", "http://b:2"] and config.policy == "kv_events"
+    assert config.cache_threshold == 0.7
+    cluster = build_parser().parse_args(["cluster", "--replicas", "3", "--num-blocks", "128", "--block-size", "8"])
+    engine = engine_config_from_args(cluster)
+    assert cluster.replicas == 3
+    rebuilt = engine_config_from_args(build_parser().parse_args(["serve", *engine_argv(engine)]))
+    assert rebuilt == engine  # the workers get exactly the engine flags the cluster was given
+    serve = build_parser().parse_args(["serve", "--kv-events-endpoint", "tcp://*:5557"])
+    assert serve.kv_events_endpoint == "tcp://*:5557"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["router", "--policy", "kv_events"])  # --worker is required
