@@ -163,22 +163,20 @@ def chat_row(name: str, run: ChatRun) -> list[object]:
 
 
 def chat_benchmark(chat: Chat, tmp: Path, redis_url: str) -> tuple[str, dict[str, ChatRun], int]:
-    pool_blocks = chat.working_set_tokens() // 4 // BLOCK_SIZE
+    longest = len(chat.messages[0]) * (len(chat.messages[0][0]) + chat.answer_tokens)
+    pool_blocks = max(chat.working_set_tokens() // 4 // BLOCK_SIZE, -(-longest // BLOCK_SIZE) + 1)
     probe = make_llm(pool_blocks)
     host_bytes = pool_blocks * BlockCodec.for_pool(probe.engine.kv_pool.tensor).payload_bytes
     del probe
-    configs = {
+    configs = {  # the third also writes every block through to Redis; the fourth is a fresh replica reading it
         "device only": dict(),
         "+ host": dict(host_cache=host_bytes),
-        "+ host + disk": dict(host_cache=host_bytes, disk_cache=str(tmp / "chat-disk")),
+        "+ host + disk (+ Redis write-through)": dict(host_cache=host_bytes, disk_cache=str(tmp / "chat-disk"),
+                                                      remote_cache=redis_url),
         "+ host + Redis (fresh replica)": dict(host_cache=host_bytes, remote_cache=redis_url),
     }
     runs: dict[str, ChatRun] = {}
     for name, tiers in configs.items():
-        if "remote_cache" in tiers:  # another replica fills Redis with the same conversations first
-            writer = make_llm(pool_blocks, **tiers)
-            run_chat(writer, chat)
-            writer.engine.close()
         llm = make_llm(pool_blocks, **tiers)
         runs[name] = run_chat(llm, chat)
         llm.engine.close()
@@ -193,7 +191,7 @@ def chat_benchmark(chat: Chat, tmp: Path, redis_url: str) -> tuple[str, dict[str
 def restart_benchmark(chat: Chat, runs: dict[str, ChatRun], tmp: Path, pool_blocks: int) -> str:
     """The + host + disk engine's directory after a restart (warm) against an empty one (cold)."""
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    prompts = runs["+ host + disk"].last_prompts
+    prompts = runs["+ host + disk (+ Redis write-through)"].last_prompts
     rows = []
     for name, directory in (("warm (same disk directory)", tmp / "chat-disk"), ("cold (empty directory)",
                                                                                  tmp / "empty-disk")):
@@ -213,24 +211,26 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--message-tokens", type=int, default=48)
     parser.add_argument("--answer-tokens", type=int, default=16)
+    parser.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS, help="load-back: prompt recomputed")
     args = parser.parse_args()
     torch.set_num_threads(2)
     chat = Chat.make(args.users, args.turns, args.message_tokens, args.answer_tokens)
     with tempfile.TemporaryDirectory() as tmp, LocalRedis() as redis_server:
         chat_table, runs, pool_blocks = chat_benchmark(chat, Path(tmp), redis_server.url)
         restart_table = restart_benchmark(chat, runs, Path(tmp), pool_blocks)
-    prompt = load_workloads()["prefill"]["2048"][:PROMPT_TOKENS]
+    prompt = load_workloads()["prefill"]["2048"][: args.prompt_tokens]
     llm = LLM("smollm2-135m", progress=False, prefix_cache="off", kv_cache_memory="256MiB", host_cache=0)
     table = (
-        f"### Multi-turn chat, working set {chat.working_set_tokens()} tokens = 4x the pool ({pool_blocks} "
-        f"blocks of {BLOCK_SIZE})\n\n{chat_table}\n\n### Restart\n\n{restart_table}\n\n"
+        f"### Multi-turn chat, working set {chat.working_set_tokens()} tokens, device pool {pool_blocks} blocks of "
+        f"{BLOCK_SIZE} ({chat.working_set_tokens() / (pool_blocks * BLOCK_SIZE):.1f}x smaller)\n\n{chat_table}\n\n"
+        f"### Restart\n\n{restart_table}\n\n"
         f"### Load-back cost per block\n\n{loadback(llm, prompt, args.repeats)}"
     )
     notes = (
         f"{args.users} users x {args.turns} turns, {args.message_tokens}-token messages, {args.answer_tokens}-token "
         "greedy answers, one request at a time; every configuration produced the same transcript. Hit rate = "
         "cached prompt tokens / prompt tokens over turns 2+. Load = fetch + checksum/header check + decode + "
-        f"copy into the pool, per block, batch of {PROMPT_TOKENS // BLOCK_SIZE} blocks. Disk reads hit the page "
+        f"copy into the pool, per block, batch of {args.prompt_tokens // BLOCK_SIZE} blocks. Disk reads hit the page "
         "cache here (just-written files); a cold disk adds its read latency. Redis is a local server over "
         "loopback: a remote one adds the network round trip and bandwidth."
     )
