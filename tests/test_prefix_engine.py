@@ -101,7 +101,8 @@ def test_reset_prefix_cache(llm):
 
 def test_lru_eviction_keeps_shared_prefix(tiny_model_dir, request):
     for kind in ("radix", "hash"):
-        llm = LLM(str(tiny_model_dir), progress=False, num_blocks=8, block_size=16, prefix_cache=kind)
+        # host_cache=0: this is the device's own LRU (with a host tier the evicted tail comes back from RAM)
+        llm = LLM(str(tiny_model_dir), progress=False, num_blocks=8, block_size=16, prefix_cache=kind, host_cache=0)
         shared = BASE[:32]
         old = shared + [1] * 17  # blocks: shared(2) + old tail(1)
         new = shared + [2] * 17

@@ -46,6 +46,21 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--seed", type=int, default=defaults.seed, help="seed of unseeded random requests")
     group.add_argument("--eviction", default=defaults.eviction, choices=ONLINE_POLICIES,
                        help="which unreferenced cached blocks the prefix cache drops first")
+    add_tier_flags(parser)
+
+
+def add_tier_flags(parser: argparse.ArgumentParser) -> None:
+    """Where KV blocks go when the pool evicts them, and where a prefix missing from the pool is looked for."""
+    group = parser.add_argument_group("KV tiers (below the pool)")
+    group.add_argument("--host-cache", default="1GiB", help="host RAM tier size, e.g. 4GiB; 0: off")
+    group.add_argument("--disk-cache", default=None, help="directory of the local-disk tier; None: off")
+    group.add_argument("--disk-cache-size", default="20GiB", help="disk tier size")
+    group.add_argument("--remote-cache", default=None,
+                       help="redis://host:port/db shared by every replica; None: off")
+    group.add_argument("--remote-cache-ttl", type=float, default=None,
+                       help="seconds a block stays in the remote tier; None: until Redis evicts it")
+    group.add_argument("--kv-load-timeout", type=float, default=5.0,
+                       help="seconds a disk/remote load may take before the prompt is recomputed")
 
 
 def add_sampling_flags(parser: argparse.ArgumentParser) -> None:

@@ -63,6 +63,12 @@ class EngineConfig:
     num_threads: int | None = None
     seed: int = 0
     eviction: str = DEFAULT_EVICTION  # prefix-cache eviction policy (prefix/eviction.py)
+    host_cache: int | str = "1GiB"  # KV tier in host RAM below the pool; 0 turns it off
+    disk_cache: str | None = None  # directory of the local-disk KV tier; None: off
+    disk_cache_size: int | str = "20GiB"
+    remote_cache: str | None = None  # redis://host:port/db shared by replicas; None: off
+    remote_cache_ttl: float | None = None  # seconds; None: blocks stay until Redis evicts them
+    kv_load_timeout: float = 5.0  # seconds a disk/remote load may take before the prompt is recomputed
 
     def __post_init__(self) -> None:
         self.validate()
@@ -104,6 +110,26 @@ class EngineConfig:
         _require(self.eviction in ONLINE_POLICIES, f"eviction must be one of {ONLINE_POLICIES}, got {self.eviction!r}")
         if self.num_threads is not None:
             _require(self.num_threads >= 1, f"num_threads must be >= 1, got {self.num_threads}")
+        self._validate_tiers()
+
+    def _validate_tiers(self) -> None:
+        for name in ("host_cache", "disk_cache_size"):
+            try:
+                setattr(self, name, parse_size(getattr(self, name)))
+            except ValueError as error:
+                raise ValueError(f"{name}: {error}") from None
+            _require(getattr(self, name) >= 0, f"{name} must be >= 0 bytes")
+        if self.disk_cache is not None:
+            _require(bool(str(self.disk_cache).strip()), "disk_cache must be a directory path")
+            _require(self.disk_cache_size > 0, "disk_cache_size must be positive when disk_cache is set")
+        if self.remote_cache is not None:
+            _require(
+                re.match(r"^(redis|rediss|unix)://", self.remote_cache) is not None,
+                f"remote_cache must be a redis://host:port/db URL, got {self.remote_cache!r}",
+            )
+        if self.remote_cache_ttl is not None:
+            _require(self.remote_cache_ttl > 0, f"remote_cache_ttl must be positive, got {self.remote_cache_ttl}")
+        _require(self.kv_load_timeout > 0, f"kv_load_timeout must be positive, got {self.kv_load_timeout}")
 
     @classmethod
     def field_names(cls) -> list[str]:

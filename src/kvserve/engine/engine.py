@@ -23,6 +23,7 @@ import torch
 from kvserve.config import EngineConfig, default_kv_cache_memory
 from kvserve.engine.block_manager import BlockManager
 from kvserve.engine.groups import Decision, Drop, Extend, Finish, Fork, Sample, SequenceGroup, make_group
+from kvserve.engine.kv_tiers import make_engine_tiers
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.params import BeamSearchParams, SamplingParams
 from kvserve.engine.request import FinishReason, Request, RequestOutput
@@ -53,6 +54,8 @@ class LLMEngine:
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.model = LlamaModel(loaded.config, loaded.weights, getattr(torch, config.dtype), config.device)
+        tensor_shapes = {name: tuple(tensor.shape) for name, tensor in loaded.weights.items()}
+        weights_path = loaded.path
         del loaded
         self.max_model_len = self._resolve_max_model_len()
         self.kv_pool = KVPool(self._pool_shape(), self.model.dtype, self.model.device)
@@ -65,6 +68,9 @@ class LLMEngine:
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.schedule_policy
         )
         self.runner = ModelRunner(self.model, self.kv_pool)
+        self.tiers = make_engine_tiers(config, self.model_config, tensor_shapes, weights_path, self.block_manager,
+                                       self.kv_pool.tensor)
+        self.scheduler.tiers = self.tiers
         self.groups: dict[str, SequenceGroup] = {}  # open requests, by id as submitted
         self.debug_checks = os.environ.get(DEBUG_CHECKS_ENV, "0") not in ("", "0")
         self._seed_rng = random.Random(config.seed)
@@ -306,8 +312,20 @@ class LLMEngine:
             "prefix_cache_preempted_queries": counters.preempted_queries,
             "prefix_cache_preempted_hits": counters.preempted_hits,
             "evictions": cache.num_evictions,
+            **{f"prefix_cache_hits_{source}": tokens for source, tokens in counters.hits_by_source.items()},
+            "num_loading": len(self.tiers.loading) if self.tiers is not None else 0,
+            "tiers": self.tiers.stats() if self.tiers is not None else {},
         }
 
     def reset_prefix_cache(self) -> bool:
-        """Drop every cached block; refused (False) while any block is in use."""
-        return self.block_manager.reset_prefix_cache()
+        """Drop every cached block (the device's; the lower tiers keep theirs and are not filled with
+        the dropped blocks); refused (False) while any block is in use."""
+        if self.tiers is None:
+            return self.block_manager.reset_prefix_cache()
+        with self.tiers.demotion_paused():
+            return self.block_manager.reset_prefix_cache()
+
+    def close(self) -> None:
+        """Stop the tiers' background threads (queued writes are flushed first)."""
+        if self.tiers is not None:
+            self.tiers.close()

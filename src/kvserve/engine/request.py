@@ -35,6 +35,7 @@ from kvserve.prefix.base import Namespace
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_KV = "waiting_for_kv"  # its prefix is being loaded from the disk or remote tier
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -151,6 +152,7 @@ class RequestOutput:
     num_cached_tokens: int
     metrics: RequestMetrics
     logprobs: list[TokenLogprob] | None = None
+    cached_tokens_by_source: dict[str, int] = field(default_factory=dict)  # device/host/disk/remote
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
     outputs: list[CompletionOutput] | None = None  # None given: one completion from the top-level fields
@@ -192,6 +194,9 @@ class Request:
     num_computed_tokens: int = 0
     num_published_blocks: int = 0  # leading blocks registered in the prefix cache
     num_cached_tokens: int = 0  # prefix hit at first admission (+ adopted), see the module docstring
+    cached_tokens_by_source: dict[str, int] = field(default_factory=dict)  # splits num_cached_tokens
+    kv_sources: dict[int, str] = field(default_factory=dict)  # block index -> tier it was loaded from
+    kv_load_tried: bool = False  # a disk/remote load was started for the current admission
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
     generator: torch.Generator | None = None

@@ -158,6 +158,8 @@ class CompletionRequest(SamplingFields):
 
 class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
+    # kvserve extension: where the cached tokens came from (device, host, disk, remote); sums to cached_tokens
+    cached_tokens_by_source: dict[str, int] = Field(default_factory=dict)
 
 
 class Usage(BaseModel):

@@ -106,9 +106,14 @@ def usage_of(ctx: ResponseContext, latest: dict[int, RequestOutput]) -> Usage:
     completion tokens are summed over the returned choices."""
     completion = sum(len(c.token_ids) for output in latest.values() for c in output.completions)
     cached = sum(output.num_cached_tokens for output in latest.values())
+    by_source: dict[str, int] = {}
+    for output in latest.values():
+        for source, tokens in output.cached_tokens_by_source.items():
+            by_source[source] = by_source.get(source, 0) + tokens
     prompt = sum(ctx.prompt_lens)
+    details = PromptTokensDetails(cached_tokens=cached, cached_tokens_by_source=by_source)
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+                 prompt_tokens_details=details)
 
 
 def delta_logprobs(completion: CompletionOutput) -> list[TokenLogprob]:

@@ -40,6 +40,7 @@ def _request_output(root: Request, completions: list[CompletionOutput], finished
         finished=finished,
         finish_reason=first.finish_reason if finished else None,
         num_cached_tokens=root.num_cached_tokens,
+        cached_tokens_by_source=dict(root.cached_tokens_by_source),
         metrics=root.metrics,
         logprobs=first.token_logprobs,
         delta_text=first.delta_text,
