@@ -8,9 +8,11 @@ from collections.abc import Sequence
 
 from kvserve.config import (
     DTYPES,
+    KERNEL_BACKENDS,
     PREFIX_CACHE_KINDS,
     PREFIX_HASH_KINDS,
     SCHEDULE_POLICIES,
+    WEIGHT_FORMATS,
     EngineConfig,
 )
 from kvserve.engine.params import SamplingParams
@@ -33,6 +35,10 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--schedule-policy", default=defaults.schedule_policy, choices=SCHEDULE_POLICIES)
     group.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
     group.add_argument("--seed", type=int, default=defaults.seed)
+    group.add_argument("--kernels", default=defaults.kernels, choices=KERNEL_BACKENDS,
+                       help="native C++ kernels (torch if they cannot load) or the torch reference")
+    group.add_argument("--weights", default=defaults.weights, choices=WEIGHT_FORMATS,
+                       help="dense float32, or run a GGUF's quantized tensors as stored")
 
 
 def add_sampling_flags(parser: argparse.ArgumentParser) -> None:

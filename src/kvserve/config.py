@@ -10,6 +10,8 @@ PREFIX_CACHE_KINDS = ("radix", "hash", "off")
 PREFIX_HASH_KINDS = ("sha256", "xxhash")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 DTYPES = ("float32", "bfloat16", "float16")
+KERNEL_BACKENDS = ("native", "torch")  # C++ kernels (falling back to torch if unavailable) or torch only
+WEIGHT_FORMATS = ("dense", "native")  # float32 weights, or a GGUF's quantized tensors kept as stored
 
 _SIZE_UNITS = {
     "": 1, "b": 1,
@@ -57,6 +59,8 @@ class EngineConfig:
     schedule_policy: str = "fcfs"
     num_threads: int | None = None
     seed: int = 0
+    kernels: str = "native"
+    weights: str = "dense"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -97,6 +101,8 @@ class EngineConfig:
         )
         if self.num_threads is not None:
             _require(self.num_threads >= 1, f"num_threads must be >= 1, got {self.num_threads}")
+        _require(self.kernels in KERNEL_BACKENDS, f"kernels must be one of {KERNEL_BACKENDS}, got {self.kernels!r}")
+        _require(self.weights in WEIGHT_FORMATS, f"weights must be one of {WEIGHT_FORMATS}, got {self.weights!r}")
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -30,6 +30,7 @@ from kvserve.engine.request import FinishReason, Request, RequestOutput, TokenLo
 from kvserve.engine.sampler import sample
 from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.validation import namespace_for, validate_prompt_ids
+from kvserve.kernels.ops import Kernels
 from kvserve.kv.block_allocator import BlockAllocator
 from kvserve.kv.pool import KVPool, KVPoolShape, num_blocks_for_memory
 from kvserve.model.llama import LlamaModel
@@ -44,11 +45,12 @@ class LLMEngine:
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        loaded = load_model(config.model, progress=progress)
+        loaded = load_model(config.model, progress=progress, weights=config.weights)
         self.model_name = loaded.name
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
-        self.model = LlamaModel(loaded.config, loaded.weights, getattr(torch, config.dtype), config.device)
+        kernels = Kernels.create(config.kernels)
+        self.model = LlamaModel(loaded.config, loaded.weights, getattr(torch, config.dtype), config.device, kernels)
         del loaded
         self.max_model_len = self._resolve_max_model_len()
         self.kv_pool = KVPool(self._pool_shape(), self.model.dtype, self.model.device)
