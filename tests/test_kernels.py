@@ -22,7 +22,10 @@ ISAS = ["avx512", "avx2"] if _BEST.isa == "avx512" else ["avx2"] if _BEST.isa ==
 SETTINGS = settings(max_examples=25, deadline=None)
 
 
-@pytest.fixture(scope="module", params=ISAS or [pytest.param("none", marks=pytest.mark.skip(reason="native kernels unavailable"))])
+_UNAVAILABLE = pytest.param("none", marks=pytest.mark.skip(reason="native kernels unavailable"))
+
+
+@pytest.fixture(scope="module", params=ISAS or [_UNAVAILABLE])
 def kernels(request) -> Kernels:
     forced = Kernels.create("native", isa=request.param)
     assert forced.isa == request.param

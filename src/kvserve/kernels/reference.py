@@ -41,7 +41,7 @@ def paged_attention(
     ``block_tables[t]`` (pool layout ``[num_blocks, block_size, kv_heads, D]``). Float32 ``[T, heads, D]``.
     """
     num_rows, num_heads, head_dim = queries.shape
-    block_size, num_kv_heads = key_blocks.shape[1], key_blocks.shape[2]
+    num_kv_heads = key_blocks.shape[2]
     keys = key_blocks.index_select(0, block_tables.reshape(-1)).view(num_rows, -1, num_kv_heads, head_dim)
     values = value_blocks.index_select(0, block_tables.reshape(-1)).view(num_rows, -1, num_kv_heads, head_dim)
     group = num_heads // num_kv_heads
