@@ -22,8 +22,10 @@ from kvserve.kernels.quant import QuantWeight
 KERNEL_BACKENDS = ("native", "torch")
 ISA_ENV = "KVSERVE_ISA"
 # Up to this many activation rows the register-dequantizing kernel wins; beyond it, dequantizing the
-# weight once and using torch's GEMM does (measured in benchmarks/kernels.py).
-NATIVE_QMATMUL_MAX_ROWS = 8
+# weight once per call and using torch's GEMM does -- except for very large weights (the 49k-row lm head),
+# where materialising float32 copies costs more than the kernel's slower per-row rate.
+NATIVE_QMATMUL_MAX_ROWS = 16
+ALWAYS_NATIVE_ELEMENTS = 8 * 1024 * 1024
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +67,8 @@ class Kernels:
         if self.native is None:
             return reference.qlinear(x, weight).to(x.dtype)
         x32 = x.float().contiguous()
-        if x32.shape[0] <= NATIVE_QMATMUL_MAX_ROWS:
+        large = weight.out_features * weight.in_features >= ALWAYS_NATIVE_ELEMENTS
+        if x32.shape[0] <= NATIVE_QMATMUL_MAX_ROWS or large:
             out = self.native.qmatmul(x32, weight.data, weight.qtype, weight.in_features)
         else:
             out = F.linear(x32, self.dequantize(weight))

@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from kvserve.kernels.quant import QTYPES, QuantWeight
 from kvserve.model.config import ModelConfig, check_weights, expected_weight_shapes
+from kvserve.model.gguf_header import GGUFFile, read_gguf
 
 # llama.cpp tensor names -> Hugging Face Llama names. Layer tensors are "blk.{i}.<leaf>".
 _GLOBAL_NAMES = {
@@ -203,11 +204,11 @@ def stored_tensor(tensor: gguf.ReaderTensor) -> QuantWeight | None:
 
 
 def load_gguf_weights(
-    reader: gguf.GGUFReader, config: ModelConfig, progress: bool = True, quantized: bool = False
+    reader: gguf.GGUFReader | GGUFFile, config: ModelConfig, progress: bool = True, quantized: bool = False
 ) -> dict[str, torch.Tensor | QuantWeight]:
     """Every tensor under HF names: dequantized (one at a time, to keep peak memory at one extra tensor)
     or, with `quantized`, kept in stored form where the native kernels support the format."""
-    path = Path(reader.data.filename)
+    path = reader.path if isinstance(reader, GGUFFile) else Path(reader.data.filename)
     # lm_head is listed even when tied so a stray output.weight is shape-checked too.
     expected = expected_weight_shapes(config) | {"lm_head.weight": (config.vocab_size, config.hidden_size)}
     weights: dict[str, torch.Tensor | QuantWeight] = {}
@@ -238,9 +239,16 @@ def _check_shape(tensor: gguf.ReaderTensor, expected: tuple[int, ...]) -> None:
 def load_gguf(
     path: str | Path, progress: bool = True, quantized: bool = False
 ) -> tuple[ModelConfig, dict[str, torch.Tensor | QuantWeight], dict[str, Any]]:
-    """Read a GGUF file: (config, weights with HF names, raw metadata for the tokenizer)."""
-    reader = open_gguf(path)
-    metadata = read_metadata(reader)
+    """Read a GGUF file: (config, weights with HF names, raw metadata for the tokenizer).
+
+    Uses the fast reader (`gguf_header`); `open_gguf` (gguf's own reader) stays for inspection and tests.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"GGUF file not found: {path}")
+    _check_header(path)
+    reader = read_gguf(path)
+    metadata = reader.metadata
     try:
         config = config_from_metadata(metadata, {t.name for t in reader.tensors}, source=path)
     except (TypeError, KeyError, IndexError, ArithmeticError) as err:  # metadata values of the wrong kind
