@@ -9,7 +9,7 @@ from dataclasses import dataclass, fields
 PREFIX_CACHE_KINDS = ("radix", "hash", "off")
 PREFIX_HASH_KINDS = ("sha256", "xxhash")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("float32", "bfloat16", "float16", "auto")  # auto: bf16 only where the CPU has it natively
 KERNEL_BACKENDS = ("native", "torch")  # C++ kernels (falling back to torch if unavailable) or torch only
 WEIGHT_FORMATS = ("dense", "native")  # float32 weights, or a GGUF's quantized tensors kept as stored
 

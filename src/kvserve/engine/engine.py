@@ -50,7 +50,8 @@ class LLMEngine:
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         kernels = Kernels.create(config.kernels)
-        self.model = LlamaModel(loaded.config, loaded.weights, getattr(torch, config.dtype), config.device, kernels)
+        dtype = getattr(torch, kernels.resolve_dtype(config.dtype, config.weights))
+        self.model = LlamaModel(loaded.config, loaded.weights, dtype, config.device, kernels)
         del loaded
         self.max_model_len = self._resolve_max_model_len()
         self.kv_pool = KVPool(self._pool_shape(), self.model.dtype, self.model.device)

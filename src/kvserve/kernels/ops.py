@@ -58,6 +58,27 @@ class Kernels:
     def describe(self) -> str:
         return f"native ({self.isa})" if self.native else "torch"
 
+    def native_bf16(self) -> bool:
+        """Whether this CPU computes bf16 natively (AVX512_BF16 or AMX); without it bf16 runs emulated."""
+        if self.native is not None:
+            return bool({"avx512_bf16", "amx_bf16"} & self.native.features)
+        try:
+            with open("/proc/cpuinfo") as info:
+                flags = next((line for line in info if line.startswith("flags")), "").split()
+        except OSError:
+            return False
+        return "avx512_bf16" in flags or "amx_bf16" in flags
+
+    def resolve_dtype(self, dtype: str, weights: str) -> str:
+        """``auto``: bfloat16 only for dense weights on a CPU with native bf16, else float32 (quantized
+        weights run with float32 activations). An explicit bf16 on a CPU without it works, slowly: warn."""
+        if dtype == "auto":
+            return "bfloat16" if weights == "dense" and self.native_bf16() else "float32"
+        if dtype == "bfloat16" and not self.native_bf16():
+            logger.warning("bfloat16 requested but this CPU has no native bf16 (avx512_bf16/amx): expect it to "
+                           "run several times slower than float32; --dtype auto picks the fast one")
+        return dtype
+
     # --- matmuls -----------------------------------------------------------------------------------
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor | QuantWeight) -> torch.Tensor:
