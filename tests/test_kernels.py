@@ -72,8 +72,9 @@ def test_qmatmul_matches_reference(kernels, rows, out_features, blocks, qtype, s
     x = torch.randn(rows, blocks * 32, generator=torch.Generator().manual_seed(seed))
     expected = reference.qlinear(x, weight)
     native = kernels.native.qmatmul(x, weight.data, weight.qtype, weight.in_features)
-    torch.testing.assert_close(native, expected, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(kernels.linear(x, weight), expected, rtol=1e-5, atol=1e-5)
+    # Outputs reach ~100 (Q8_0: |w| <= 6.4): the summation order moves them by a few fp32 ulps of that.
+    torch.testing.assert_close(native, expected, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(kernels.linear(x, weight), expected, rtol=1e-5, atol=1e-4)
 
 
 @SETTINGS
