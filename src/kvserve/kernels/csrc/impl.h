@@ -5,33 +5,48 @@ constexpr int QK = 32;                                // weights per quantizatio
 
 static inline int64_t block_bytes(int qt) { return qt == QT_Q4_0 ? 18 : qt == QT_Q4_1 ? 20 : 34; }
 
-// out[r * ostride] = dot(x row r, weight row) for R activation rows; each block is converted once and used
-// by all R rows. Q4_0 / Q4_1 fold their offset into a per-block sum of x: d*(x.q) + m*sum(x).
-template <int R, int QT>
-static inline void dot_rows(const float* x, int64_t xstride, const float* xsum, int64_t nb, const uint8_t* w,
-                            float* out, int64_t ostride) {
+// out[r * ostride + c] = dot(x row r, weight row c) for R activation rows x NC weight rows (columns of the
+// output). Each block is converted to floats once and used by all R rows; NC independent columns keep
+// several FMA chains in flight. Q4_0 / Q4_1 fold their offset into a per-block sum of x: d*(x.q) + m*sum(x).
+template <int R, int NC, int QT>
+static inline void dot_tile(const float* x, int64_t xstride, const float* xsum, int64_t nb, const uint8_t* w,
+                            int64_t row_bytes, float* out, int64_t ostride) {
     constexpr int64_t BB = QT == QT_Q4_0 ? 18 : QT == QT_Q4_1 ? 20 : 34;
-    V acc[R];
-    float macc[R];
-    for (int r = 0; r < R; ++r) { acc[r] = vzero(); macc[r] = 0.0f; }
+    V acc[R][NC];
+    float macc[R][NC];
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < NC; ++c) { acc[r][c] = vzero(); macc[r][c] = 0.0f; }
     for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* blk = w + b * BB;
-        V q[QK / W];
-        const float d = half_to_float(blk);
-        float m = 0.0f;
-        if (QT == QT_Q4_1) { m = half_to_float(blk + 2); q4_1_block(blk + 4, q); }
-        else if (QT == QT_Q4_0) { m = -8.0f * d; q4_1_block(blk + 2, q); }
-        else { q8_0_block(reinterpret_cast<const int8_t*>(blk + 2), q); }
-        const V dv = vset1(d);
-        for (int r = 0; r < R; ++r) {
-            const float* xr = x + r * xstride + b * QK;
-            V t = vmul(vload(xr), q[0]);
-            for (int i = 1; i < QK / W; ++i) t = vfma(vload(xr + i * W), q[i], t);
-            acc[r] = vfma(dv, t, acc[r]);
-            if (QT != QT_Q8_0) macc[r] += m * xsum[r * nb + b];
+        for (int c = 0; c < NC; ++c) {
+            const uint8_t* blk = w + c * row_bytes + b * BB;
+            V q[QK / W];
+            const float d = half_to_float(blk);
+            float m = 0.0f;
+            if (QT == QT_Q4_1) { m = half_to_float(blk + 2); q4_1_block(blk + 4, q); }
+            else if (QT == QT_Q4_0) { m = -8.0f * d; q4_1_block(blk + 2, q); }
+            else { q8_0_block(reinterpret_cast<const int8_t*>(blk + 2), q); }
+            const V dv = vset1(d);
+            for (int r = 0; r < R; ++r) {
+                const float* xr = x + r * xstride + b * QK;
+                V t = vmul(vload(xr), q[0]);
+                for (int i = 1; i < QK / W; ++i) t = vfma(vload(xr + i * W), q[i], t);
+                acc[r][c] = vfma(dv, t, acc[r][c]);
+                if (QT != QT_Q8_0) macc[r][c] += m * xsum[r * nb + b];
+            }
         }
     }
-    for (int r = 0; r < R; ++r) out[r * ostride] = vsum(acc[r]) + macc[r];
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < NC; ++c) out[r * ostride + c] = vsum(acc[r][c]) + macc[r][c];
+}
+
+template <int R, int QT>
+static inline void dot_cols(const float* x, int64_t k, const float* xs, int64_t nb, const uint8_t* w,
+                            int64_t row_bytes, float* y, int64_t ystride, int64_t c0, int64_t c1) {
+    constexpr int NC = R == 1 ? 4 : 2;
+    int64_t col = c0;
+    for (; col + NC <= c1; col += NC)
+        dot_tile<R, NC, QT>(x, k, xs, nb, w + col * row_bytes, row_bytes, y + col, ystride);
+    for (; col < c1; ++col) dot_tile<R, 1, QT>(x, k, xs, nb, w + col * row_bytes, row_bytes, y + col, ystride);
 }
 
 template <int QT>
@@ -57,14 +72,11 @@ static void qmatmul_t(const float* x, int64_t rows, int64_t k, const uint8_t* w,
             const int64_t left = rows - r0;
             const float* xr = x + r0 * k;
             const float* xs = xsum ? xsum + r0 * nb : nullptr;
-            for (int64_t col = c0; col < c1; ++col) {
-                const uint8_t* wr = w + col * row_bytes;
-                float* yr = y + r0 * ystride + col;
-                if (left >= 4) dot_rows<4, QT>(xr, k, xs, nb, wr, yr, ystride);
-                else if (left == 3) dot_rows<3, QT>(xr, k, xs, nb, wr, yr, ystride);
-                else if (left == 2) dot_rows<2, QT>(xr, k, xs, nb, wr, yr, ystride);
-                else dot_rows<1, QT>(xr, k, xs, nb, wr, yr, ystride);
-            }
+            float* yr = y + r0 * ystride;
+            if (left >= 4) dot_cols<4, QT>(xr, k, xs, nb, w, row_bytes, yr, ystride, c0, c1);
+            else if (left == 3) dot_cols<3, QT>(xr, k, xs, nb, w, row_bytes, yr, ystride, c0, c1);
+            else if (left == 2) dot_cols<2, QT>(xr, k, xs, nb, w, row_bytes, yr, ystride, c0, c1);
+            else dot_cols<1, QT>(xr, k, xs, nb, w, row_bytes, yr, ystride, c0, c1);
         }
     }
     delete[] xsum;
