@@ -169,17 +169,32 @@ def llama_cpp_ready() -> float:
     return float(result.stdout)
 
 
-def figures(runner, workloads: dict, new: int) -> dict[str, float]:
+PEER_SHARED_REQUESTS = 4  # the peers run shared-prefix requests one at a time: 4 of 16, scaled to 16
+
+
+def figures(runners: list, workloads: dict, new: int) -> dict[str, dict[str, float]]:
+    """Every figure for every runner, interleaved figure by figure so all runners see the same machine load."""
     shared = workloads["shared_prefix"]
-    runner.decode(workloads["prefill"]["128"], 8)  # warm-up
-    return {
-        "decode": runner.decode(workloads["prefill"]["128"], new),
-        "batch8": runner.batch(workloads["batch"]["8"], new),
-        "batch32": runner.batch(workloads["batch"]["32"], new),
-        "prefill512": runner.prefill(workloads["prefill"]["512"]),
-        "prefill2048": runner.prefill(workloads["prefill"]["2048"]),
-        "shared": runner.shared_prefix(shared["prefix"], shared["suffixes"], 32),
+    tasks = {
+        "decode": lambda r: r.decode(workloads["prefill"]["128"], new),
+        "batch8": lambda r: r.batch(workloads["batch"]["8"], new),
+        "batch32": lambda r: r.batch(workloads["batch"]["32"], new),
+        "prefill512": lambda r: r.prefill(workloads["prefill"]["512"]),
+        "prefill2048": lambda r: r.prefill(workloads["prefill"]["2048"]),
+        "shared": lambda r: (
+            r.shared_prefix(shared["prefix"], shared["suffixes"], 32) if isinstance(r, KvserveRunner)
+            else r.shared_prefix(shared["prefix"], shared["suffixes"][:PEER_SHARED_REQUESTS], 32)
+            * len(shared["suffixes"]) / PEER_SHARED_REQUESTS
+        ),
     }
+    for runner in runners:
+        runner.decode(workloads["prefill"]["128"], 8)  # warm-up
+    results: dict[str, dict[str, float]] = {runner.name: {} for runner in runners}
+    for key, task in tasks.items():
+        for runner in runners:
+            results[runner.name][key] = task(runner)
+            print(f"{key:12s} {runner.name:30s} {results[runner.name][key]:10.2f}", flush=True)
+    return results
 
 
 def step_breakdown(args: dict[str, str], workloads: dict, steps: int = 16) -> dict[str, float]:
@@ -251,20 +266,15 @@ def main() -> None:
     args = parser.parse_args()
     new = 32 if args.quick else 128
     workloads = load_workloads()
-    factories = [lambda name=name, variant=variant: KvserveRunner(name, variant) for name, variant in VARIANTS.items()]
-    factories += [] if args.skip_hf else [HFRunner]
-    factories.append(LlamaCppRunner)
-    notes, results = [], {}
-    for factory in factories:  # one model in memory at a time
-        try:
-            runner = factory()
-        except ImportError:
-            notes.append("llama.cpp: not installed (`pip install -e .[bench]` builds llama-cpp-python).")
-            continue
-        print(f"== {runner.name}", flush=True)
-        results[runner.name] = figures(runner, workloads, new)
-        print(results[runner.name], flush=True)
-        del runner
+    runners = [KvserveRunner(name, variant) for name, variant in VARIANTS.items()]
+    runners += [] if args.skip_hf else [HFRunner()]
+    notes = []
+    try:
+        runners.append(LlamaCppRunner())
+    except ImportError:
+        notes.append("llama.cpp: not installed (`pip install -e .[bench]` builds llama-cpp-python).")
+    results = figures(runners, workloads, new)
+    del runners
     ready = {name: ready_time(variant) for name, variant in VARIANTS.items()}
     generate = {name: generate_time(variant) for name, variant in VARIANTS.items()}
     if "llama.cpp (llama-cpp-python)" in results:
@@ -297,8 +307,9 @@ def main() -> None:
         + "\n\nPer-step breakdown, ms per batch-8 decode step (![plot](../../docs/kernels_step.png)):\n\n"
         + markdown_table(["", *parts, "total"], step_rows)
     )
-    notes.append(f"Decode figures: {new} new tokens. transformers and llama.cpp run the batch and shared-prefix "
-                 "requests one at a time through their Python APIs (no batching there).")
+    notes.append(f"Decode figures: {new} new tokens; threads: {torch.get_num_threads()}. transformers batches with "
+                 "padding; llama.cpp's Python API runs batch requests one at a time. Shared prefix: kvserve gets all "
+                 f"16 requests at once; the peers run {PEER_SHARED_REQUESTS} of them one at a time, scaled to 16.")
     write_result("kernels", "Native CPU kernels vs transformers and llama.cpp", table, "\n".join(notes))
     print(table)
 

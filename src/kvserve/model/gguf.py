@@ -195,11 +195,13 @@ def dequantize_tensor(tensor: gguf.ReaderTensor) -> torch.Tensor:
 
 
 def stored_tensor(tensor: gguf.ReaderTensor) -> QuantWeight | None:
-    """A 2-D tensor in a format the native kernels run, as an owned copy of its blocks; else None."""
+    """A 2-D tensor in a format the native kernels run, as its blocks (a view of a copy-on-write mapping,
+    else a copy); else None."""
     qtype = int(tensor.tensor_type)
     if qtype not in QTYPES or len(tensor.shape) != 2:
         return None
-    data = torch.from_numpy(np.array(tensor.data, dtype=np.uint8, copy=True))
+    writable = tensor.data.flags.writeable
+    data = torch.from_numpy(tensor.data if writable else np.array(tensor.data, dtype=np.uint8, copy=True))
     return QuantWeight(data, qtype, int(tensor.shape[0]))
 
 

@@ -5,7 +5,7 @@
 the same format (magic, version, counts; key/values; tensor infos; aligned data) with `struct` over a
 read-only mmap, reads numeric arrays with one `np.frombuffer` each and string arrays with a tight loop,
 and returns the same plain values `ReaderField.contents()` gives, plus tensor descriptors whose `.data`
-is a view of the mapping shaped as GGUFReader shapes it. Every malformed or truncated input is a
+is a view of a copy-on-write mapping shaped as GGUFReader shapes it. Every malformed or truncated input is a
 ValueError naming the file.
 """
 
@@ -26,6 +26,7 @@ _SCALARS = {  # GGUF value type -> struct format
 }
 _NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8", 12: "<f8"}
 _STRING, _ARRAY = 8, 9
+_LENGTH = struct.Struct("<Q")
 _FLOAT_TYPES = {  # tensor types GGUFReader exposes with their element dtype; the rest are raw bytes
     gguf.GGMLQuantizationType.F32: np.float32, gguf.GGMLQuantizationType.F16: np.float16,
     gguf.GGMLQuantizationType.F64: np.float64, gguf.GGMLQuantizationType.I8: np.int8,
@@ -76,6 +77,22 @@ class _Cursor:
         self.pos += length
         return text
 
+    def strings(self, count: int) -> list[str]:
+        """`count` length-prefixed strings: the vocabulary's hot loop, kept free of method calls."""
+        buffer, pos, size = self.buffer, self.pos, self.size
+        unpack = _LENGTH.unpack_from
+        out = []
+        append = out.append
+        for _ in range(count):
+            end = pos + 8 + unpack(buffer, pos)[0]
+            if end > size:
+                self.pos = pos
+                self.need(end - pos)
+            append(buffer[pos + 8 : end].decode("utf-8"))
+            pos = end
+        self.pos = pos
+        return out
+
     def value(self, kind: int) -> Any:
         if kind in _SCALARS:
             return self.scalar(_SCALARS[kind])
@@ -95,7 +112,7 @@ class _Cursor:
             return values.tolist()
         if kind == _STRING:
             self.need(count * 8)  # every string has at least its 8-byte length
-            return [self.string() for _ in range(count)]
+            return self.strings(count)
         if kind == _ARRAY:
             self.need(count * 12)
             return [self.array() for _ in range(count)]
@@ -107,7 +124,9 @@ def read_gguf(path: str | Path) -> GGUFFile:
     path = Path(path)
     try:
         with path.open("rb") as file:
-            mapping = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+            # Copy-on-write: tensors are writable views (torch takes them without a copy), pages come from
+            # the OS file cache when first read, and nothing is ever written back to the file.
+            mapping = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY)
     except (OSError, ValueError) as err:  # ValueError: an empty file cannot be mapped
         raise ValueError(f"{path} is not a GGUF file: {err}") from err
     try:
