@@ -138,8 +138,8 @@ class LlamaCppRunner:
         return timer.seconds
 
 
-def ready_time(args: dict[str, str]) -> float:
-    """Seconds from a fresh interpreter to a ready `LLM()` (imports included), median of 3."""
+def ready_time(args: dict[str, str], repeats: int) -> float:
+    """Seconds from a fresh interpreter to a ready `LLM()` (imports included), median of `repeats`."""
     options = ", ".join(f"{k}={v!r}" for k, v in args.items())
     code = (
         "import time; t = time.perf_counter(); from kvserve import LLM; "
@@ -147,7 +147,7 @@ def ready_time(args: dict[str, str]) -> float:
     )
     return statistics.median(
         float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
-        for _ in range(3)
+        for _ in range(repeats)
     )
 
 
@@ -169,7 +169,7 @@ def llama_cpp_ready() -> float:
     return float(result.stdout)
 
 
-PEER_SHARED_REQUESTS = 4  # the peers run shared-prefix requests one at a time: 4 of 16, scaled to 16
+PEER_SHARED_REQUESTS = 2  # the peers run shared-prefix requests one at a time: 2 of 16, scaled to 16
 
 
 def figures(runners: list, workloads: dict, new: int) -> dict[str, dict[str, float]]:
@@ -177,8 +177,8 @@ def figures(runners: list, workloads: dict, new: int) -> dict[str, dict[str, flo
     shared = workloads["shared_prefix"]
     tasks = {
         "decode": lambda r: r.decode(workloads["prefill"]["128"], new),
-        "batch8": lambda r: r.batch(workloads["batch"]["8"], new),
-        "batch32": lambda r: r.batch(workloads["batch"]["32"], new),
+        "batch8": lambda r: r.batch(workloads["batch"]["8"]["prompts"], new),
+        "batch32": lambda r: r.batch(workloads["batch"]["32"]["prompts"], new),
         "prefill512": lambda r: r.prefill(workloads["prefill"]["512"]),
         "prefill2048": lambda r: r.prefill(workloads["prefill"]["2048"]),
         "shared": lambda r: (
@@ -219,7 +219,7 @@ def step_breakdown(args: dict[str, str], workloads: dict, steps: int = 16) -> di
         return wrapper
 
     engine = llm.engine
-    for prompt in workloads["batch"]["8"]:
+    for prompt in workloads["batch"]["8"]["prompts"]:
         engine.add(engine.make_request(prompt, greedy(steps + 4)))
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
         engine.step()
@@ -275,8 +275,9 @@ def main() -> None:
         notes.append("llama.cpp: not installed (`pip install -e .[bench]` builds llama-cpp-python).")
     results = figures(runners, workloads, new)
     del runners
-    ready = {name: ready_time(variant) for name, variant in VARIANTS.items()}
-    generate = {name: generate_time(variant) for name, variant in VARIANTS.items()}
+    startup = {name: VARIANTS[name] for name in ("kvserve native Q4_1", "kvserve torch fp32 (before)")}
+    ready = {name: ready_time(variant, 1 if args.quick else 3) for name, variant in startup.items()}
+    generate = {name: generate_time(variant) for name, variant in startup.items()}
     if "llama.cpp (llama-cpp-python)" in results:
         ready["llama.cpp (llama-cpp-python)"] = llama_cpp_ready()
     header = ["runner", "decode tok/s", "batch 8 tok/s", "batch 32 tok/s", "prefill 512 tok/s", "prefill 2048 tok/s",

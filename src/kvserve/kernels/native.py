@@ -14,12 +14,13 @@ import torch
 
 ISA_CODES = {"avx2": 1, "avx512": 2}
 FEATURE_BITS = {"avx2": 1, "avx512": 2, "avx512_vnni": 4, "avx512_bf16": 8, "amx_bf16": 16}
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     "kv_abi_version": [],
     "kv_cpu_features": [],
+    "kv_set_num_threads": [ctypes.c_int],
     "kv_qmatmul": [ctypes.c_int, ctypes.c_int, _P, _I, _I, _P, _I, _I, _P, _I],
     "kv_dequantize": [ctypes.c_int, ctypes.c_int, _P, _I, _I, _P, _I, _P],
     "kv_paged_attention": [ctypes.c_int, _P, _I, _I, _I, _I, _P, _P, _I, _P, _I, _P, _F, _P],
@@ -55,6 +56,7 @@ class NativeLibrary:
             function.restype = ctypes.c_int
         if lib.kv_abi_version() != ABI_VERSION:
             raise RuntimeError(f"{path}: ABI version {lib.kv_abi_version()}, expected {ABI_VERSION}")
+        lib.kv_set_num_threads(torch.get_num_threads())
         features = cpu_features(lib)
         chosen = isa or best_isa(features)
         if chosen is None:

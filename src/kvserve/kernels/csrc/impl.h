@@ -65,7 +65,7 @@ static void qmatmul_t(const float* x, int64_t rows, int64_t k, const uint8_t* w,
     }
     constexpr int64_t CHUNK = 16;  // output columns per task: their weights stay in L1 across row tiles
     const int64_t nchunks = (n + CHUNK - 1) / CHUNK;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) num_threads(kv_threads())
     for (int64_t c = 0; c < nchunks; ++c) {
         const int64_t c0 = c * CHUNK, c1 = c0 + CHUNK < n ? c0 + CHUNK : n;
         for (int64_t r0 = 0; r0 < rows; r0 += 4) {
@@ -99,7 +99,7 @@ static int dequantize(int qt, const uint8_t* w, int64_t row_bytes, int64_t k, co
     if (k % QK != 0) return -2;
     if (qt != QT_Q4_0 && qt != QT_Q4_1 && qt != QT_Q8_0) return -1;
     const int64_t nb = k / QK, bb = block_bytes(qt);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) num_threads(kv_threads())
     for (int64_t r = 0; r < nrows; ++r) {
         const uint8_t* src = w + (ids ? ids[r] : r) * row_bytes;
         float* dst = out + r * k;
@@ -133,7 +133,7 @@ static int paged_attention(const float* q, int64_t T, int64_t H, int64_t KVH, in
                            const int64_t* ctx_lens, float scale, float* out) {
     if (D % W != 0 || H % KVH != 0) return -2;
     const int64_t G = H / KVH, BSP = (bs + W - 1) / W * W, DV = D / W;
-#pragma omp parallel
+#pragma omp parallel num_threads(kv_threads())
     {
         float* s = new float[G * BSP];
         float* acc = new float[G * D];
@@ -209,7 +209,7 @@ static int paged_attention(const float* q, int64_t T, int64_t H, int64_t KVH, in
 static int rms_norm(float* x, const float* residual, const float* weight, int64_t rows, int64_t n, float eps,
                     float* y) {
     if (n % W != 0) return -2;
-#pragma omp parallel for schedule(static) if (rows > 8)
+#pragma omp parallel for schedule(static) if (rows > 8) num_threads(kv_threads())
     for (int64_t r = 0; r < rows; ++r) {
         float* xr = x + r * n;
         V ss = vzero();

@@ -2,7 +2,14 @@
 // AVX2/FMA/F16C and for AVX-512 (F/BW/VL/DQ/VNNI) -- and chosen per call by the `isa` argument, which
 // Python sets from kv_cpu_features() (run-time __builtin_cpu_supports checks) or an override.
 #include <immintrin.h>
+#include <omp.h>
 #include <cstdint>
+
+// Threads per parallel region, set from torch.get_num_threads() when the library is loaded (0: OpenMP's
+// default). An explicit count, because OpenMP's own setting is per calling thread and the engine may run
+// steps on a thread that never called omp_set_num_threads.
+static int g_threads = 0;
+static inline int kv_threads() { return g_threads > 0 ? g_threads : omp_get_max_threads(); }
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
@@ -29,7 +36,9 @@ enum : int { F_AVX2 = 1, F_AVX512 = 2, F_VNNI = 4, F_BF16 = 8, F_AMX = 16 };
 
 extern "C" {
 
-int kv_abi_version() { return 1; }
+int kv_abi_version() { return 2; }
+
+void kv_set_num_threads(int n) { g_threads = n; }
 
 // Bit set of what this CPU can run: AVX2 (with FMA and F16C), AVX-512 (F/BW/VL/DQ), VNNI, BF16, AMX.
 int kv_cpu_features() {
