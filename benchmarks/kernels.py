@@ -305,7 +305,7 @@ def main() -> None:
         + "\n\nRatios (higher = kvserve native Q4_1 faster; shared prefix as time ratio):\n\n"
         + markdown_table(["", "decode", "batch 8", "batch 32", "prefill 512", "prefill 2048", "shared prefix"],
                          ratio_rows)
-        + "\n\nPer-step breakdown, ms per batch-8 decode step (![plot](../../docs/kernels_step.png)):\n\n"
+        + "\n\nPer-step breakdown, ms per batch-8 decode step (![plot](docs/kernels_step.png)):\n\n"
         + markdown_table(["", *parts, "total"], step_rows)
     )
     notes.append(f"Decode figures: {new} new tokens; threads: {torch.get_num_threads()}. transformers batches with "
