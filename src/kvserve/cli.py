@@ -8,9 +8,11 @@ from collections.abc import Sequence
 
 from kvserve.config import (
     DTYPES,
+    KERNEL_BACKENDS,
     PREFIX_CACHE_KINDS,
     PREFIX_HASH_KINDS,
     SCHEDULE_POLICIES,
+    WEIGHT_FORMATS,
     EngineConfig,
 )
 from kvserve.engine.params import SamplingParams
@@ -46,6 +48,10 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--seed", type=int, default=defaults.seed, help="seed of unseeded random requests")
     group.add_argument("--eviction", default=defaults.eviction, choices=ONLINE_POLICIES,
                        help="which unreferenced cached blocks the prefix cache drops first")
+    group.add_argument("--kernels", default=defaults.kernels, choices=KERNEL_BACKENDS,
+                       help="native C++ kernels (torch if they cannot load) or the torch reference")
+    group.add_argument("--weights", default=defaults.weights, choices=WEIGHT_FORMATS,
+                       help="dense float32, or run a GGUF's quantized tensors as stored")
     add_tier_flags(parser)
 
 

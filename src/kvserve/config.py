@@ -14,7 +14,9 @@ __all__ = [
     "SCHEDULE_POLICIES", "EngineConfig", "parse_size",
 ]
 SCHEDULE_POLICIES = ("fcfs", "lpm")
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("float32", "bfloat16", "float16", "auto")  # auto: bf16 only where the CPU has it natively
+KERNEL_BACKENDS = ("native", "torch")  # C++ kernels (falling back to torch if unavailable) or torch only
+WEIGHT_FORMATS = ("dense", "native")  # float32 weights, or a GGUF's quantized tensors kept as stored
 
 _SIZE_UNITS = {
     "": 1, "b": 1,
@@ -69,6 +71,8 @@ class EngineConfig:
     remote_cache: str | None = None  # redis://host:port/db shared by replicas; None: off
     remote_cache_ttl: float | None = None  # seconds; None: blocks stay until Redis evicts them
     kv_load_timeout: float = 5.0  # seconds a disk/remote load may take before the prompt is recomputed
+    kernels: str = "native"
+    weights: str = "dense"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -110,6 +114,8 @@ class EngineConfig:
         _require(self.eviction in ONLINE_POLICIES, f"eviction must be one of {ONLINE_POLICIES}, got {self.eviction!r}")
         if self.num_threads is not None:
             _require(self.num_threads >= 1, f"num_threads must be >= 1, got {self.num_threads}")
+        _require(self.kernels in KERNEL_BACKENDS, f"kernels must be one of {KERNEL_BACKENDS}, got {self.kernels!r}")
+        _require(self.weights in WEIGHT_FORMATS, f"weights must be one of {WEIGHT_FORMATS}, got {self.weights!r}")
         self._validate_tiers()
 
     def _validate_tiers(self) -> None:

@@ -32,6 +32,7 @@ from kvserve.engine.scheduler import Scheduler, SchedulerOutput
 from kvserve.engine.structured import GrammarCompiler
 from kvserve.engine.tokens import append_sampled_token
 from kvserve.engine.validation import validate_prompt_ids, validate_token_params
+from kvserve.kernels.ops import Kernels
 from kvserve.kv.block_allocator import BlockAllocator
 from kvserve.kv.pool import KVPool, KVPoolShape, num_blocks_for_memory
 from kvserve.model.llama import LlamaModel
@@ -49,11 +50,13 @@ class LLMEngine:
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        loaded = load_model(config.model, progress=progress)
+        loaded = load_model(config.model, progress=progress, weights=config.weights)
         self.model_name = loaded.name
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
-        self.model = LlamaModel(loaded.config, loaded.weights, getattr(torch, config.dtype), config.device)
+        kernels = Kernels.create(config.kernels)
+        dtype = getattr(torch, kernels.resolve_dtype(config.dtype, config.weights))
+        self.model = LlamaModel(loaded.config, loaded.weights, dtype, config.device, kernels)
         tensor_shapes = {name: tuple(tensor.shape) for name, tensor in loaded.weights.items()}
         weights_path = loaded.path
         del loaded
