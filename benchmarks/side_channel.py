@@ -8,6 +8,10 @@ a secret prompt of --prefix-len random tokens. Then, in one randomly shuffled se
 Every B request carries a fresh `cache_salt`, so B never hits its *own* earlier copies and each probe
 is exactly the attacker's question "is this prefix cached anywhere?".
 
+With `--tier host|disk|remote` the server runs that KV tier and an admin empties the device cache
+(`POST /reset_prefix_cache`, which does not demote) before every probe, so the only copy of A's secret a
+probe could hit is the one in that tier (A's control re-sends load it from there).
+
 TTFT is measured by the client (request sent → first streamed token), as an attacker would. Pass:
 B's cached_tokens are all 0, B's secret and cold TTFTs are indistinguishable (two-sample KS,
 p > 0.01), and A's re-sends are clearly faster than B's cold prompts (KS p < 1e-6).
@@ -16,6 +20,7 @@ p > 0.01), and A's re-sends are clearly faster than B's cold prompts (KS p < 1e-
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import statistics
@@ -32,9 +37,16 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import markdown_table, write_result  # noqa: E402
 from kvserve.server.launcher import launch_server  # noqa: E402
+from kvserve.tiers.local_redis import LocalRedis  # noqa: E402
 
-KEYS = {"sk-tenant-a": "tenant-a", "sk-tenant-b": "tenant-b"}
-A, B = "sk-tenant-a", "sk-tenant-b"
+KEYS = {"sk-tenant-a": "tenant-a", "sk-tenant-b": "tenant-b", "sk-ops": {"tenant": "ops", "admin": True}}
+A, B, ADMIN = "sk-tenant-a", "sk-tenant-b", "sk-ops"
+TIER_FLAGS = {  # server flags per --tier; the device-only run keeps the host tier off too
+    "device": ["--host-cache", "0"],
+    "host": ["--host-cache", "1GiB"],
+    "disk": ["--host-cache", "0", "--disk-cache", "{tmp}/disk"],
+    "remote": ["--host-cache", "0", "--remote-cache", "{redis}"],
+}
 TOKEN_RANGE = (1000, 49000)  # ordinary vocabulary ids of SmolLM2 (its special tokens sit below 20)
 
 
@@ -90,6 +102,8 @@ def run(http: httpx.Client, model: str, args) -> Groups:
     rng.shuffle(schedule)
     groups = Groups()
     for kind, i in tqdm(schedule, desc="probes", unit="req"):
+        if args.tier != "device":  # the device forgets everything: only the tier can still hold the secret
+            http.post("/reset_prefix_cache", headers={"Authorization": f"Bearer {ADMIN}"}).raise_for_status()
         if kind == "a_secret":
             sample = probe(http, model, A, secret, None)
         else:
@@ -132,15 +146,19 @@ def main() -> int:
     parser.add_argument("--samples", type=int, default=50, help="requests per group")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kv-cache-memory", default="2GiB")
+    parser.add_argument("--tier", default="device", choices=list(TIER_FLAGS),
+                        help="where A's secret is when B probes: the device pool, or only a lower KV tier")
     parser.add_argument("--no-write", action="store_true", help="print only; leave results/ untouched")
     args = parser.parse_args()
 
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         keys = Path(tmp) / "keys.json"
         keys.write_text(json.dumps({"keys": KEYS}))
-        print(f"starting a two-tenant server with {args.model} ...", file=sys.stderr)
+        redis_url = stack.enter_context(LocalRedis()).url if args.tier == "remote" else ""
+        tier_flags = [flag.format(tmp=tmp, redis=redis_url) for flag in TIER_FLAGS[args.tier]]
+        print(f"starting a two-tenant server with {args.model} ({args.tier}) ...", file=sys.stderr)
         server = launch_server(["--model", args.model, "--kv-cache-memory", args.kv_cache_memory,
-                                "--api-keys", str(keys)])
+                                "--api-keys", str(keys), *tier_flags])
         try:
             with httpx.Client(base_url=server.url, timeout=600) as http:
                 groups = run(http, args.model, args)
@@ -149,11 +167,16 @@ def main() -> int:
     table, ok = report(groups, args)
     notes = (f"Model `{args.model}`, {args.prefix_len}-token prompts (random token ids), one-token streamed "
              f"completions sent one at a time over loopback, {args.samples} per group in one shuffled order "
-             f"(seed {args.seed}); every B probe has a fresh cache_salt. Server exit status: {exit_code}.")
+             f"(seed {args.seed}); every B probe has a fresh cache_salt. Tier: {args.tier}"
+             f"{' (device cache emptied before every probe)' if args.tier != 'device' else ''}. "
+             f"Server exit status: {exit_code}.")
     print(table)
     print(notes)
     if not args.no_write:
-        print(f"wrote {write_result('side_channel', 'Cross-tenant timing side channel', table, notes)}")
+        name, title = "side_channel", "Cross-tenant timing side channel"
+        if args.tier != "device":
+            name, title = f"side_channel_{args.tier}", f"Cross-tenant timing side channel through the {args.tier} tier"
+        print(f"wrote {write_result(name, title, table, notes)}")
     return 0 if ok else 1
 
 

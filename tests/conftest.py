@@ -72,3 +72,34 @@ def assert_pool_drained(engine) -> None:
     assert stats["used_blocks"] == 0, stats
     assert stats["free_blocks"] + stats["cached_blocks"] == stats["num_blocks"], stats
     assert not engine.has_unfinished_requests()
+
+
+@pytest.fixture(scope="session")
+def vllm_chat_server(tmp_path_factory: pytest.TempPathFactory):
+    """(server, model_dir): one server over a tiny chat model shared by the vLLM-compatibility tests
+    (structured output, the request-field walk), so the suite starts it once."""
+    from test_server_support import make_chat_model_dir, start_server
+
+    model_dir = make_chat_model_dir(tmp_path_factory.mktemp("vllm-chat") / "tiny-chat")
+    with start_server(model_dir, num_blocks=256) as process:
+        yield process, model_dir
+
+
+@pytest.fixture(scope="session")
+def redis_server():
+    """A real Redis server on a free loopback port for the whole session (tiers tests)."""
+    from kvserve.tiers.local_redis import LocalRedis
+
+    with LocalRedis() as server:
+        yield server
+
+
+@pytest.fixture
+def redis_url(redis_server) -> str:
+    """The session server's URL, emptied before each test."""
+    import redis
+
+    client = redis.Redis.from_url(redis_server.url)
+    client.flushall()
+    client.close()
+    return redis_server.url

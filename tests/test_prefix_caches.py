@@ -31,7 +31,7 @@ class Clock:
 
 def make(kind: str, num_blocks: int = 64) -> tuple[BlockAllocator, RadixCache | HashCache]:
     alloc = BlockAllocator(num_blocks)
-    cache = RadixCache(alloc, BS, clock=Clock()) if kind == "radix" else HashCache(alloc, BS)
+    cache = RadixCache(alloc, BS, clock=Clock()) if kind == "radix" else HashCache(alloc, BS, clock=Clock())
     return alloc, cache
 
 
@@ -162,11 +162,12 @@ def _two_branches(cache: RadixCache | HashCache) -> tuple[Seq, Seq]:
 def test_radix_evicts_lru_leaf_first_and_prefix_survives() -> None:
     _, cache = make("radix")
     x, y = _two_branches(cache)
-    assert sorted(cache.evict(1)) == sorted(x.blocks[2:4])  # X is the older leaf; whole leaf goes
+    assert cache.evict(1) == x.blocks[3:4]  # X is the older leaf: trimmed from its tail
+    assert sorted(cache.evict(1)) == sorted(x.blocks[2:3])  # then the rest of it
     assert cache.match(y.tokens, y.hashes, ()) == y.blocks[:4]  # Y and the shared prefix stay
-    assert sorted(cache.evict(1)) == sorted(y.blocks[2:4])
+    assert sorted(cache.evict(2)) == sorted(y.blocks[2:4])
     assert cache.match(y.tokens, y.hashes, ()) == y.blocks[:2]  # prefix outlived both leaves
-    assert sorted(cache.evict(1)) == sorted(y.blocks[:2])  # now a leaf itself
+    assert sorted(cache.evict(5)) == sorted(y.blocks[:2])  # now a leaf itself; 2 is all there is
     assert cache.num_cached_blocks == 0 and cache.num_evictions == 6
     cache.check_invariants()
 
@@ -175,14 +176,14 @@ def test_radix_match_refreshes_recency() -> None:
     _, cache = make("radix")
     x, y = _two_branches(cache)
     cache.match(x.tokens, x.hashes, ())  # X is now the most recently used leaf
-    assert sorted(cache.evict(1)) == sorted(y.blocks[2:4])
+    assert sorted(cache.evict(2)) == sorted(y.blocks[2:4])
     cache.check_invariants()
 
 
-def test_hash_evicts_in_free_queue_order_tail_first() -> None:
+def test_hash_evicts_lru_leaves_first() -> None:
     _, cache = make("hash")
     x, y = _two_branches(cache)
-    # X released tail first: x1 x0 p1 p0; Y re-acquired p0 p1, then released y1 y0 p1 p0.
+    # X's leaf chain is the oldest; then Y's; the shared prefix becomes a leaf only after both.
     order = [x.blocks[3], x.blocks[2], y.blocks[3], y.blocks[2], y.blocks[1], y.blocks[0]]
     assert cache.evict(1) == order[:1]
     assert cache.evict(3) == order[1:4]

@@ -6,6 +6,7 @@ import pytest
 
 from conftest import assert_pool_drained, hf_greedy, random_prompts
 from kvserve import LLM, SamplingParams
+from kvserve.prefix.eviction import DEFAULT_EVICTION, ONLINE_POLICIES
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 BASE = list(range(100, 160))  # 60 distinct token ids
@@ -100,7 +101,8 @@ def test_reset_prefix_cache(llm):
 
 def test_lru_eviction_keeps_shared_prefix(tiny_model_dir, request):
     for kind in ("radix", "hash"):
-        llm = LLM(str(tiny_model_dir), progress=False, num_blocks=8, block_size=16, prefix_cache=kind)
+        # host_cache=0: this is the device's own LRU (with a host tier the evicted tail comes back from RAM)
+        llm = LLM(str(tiny_model_dir), progress=False, num_blocks=8, block_size=16, prefix_cache=kind, host_cache=0)
         shared = BASE[:32]
         old = shared + [1] * 17  # blocks: shared(2) + old tail(1)
         new = shared + [2] * 17
@@ -190,6 +192,19 @@ def test_outputs_unchanged_by_caching(tiny_model_dir, shared_reference, prefix_c
     assert [o.token_ids for o in again] == shared_reference
     if prefix_cache != "off" and num_blocks == 256:
         assert sum(o.num_cached_tokens for o in again) > 0
+    assert_pool_drained(llm.engine)
+
+
+@pytest.mark.parametrize("prefix_cache", ["radix", "hash"])
+@pytest.mark.parametrize("eviction", [p for p in ONLINE_POLICIES if p != DEFAULT_EVICTION])  # default: above
+def test_outputs_unchanged_under_every_eviction_policy(tiny_model_dir, shared_reference, prefix_cache, eviction):
+    """A pool of 14 blocks evicts constantly: whichever blocks a policy drops, outputs stay exact."""
+    llm = LLM(str(tiny_model_dir), progress=False, num_blocks=14, prefix_cache=prefix_cache, eviction=eviction)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = shared_prefix_workloads()
+    assert [o.token_ids for o in llm.generate(prompts, params)] == shared_reference
+    assert [llm.generate([p], params)[0].token_ids for p in prompts] == shared_reference
+    assert llm.stats()["evictions"] > 0
     assert_pool_drained(llm.engine)
 
 

@@ -3,6 +3,9 @@
 Greedy tokens must be identical, token for token, for 8 varied prompts x 64 new tokens (EOS ignored):
 one at a time, batched, chunked prefill, under preemption, and with block sizes 1, 16 and 64.
 Beam search (width 4, HF's default length_penalty 1.0 and early_stopping False) returns HF's hypotheses.
+
+Each runs with the native kernels on dense weights, and on the GGUF's quantized weights as stored
+(`weights="native"`, fp32 activations); the tests on the shared `llm` also run with the torch kernels.
 """
 
 from __future__ import annotations
@@ -33,15 +36,34 @@ RAW = [
 ]
 
 
-@pytest.fixture(scope="module")
-def llm() -> LLM:
-    return LLM("smollm2-135m", progress=False, num_blocks=512)
+VARIANTS = {
+    "native": {"kernels": "native", "weights": "dense"},
+    "native-weights": {"kernels": "native", "weights": "native"},
+    "torch": {"kernels": "torch", "weights": "dense"},
+}
 
 
 @pytest.fixture(scope="module")
-def prompts(llm) -> list[list[int]]:
-    chats = [llm.render_chat([{"role": "user", "content": text}]) for text in CHATS]
-    return chats + [llm.tokenizer.encode(text) for text in RAW]
+def base_llm() -> LLM:
+    return LLM("smollm2-135m", progress=False, num_blocks=512, **VARIANTS["native"])
+
+
+@pytest.fixture(scope="module", params=["native", "native-weights", "torch"])
+def llm(request, base_llm) -> LLM:
+    if request.param == "native":
+        return base_llm
+    return LLM("smollm2-135m", progress=False, num_blocks=512, **VARIANTS[request.param])
+
+
+@pytest.fixture(scope="module", params=["native", "native-weights"])
+def variant(request) -> dict[str, str]:
+    return VARIANTS[request.param]
+
+
+@pytest.fixture(scope="module")
+def prompts(base_llm) -> list[list[int]]:
+    chats = [base_llm.render_chat([{"role": "user", "content": text}]) for text in CHATS]
+    return chats + [base_llm.tokenizer.encode(text) for text in RAW]
 
 
 @pytest.fixture(scope="module")
@@ -83,25 +105,25 @@ def test_batched(llm, prompts, reference):
     assert_pool_drained(llm.engine)
 
 
-def test_chunked_prefill(prompts, reference):
+def test_chunked_prefill(prompts, reference, variant):
     chunked = LLM("smollm2-135m", progress=False, num_blocks=512, max_num_batched_tokens=24,
-                  prefix_cache="off")
+                  prefix_cache="off", **variant)
     assert [o.token_ids for o in chunked.generate(prompts, GREEDY)] == reference
     assert_pool_drained(chunked.engine)
 
 
 @pytest.mark.parametrize("prefix_cache", ["radix", "off"])
-def test_preemption(prompts, reference, prefix_cache):
+def test_preemption(prompts, reference, prefix_cache, variant):
     # 10 blocks of 16: enough for the longest request alone, far too few for all eight at once.
-    small = LLM("smollm2-135m", progress=False, num_blocks=10, prefix_cache=prefix_cache)
+    small = LLM("smollm2-135m", progress=False, num_blocks=10, prefix_cache=prefix_cache, **variant)
     assert [o.token_ids for o in small.generate(prompts, GREEDY)] == reference
     assert small.stats()["num_preemptions"] > 0
     assert_pool_drained(small.engine)
 
 
 @pytest.mark.parametrize("block_size", [1, 64])
-def test_block_sizes(prompts, reference, block_size):
-    other = LLM("smollm2-135m", progress=False, block_size=block_size, num_blocks=8192 // block_size)
+def test_block_sizes(prompts, reference, block_size, variant):
+    other = LLM("smollm2-135m", progress=False, block_size=block_size, num_blocks=8192 // block_size, **variant)
     assert [o.token_ids for o in other.generate(prompts, GREEDY)] == reference
     assert_pool_drained(other.engine)
 

@@ -208,7 +208,7 @@ BAD_INPUTS = [
     ("/v1/completions", completion_body(cache_salt="x" * 129), 400, "cache_salt"),
     ("/v1/completions", completion_body(stop=[""]), 400, "stop"),
     ("/v1/completions", completion_body(stream="yes"), 400, "stream"),
-    ("/v1/completions", completion_body(presence_penalty=1.0), 400, "presence_penalty"),
+    ("/v1/completions", completion_body(prompt_logprobs=1), 400, "prompt_logprobs"),
 ]
 
 

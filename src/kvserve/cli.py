@@ -8,12 +8,15 @@ from collections.abc import Sequence
 
 from kvserve.config import (
     DTYPES,
+    KERNEL_BACKENDS,
     PREFIX_CACHE_KINDS,
     PREFIX_HASH_KINDS,
     SCHEDULE_POLICIES,
+    WEIGHT_FORMATS,
     EngineConfig,
 )
 from kvserve.engine.params import SamplingParams
+from kvserve.prefix.eviction import ONLINE_POLICIES
 from kvserve.settings import SettingsError, apply_sources
 
 
@@ -43,6 +46,27 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                        help="admission order: first come first served, or longest cached prefix first")
     group.add_argument("--num-threads", type=int, default=None, help="torch CPU threads; None: torch's default")
     group.add_argument("--seed", type=int, default=defaults.seed, help="seed of unseeded random requests")
+    group.add_argument("--eviction", default=defaults.eviction, choices=ONLINE_POLICIES,
+                       help="which unreferenced cached blocks the prefix cache drops first")
+    group.add_argument("--kernels", default=defaults.kernels, choices=KERNEL_BACKENDS,
+                       help="native C++ kernels (torch if they cannot load) or the torch reference")
+    group.add_argument("--weights", default=defaults.weights, choices=WEIGHT_FORMATS,
+                       help="dense float32, or run a GGUF's quantized tensors as stored")
+    add_tier_flags(parser)
+
+
+def add_tier_flags(parser: argparse.ArgumentParser) -> None:
+    """Where KV blocks go when the pool evicts them, and where a prefix missing from the pool is looked for."""
+    group = parser.add_argument_group("KV tiers (below the pool)")
+    group.add_argument("--host-cache", default="1GiB", help="host RAM tier size, e.g. 4GiB; 0: off")
+    group.add_argument("--disk-cache", default=None, help="directory of the local-disk tier; None: off")
+    group.add_argument("--disk-cache-size", default="20GiB", help="disk tier size")
+    group.add_argument("--remote-cache", default=None,
+                       help="redis://host:port/db shared by every replica; None: off")
+    group.add_argument("--remote-cache-ttl", type=float, default=None,
+                       help="seconds a block stays in the remote tier; None: until Redis evicts it")
+    group.add_argument("--kv-load-timeout", type=float, default=5.0,
+                       help="seconds a disk/remote load may take before the prompt is recomputed")
 
 
 def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
@@ -82,6 +106,8 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--stats-log-interval", type=float, default=STATS_LOG_INTERVAL_S,
                        help="seconds between the throughput / KV-usage log lines (0: never)")
     group.add_argument("--disable-log-stats", action="store_true", help="no periodic stats log line")
+    group.add_argument("--request-log", default=None,
+                       help="append each finished request (block hashes only, Mooncake format) to this file")
     group.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE, help="waiting requests beyond this get 429")
     group.add_argument("--shutdown-timeout", type=float, default=GRACEFUL_SHUTDOWN_S,
                        help="seconds in-flight requests may run after SIGTERM before they are aborted")
@@ -142,11 +168,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_kv_events_flags(serve)
     add_engine_flags(serve)
 
+    from kvserve.replay.cli import add_replay_parser
     from kvserve.router.cli import add_cluster_parser, add_router_parser
 
     router = add_router_parser(commands, DefaultsHelpFormatter)
     cluster = add_cluster_parser(commands, add_engine_flags, DefaultsHelpFormatter)
-    for command in (parser, generate, chat, serve, router, cluster):
+    replay = add_replay_parser(commands, DefaultsHelpFormatter)
+    for command in (parser, generate, chat, serve, router, cluster, replay):
         _name_every_flag(command)
     return parser
 
@@ -214,7 +242,8 @@ def run_serve(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args)
     run_server(config, args.host, args.port, args.api_keys, args.max_queue, args.shutdown_timeout,
                options=server_options_from_args(args), limits=limits_from_args(args, config.max_num_seqs),
-               kv_events_endpoint=args.kv_events_endpoint, kv_events_replay_endpoint=args.kv_events_replay_endpoint)
+               kv_events_endpoint=args.kv_events_endpoint, kv_events_replay_endpoint=args.kv_events_replay_endpoint,
+               request_log=args.request_log)
     return 0
 
 
@@ -261,10 +290,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kvserve: error: {error}", file=sys.stderr)
         return 2
     args = parser.parse_args(argv)
+    from kvserve.replay.cli import run_replay
     from kvserve.router.cli import run_cluster, run_router
 
     runners = {"generate": run_generate, "chat": run_chat, "serve": run_serve, "router": run_router,
-               "cluster": run_cluster}
+               "cluster": run_cluster, "replay": run_replay}
     try:
         take_positional_model(args, argv)
         return runners[args.command](args)

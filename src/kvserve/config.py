@@ -6,6 +6,7 @@ import os
 import re
 from dataclasses import dataclass, fields
 
+from kvserve.prefix.eviction import DEFAULT_EVICTION, ONLINE_POLICIES
 from kvserve.prefix.factory import PREFIX_CACHE_KINDS, PREFIX_HASH_KINDS
 
 __all__ = [
@@ -13,7 +14,9 @@ __all__ = [
     "SCHEDULE_POLICIES", "EngineConfig", "parse_size",
 ]
 SCHEDULE_POLICIES = ("fcfs", "lpm")
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("float32", "bfloat16", "float16", "auto")  # auto: bf16 only where the CPU has it natively
+KERNEL_BACKENDS = ("native", "torch")  # C++ kernels (falling back to torch if unavailable) or torch only
+WEIGHT_FORMATS = ("dense", "native")  # float32 weights, or a GGUF's quantized tensors kept as stored
 
 _SIZE_UNITS = {
     "": 1, "b": 1,
@@ -61,6 +64,15 @@ class EngineConfig:
     schedule_policy: str = "fcfs"
     num_threads: int | None = None
     seed: int = 0
+    eviction: str = DEFAULT_EVICTION  # prefix-cache eviction policy (prefix/eviction.py)
+    host_cache: int | str = "1GiB"  # KV tier in host RAM below the pool; 0 turns it off
+    disk_cache: str | None = None  # directory of the local-disk KV tier; None: off
+    disk_cache_size: int | str = "20GiB"
+    remote_cache: str | None = None  # redis://host:port/db shared by replicas; None: off
+    remote_cache_ttl: float | None = None  # seconds; None: blocks stay until Redis evicts them
+    kv_load_timeout: float = 5.0  # seconds a disk/remote load may take before the prompt is recomputed
+    kernels: str = "native"
+    weights: str = "dense"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -99,8 +111,31 @@ class EngineConfig:
             self.max_num_batched_tokens >= 1,
             f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}",
         )
+        _require(self.eviction in ONLINE_POLICIES, f"eviction must be one of {ONLINE_POLICIES}, got {self.eviction!r}")
         if self.num_threads is not None:
             _require(self.num_threads >= 1, f"num_threads must be >= 1, got {self.num_threads}")
+        _require(self.kernels in KERNEL_BACKENDS, f"kernels must be one of {KERNEL_BACKENDS}, got {self.kernels!r}")
+        _require(self.weights in WEIGHT_FORMATS, f"weights must be one of {WEIGHT_FORMATS}, got {self.weights!r}")
+        self._validate_tiers()
+
+    def _validate_tiers(self) -> None:
+        for name in ("host_cache", "disk_cache_size"):
+            try:
+                setattr(self, name, parse_size(getattr(self, name)))
+            except ValueError as error:
+                raise ValueError(f"{name}: {error}") from None
+            _require(getattr(self, name) >= 0, f"{name} must be >= 0 bytes")
+        if self.disk_cache is not None:
+            _require(bool(str(self.disk_cache).strip()), "disk_cache must be a directory path")
+            _require(self.disk_cache_size > 0, "disk_cache_size must be positive when disk_cache is set")
+        if self.remote_cache is not None:
+            _require(
+                re.match(r"^(redis|rediss|unix)://", self.remote_cache) is not None,
+                f"remote_cache must be a redis://host:port/db URL, got {self.remote_cache!r}",
+            )
+        if self.remote_cache_ttl is not None:
+            _require(self.remote_cache_ttl > 0, f"remote_cache_ttl must be positive, got {self.remote_cache_ttl}")
+        _require(self.kv_load_timeout > 0, f"kv_load_timeout must be positive, got {self.kv_load_timeout}")
 
     @classmethod
     def field_names(cls) -> list[str]:

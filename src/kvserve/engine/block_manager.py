@@ -31,6 +31,8 @@ class BlockManager:
         self.hash_algo = hash_algo
         self._peak_used_blocks = 0
         self._pending_copies: list[tuple[int, int]] = []  # copy-on-write (src, dst) for the next forward
+        # Told (hashes, block ids) of blocks a forward has just completed and published (tiers: write-through).
+        self.on_published: Callable[[list[bytes], list[int]], None] | None = None
         # Called with (new block hashes, parent hash or None, their tokens) when blocks enter the cache.
         self.on_stored: Callable[[list[bytes], bytes | None, list[int]], None] | None = None
 
@@ -138,9 +140,11 @@ class BlockManager:
         )
         if num_present > request.num_published_blocks:
             self._adopt_cached_duplicates(request, tokens, hashes, num_present)
-        if self.on_stored is not None and num_present < num_full_blocks:
-            parent = hashes[num_present - 1] if num_present else None
-            self.on_stored(hashes[num_present:], parent, tokens[num_present * self.block_size :])
+        if self.on_published is not None:
+            start = max(request.num_published_blocks, num_present)  # blocks present before were sent by others
+            if start < num_full_blocks:
+                self.on_published(hashes[start:num_full_blocks], request.block_table[start:num_full_blocks])
+        self._announce_stored(hashes, tokens, num_present, num_full_blocks)
         request.num_published_blocks = num_full_blocks
 
     def _adopt_cached_duplicates(
@@ -162,6 +166,37 @@ class BlockManager:
         request.block_table = []
         request.num_published_blocks = 0
         request.num_computed_tokens = 0
+
+    # --- loading blocks from the tiers (see engine/kv_tiers.py) -----------------------------------
+
+    def hold_for_load(self, request: Request, matched: list[int], num_blocks: int) -> bool:
+        """Hold `matched` and `num_blocks` fresh blocks after them as the request's table, for KV that a
+        lower tier is about to fill; False (nothing held) when the pool cannot spare them now."""
+        ref_counts = self.allocator.ref_counts
+        num_matched_evictable = sum(1 for block_id in matched if ref_counts[block_id] == 0)
+        if num_blocks > self.num_available_blocks() - num_matched_evictable:
+            return False
+        self.prefix_cache.acquire(matched)  # first, so making room below cannot evict them
+        if num_blocks > self.allocator.num_free:
+            self.prefix_cache.evict(num_blocks - self.allocator.num_free)
+        request.block_table = list(matched) + self.allocator.allocate(num_blocks)
+        self._note_peak()
+        return True
+
+    def publish_loaded(self, request: Request, num_blocks: int) -> None:
+        """The first `num_blocks` of the held table now hold the request's KV: register them in the prefix
+        cache, then drop the hold (the request is admitted later through an ordinary device match)."""
+        tokens = request.all_token_ids[: num_blocks * self.block_size]
+        hashes = request.block_hashes[:num_blocks]
+        num_present = self.prefix_cache.insert(tokens, hashes, request.block_table[:num_blocks], request.namespace)
+        self._announce_stored(hashes, tokens, num_present, num_blocks)
+        self.free(request)
+
+    def _announce_stored(self, hashes: list[bytes], tokens: list[int], num_present: int, num_blocks: int) -> None:
+        """`on_stored` (KV events) for the blocks [num_present, num_blocks) that just entered the cache."""
+        if self.on_stored is not None and num_present < num_blocks:
+            parent = hashes[num_present - 1] if num_present else None
+            self.on_stored(hashes[num_present:num_blocks], parent, tokens[num_present * self.block_size :])
 
     # --- forks and copy-on-write --------------------------------------------------------------------
 

@@ -16,20 +16,23 @@ import itertools
 import os
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from kvserve.config import EngineConfig, default_kv_cache_memory
 from kvserve.engine.block_manager import BlockManager
 from kvserve.engine.groups import Decision, Drop, Extend, Finish, Fork, Sample, SequenceGroup, make_group
+from kvserve.engine.kv_tiers import make_engine_tiers
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.params import BeamSearchParams, SamplingParams
 from kvserve.engine.request import FinishReason, Request, RequestOutput
 from kvserve.engine.sampler import add_cumulative_logprobs, sample
 from kvserve.engine.scheduler import Scheduler, SchedulerOutput
+from kvserve.engine.structured import GrammarCompiler
 from kvserve.engine.tokens import append_sampled_token
-from kvserve.engine.validation import validate_prompt_ids
+from kvserve.engine.validation import validate_prompt_ids, validate_token_params
+from kvserve.kernels.ops import Kernels
 from kvserve.kv.block_allocator import BlockAllocator
 from kvserve.kv.pool import KVPool, KVPoolShape, num_blocks_for_memory
 from kvserve.model.llama import LlamaModel
@@ -47,28 +50,37 @@ class LLMEngine:
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        loaded = load_model(config.model, progress=progress)
+        loaded = load_model(config.model, progress=progress, weights=config.weights)
         self.model_name = loaded.name
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
-        self.model = LlamaModel(loaded.config, loaded.weights, getattr(torch, config.dtype), config.device)
+        kernels = Kernels.create(config.kernels)
+        dtype = getattr(torch, kernels.resolve_dtype(config.dtype, config.weights))
+        self.model = LlamaModel(loaded.config, loaded.weights, dtype, config.device, kernels)
+        tensor_shapes = {name: tuple(tensor.shape) for name, tensor in loaded.weights.items()}
+        weights_path = loaded.path
         del loaded
         self.max_model_len = self._resolve_max_model_len()
         self.kv_pool = KVPool(self._pool_shape(), self.model.dtype, self.model.device)
         allocator = BlockAllocator(self.kv_pool.num_blocks)
         prefix_cache = make_prefix_cache(
-            config.prefix_cache, allocator, config.block_size, config.prefix_hash
+            config.prefix_cache, allocator, config.block_size, config.prefix_hash, config.eviction
         )
         self.block_manager = BlockManager(allocator, prefix_cache, config.block_size, config.prefix_hash)
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.schedule_policy
         )
         self.runner = ModelRunner(self.model, self.kv_pool)
+        self.tiers = make_engine_tiers(config, self.model_config, tensor_shapes, weights_path, self.block_manager,
+                                       self.kv_pool.tensor)
+        self.scheduler.tiers = self.tiers
         self.groups: dict[str, SequenceGroup] = {}  # open requests, by id as submitted
         self.debug_checks = os.environ.get(DEBUG_CHECKS_ENV, "0") not in ("", "0")
         self._seed_rng = random.Random(config.seed)
         self._request_counter = itertools.count()
         self.eos_token_ids = self._eos_token_ids()
+        self._grammars: GrammarCompiler | None = None  # built on the first structured-output request
+        self.finish_listeners: list[Callable[[Request], None]] = []  # e.g. the request log
 
     # --- set-up --------------------------------------------------------------------------------------
 
@@ -112,15 +124,26 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         beam_params = params if isinstance(params, BeamSearchParams) else None
         sampling = beam_params.sampling_params() if beam_params is not None else params
+        validate_token_params(sampling, self.model_config.vocab_size)
         request = Request(
             request_id, prompt_ids, sampling, namespace=namespace,
             prompt=prompt if isinstance(prompt, str) else None, eos_token_ids=self.eos_token_ids,
             beam_params=beam_params,
         )
+        if sampling.structured_outputs is not None:  # sampling hook: the grammar masks every row
+            request.grammar = self._grammar_compiler().matcher(sampling.structured_outputs)
         if not sampling.is_greedy:
             request.seed = sampling.seed if sampling.seed is not None else self._seed_rng.getrandbits(63)
             request.generator = torch.Generator(device="cpu").manual_seed(request.seed)
         return request
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        if self.tokenizer is None:
+            raise ValueError("structured_outputs needs a tokenizer; this model has none")
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
+                                             sorted(self.eos_token_ids))
+        return self._grammars
 
     def _encode(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -258,6 +281,8 @@ class LLMEngine:
         request.finish_reason = reason
         request.metrics.finished_time = time.monotonic()
         self.scheduler.finish(request)
+        for listener in self.finish_listeners:
+            listener(request)
 
     def _close(self, group: SequenceGroup) -> None:
         group.root.metrics.finished_time = time.monotonic()
@@ -290,8 +315,20 @@ class LLMEngine:
             "prefix_cache_preempted_queries": counters.preempted_queries,
             "prefix_cache_preempted_hits": counters.preempted_hits,
             "evictions": cache.num_evictions,
+            **{f"prefix_cache_hits_{source}": tokens for source, tokens in counters.hits_by_source.items()},
+            "num_loading": len(self.tiers.loading) if self.tiers is not None else 0,
+            "tiers": self.tiers.stats() if self.tiers is not None else {},
         }
 
     def reset_prefix_cache(self) -> bool:
-        """Drop every cached block; refused (False) while any block is in use."""
-        return self.block_manager.reset_prefix_cache()
+        """Drop every cached block (the device's; the lower tiers keep theirs and are not filled with
+        the dropped blocks); refused (False) while any block is in use."""
+        if self.tiers is None:
+            return self.block_manager.reset_prefix_cache()
+        with self.tiers.demotion_paused():
+            return self.block_manager.reset_prefix_cache()
+
+    def close(self) -> None:
+        """Stop the tiers' background threads (queued writes are flushed first)."""
+        if self.tiers is not None:
+            self.tiers.close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 # Bounds (shared with the server's request models, so both refuse the same values).
 MAX_TOKENS_LIMIT = 2**31 - 1  # an int32 (contexts are far smaller; the engine checks the real limit)
@@ -20,6 +21,7 @@ MAX_LOGPROBS = 20
 MAX_NUM_SAMPLES = 256  # n, best_of (and beam_width): each is a sequence holding KV blocks
 MAX_LENGTH_PENALTY = 10.0  # |length_penalty| of beam search; HF's useful range is about -2 to 2
 MAX_STOP_STRINGS = 64
+MAX_REPETITION_PENALTY = 100.0
 MAX_STOP_STRING_CHARS = 1024
 SEED_RANGE = (-(2**63), 2**64)
 
@@ -35,6 +37,13 @@ class SamplingParams:
     `n` > 1 or `best_of` > 1 asks for several completions of one prompt (parallel sampling): the prompt
     is prefilled once and its blocks are shared; sample i draws from seed `(seed + i) % 2**63`.
     `best_of` (default n) samples are drawn and the n with the highest cumulative log-probability kept.
+
+    Logits processing, in vLLM's order, on every row (greedy too) before temperature and the filters:
+    `min_tokens` masks EOS and `stop_token_ids` until that many tokens exist; `logit_bias` is added;
+    `repetition_penalty` (prompt + output tokens) divides positive logits and multiplies negative ones;
+    `frequency_penalty` x count and `presence_penalty` (output tokens) are subtracted;
+    `structured_outputs` masks every token its grammar forbids (engine/structured.py).
+    `prompt_logprobs` is refused: kvserve computes no logits for prompt positions.
     """
 
     max_tokens: int = 16
@@ -50,10 +59,26 @@ class SamplingParams:
     skip_special_tokens: bool = True
     n: int = 1
     best_of: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    logit_bias: dict[int, float] | None = None
+    include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        if self.stop is None:
+            self.stop = []
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if self.logit_bias:
+            self.logit_bias = {int(token): float(bias) for token, bias in self.logit_bias.items()}
         self.validate()
 
     def validate(self) -> None:
@@ -72,6 +97,7 @@ class SamplingParams:
         check_int("n", self.n, 1, MAX_NUM_SAMPLES)
         if self.best_of is not None and (not is_int(self.best_of) or not self.n <= self.best_of <= MAX_NUM_SAMPLES):
             raise ValueError(f"best_of must be an integer from n ({self.n}) to {MAX_NUM_SAMPLES}, got {self.best_of!r}")
+        self._validate_processing()
 
     def _validate_stops(self) -> None:
         if not isinstance(self.stop, list) or len(self.stop) > MAX_STOP_STRINGS:
@@ -80,6 +106,29 @@ class SamplingParams:
             raise ValueError(f"stop must be a list of non-empty strings of at most {MAX_STOP_STRING_CHARS} characters")
         if any(not is_int(t) or not 0 <= t < 2**31 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative integers below 2**31")
+
+    def _validate_processing(self) -> None:
+        check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        check_float("repetition_penalty", self.repetition_penalty, 0.0, MAX_REPETITION_PENALTY, low_open=True)
+        check_int("min_tokens", self.min_tokens, 0, self.max_tokens)
+        for token, bias in (self.logit_bias or {}).items():
+            if token < 0 or not math.isfinite(bias) or not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias: token ids must be >= 0 and biases in [-100, 100], "
+                                 f"got {token}: {bias}")
+        if self.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not supported: kvserve computes no logits for prompt "
+                             "positions")
+        if self.structured_outputs is not None:
+            self.structured_outputs.validate()
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether any logits processor applies (penalties, bias, min_tokens, a grammar)."""
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+            or self.min_tokens or self.logit_bias or self.structured_outputs is not None
+        )
 
     @property
     def num_samples(self) -> int:
@@ -112,16 +161,43 @@ def check_float(name: str, value: object, low: float, high: float, low_open: boo
 
 
 @dataclass(slots=True)
+class StructuredOutputsParams:
+    """vLLM's `StructuredOutputsParams`: exactly one of json (a schema, dict or str), regex, choice,
+    grammar (EBNF), or json_object=True (any JSON object)."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def validate(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar", "json_object")
+                 if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs needs exactly one of json, regex, choice, grammar, "
+                             f"json_object; got {given or 'none'}")
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) for c in self.choice)):
+            raise ValueError("structured_outputs.choice must be a non-empty list of strings")
+
+
+@dataclass(slots=True)
 class BeamSearchParams:
-    """Beam search settings; Hugging Face `generate(num_beams=beam_width, do_sample=False, ...)` names.
+    """Beam search settings: vLLM's `BeamSearchParams` names (beam_width, max_tokens, ignore_eos,
+    temperature, length_penalty, include_stop_str_in_output) plus Hugging Face's `early_stopping` and
+    `num_return_sequences`; scored as `generate(num_beams=beam_width, do_sample=False, ...)`.
 
     `num_return_sequences` (default: beam_width) hypotheses come back, best first. Stops on the
-    model's EOS ids or after `max_tokens` generated tokens; no stop strings.
+    model's EOS ids or after `max_tokens` generated tokens; no stop strings. Only temperature 0 and
+    ignore_eos False are supported (refused otherwise).
     """
 
     beam_width: int
     max_tokens: int = 16
+    ignore_eos: bool = False
+    temperature: float = 0.0
     length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
     early_stopping: bool | str = False  # True, False or "never", as in transformers
     num_return_sequences: int | None = None
     skip_special_tokens: bool = True
@@ -131,6 +207,11 @@ class BeamSearchParams:
 
     def validate(self) -> None:
         """Raise ValueError naming the first invalid field."""
+        if self.temperature != 0.0:
+            raise ValueError(f"temperature must be 0 for beam search (kvserve's beams are deterministic), "
+                             f"got {self.temperature}")
+        if self.ignore_eos:
+            raise ValueError("ignore_eos is not supported for beam search")
         check_int("beam_width", self.beam_width, 1, MAX_NUM_SAMPLES)
         check_int("max_tokens", self.max_tokens, 1, MAX_TOKENS_LIMIT)
         check_float("length_penalty", self.length_penalty, -MAX_LENGTH_PENALTY, MAX_LENGTH_PENALTY)

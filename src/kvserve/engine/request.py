@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -33,6 +35,7 @@ from kvserve.prefix.base import Namespace
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_KV = "waiting_for_kv"  # its prefix is being loaded from the disk or remote tier
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -45,9 +48,35 @@ class FinishReason(enum.Enum):
 
 @dataclass(slots=True)
 class TokenLogprob:
+    """kvserve's per-token log-prob record (what the sampler produces and the server formats)."""
+
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)  # (token_id, logprob), best first
+    rank: int = 1  # 1 + how many tokens the raw distribution rates strictly higher
+
+
+@dataclass(slots=True)
+class Logprob:
+    """vLLM's `Logprob`: one token's log-prob, its rank (1 = most likely) and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+def vllm_logprobs(entries: list[TokenLogprob], decode: Callable[[int], str] | None) -> list[dict[int, Logprob]]:
+    """kvserve's records as vLLM's `list[dict[int, Logprob]]`: per position the sampled token plus the
+    top alternatives, keyed by token id (the top ones ranked 1..N)."""
+    result = []
+    for entry in entries:
+        position = {token: Logprob(value, rank, decode(token) if decode else None)
+                    for rank, (token, value) in enumerate(entry.top, start=1)}
+        if entry.token_id not in position:
+            text = decode(entry.token_id) if decode else None
+            position = {entry.token_id: Logprob(entry.logprob, entry.rank, text), **position}
+        result.append(position)
+    return result
 
 
 @dataclass(slots=True)
@@ -69,7 +98,12 @@ class RequestMetrics:
 
 @dataclass(slots=True)
 class CompletionOutput:
-    """One completion of a request: a sample of a parallel (n / best_of) request or a beam hypothesis."""
+    """One completion of a request (vLLM's fields first): the only one of a plain request, a sample of
+    a parallel (n / best_of) request, or a beam hypothesis.
+
+    `logprobs` is vLLM's shape (`list[dict[int, Logprob]]`); `token_logprobs` kvserve's records.
+    `stop_reason`: the stop string or stop token id that ended it (None for EOS or length).
+    """
 
     index: int
     text: str
@@ -77,20 +111,35 @@ class CompletionOutput:
     finish_reason: str | None
     cumulative_logprob: float | None = None  # sum of the raw model log-probs of token_ids
     score: float | None = None  # beam search: cumulative_logprob / len(token_ids) ** length_penalty
-    logprobs: list[TokenLogprob] | None = None
+    token_logprobs: list[TokenLogprob] | None = None
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    stop_reason: str | int | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def tokens(self) -> list[int]:
+        """vLLM's `BeamSearchSequence.tokens` spelling (completion tokens here)."""
+        return self.token_ids
+
+    @property
+    def cum_logprob(self) -> float | None:
+        """vLLM's `BeamSearchSequence.cum_logprob` spelling."""
+        return self.cumulative_logprob
 
 
 @dataclass(slots=True)
 class RequestOutput:
     """A request's result so far (cumulative); `delta_*` hold what the last step added.
 
-    A plain request has one completion: the top-level fields. A parallel (n / best_of) or beam-search
-    request also carries `outputs`, its completions (in sample order, or best first when ranked:
-    best_of > n, beam search); the top-level fields then mirror `outputs[0]`. `completions` gives the
-    list for either kind. A ranked request reports once, when finished; the others after every step
-    (each completion with its own `delta_*`).
+    `outputs` (as vLLM's) always lists the completions: one for a plain request, n for a parallel
+    (n / best_of) or beam-search request (in sample order, or best first when ranked: best_of > n,
+    beam search). kvserve's top-level fields (`text`, `token_ids`, `finish_reason`, `logprobs` as
+    kvserve's records, `delta_*`) mirror `outputs[0]`. A ranked request reports once, when finished;
+    the others after every step (each completion with its own `delta_*`).
     """
 
     request_id: str
@@ -103,17 +152,28 @@ class RequestOutput:
     num_cached_tokens: int
     metrics: RequestMetrics
     logprobs: list[TokenLogprob] | None = None
+    cached_tokens_by_source: dict[str, int] = field(default_factory=dict)  # device/host/disk/remote
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
-    outputs: list[CompletionOutput] | None = None
+    outputs: list[CompletionOutput] | None = None  # None given: one completion from the top-level fields
+    prompt_logprobs: None = None  # vLLM's field; kvserve refuses prompt_logprobs
+
+    def __post_init__(self) -> None:
+        if self.outputs is None:
+            self.outputs = [CompletionOutput(
+                0, self.text, self.token_ids, self.finish_reason, token_logprobs=self.logprobs,
+                delta_text=self.delta_text, delta_token_ids=self.delta_token_ids,
+            )]
 
     @property
     def completions(self) -> list[CompletionOutput]:
-        """Every completion: `outputs`, or the top-level fields as one completion for a plain request."""
-        if self.outputs is not None:
-            return self.outputs
-        return [CompletionOutput(0, self.text, self.token_ids, self.finish_reason, logprobs=self.logprobs,
-                                 delta_text=self.delta_text, delta_token_ids=self.delta_token_ids)]
+        """Every completion (the same list as `outputs`)."""
+        return self.outputs
+
+    @property
+    def sequences(self) -> list[CompletionOutput]:
+        """vLLM's `BeamSearchOutput.sequences` spelling: the hypotheses, best first."""
+        return self.outputs
 
 
 @dataclass(slots=True, eq=False)
@@ -134,6 +194,9 @@ class Request:
     num_computed_tokens: int = 0
     num_published_blocks: int = 0  # leading blocks registered in the prefix cache
     num_cached_tokens: int = 0  # prefix hit at first admission (+ adopted), see the module docstring
+    cached_tokens_by_source: dict[str, int] = field(default_factory=dict)  # splits num_cached_tokens
+    kv_sources: dict[int, str] = field(default_factory=dict)  # block index -> tier it was loaded from
+    kv_load_tried: bool = False  # a disk/remote load was started for the current admission
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
     generator: torch.Generator | None = None
@@ -148,6 +211,8 @@ class Request:
     detokenizer: DetokenizerState = field(default_factory=DetokenizerState)
     may_share_tail: bool = False  # forked: the partial tail block may be shared (copy it before writing)
     cumulative_logprob: float = 0.0  # kept when its group asks for it (parallel members, beams)
+    stop_reason: str | int | None = None  # the stop string or stop token id that finished it
+    grammar: Any = None  # a structured-output matcher (engine/structured.py) when params ask for one
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -1,4 +1,4 @@
-"""Sampler: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
+"""Sampler: logits processors, greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
 
 Random rows draw with the exponential-race trick (argmax of p / Exp(1) noise) from the request's own
 torch.Generator, so a seeded request gets the same tokens whatever else shares its batch.
@@ -10,16 +10,20 @@ from collections.abc import Sequence
 
 import torch
 
+from kvserve.engine.logits_processors import process_logits
 from kvserve.engine.request import Request, TokenLogprob
 
 
 def sample(logits: torch.Tensor, requests: Sequence[Request]) -> tuple[list[int], list[TokenLogprob | None]]:
-    """Pick one token per row of ``logits [rows, vocab]`` (float32); row i belongs to requests[i]."""
-    token_ids = logits.argmax(dim=-1)
+    """Pick one token per row of ``logits [rows, vocab]`` (float32); row i belongs to requests[i].
+
+    The processors (penalties, bias, min_tokens, grammar) apply first; log-probs are of the raw row."""
+    processed = process_logits(logits, requests)
+    token_ids = processed.argmax(dim=-1)
     random_rows = [i for i, r in enumerate(requests) if not r.params.is_greedy]
     if random_rows:
         rows = torch.tensor(random_rows, dtype=torch.long)
-        probs = _processed_probs(logits[rows], [requests[i] for i in random_rows])
+        probs = _processed_probs(processed[rows], [requests[i] for i in random_rows])
         for position, row in enumerate(random_rows):
             noise = torch.empty_like(probs[position]).exponential_(generator=requests[row].generator)
             token_ids[row] = (probs[position] / noise).argmax()
@@ -71,7 +75,9 @@ def _logprobs(
     log_probs = logits[wanted].log_softmax(dim=-1)
     for position, row in enumerate(wanted):
         num_top = requests[row].params.logprobs or 0
-        entry = TokenLogprob(sampled[row], log_probs[position, sampled[row]].item())
+        chosen = log_probs[position, sampled[row]]
+        rank = int((log_probs[position] > chosen).sum().item()) + 1
+        entry = TokenLogprob(sampled[row], chosen.item(), rank=rank)
         if num_top:
             values, indices = log_probs[position].topk(num_top)
             entry.top = list(zip(indices.tolist(), values.tolist(), strict=True))

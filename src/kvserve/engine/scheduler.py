@@ -14,14 +14,22 @@ or `waiting`. `schedule()` ends by asserting what must hold after every step.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvserve.engine.block_manager import BlockManager
 from kvserve.engine.request import Request, RequestStatus
+from kvserve.tiers.offload import SOURCES
+
+if TYPE_CHECKING:
+    from kvserve.engine.kv_tiers import EngineTiers
 
 LPM_MAX_WAITING = 128  # beyond this many waiting requests, lpm's per-step matching costs too much
+PROTECT_WAITING = 4  # head-of-queue requests whose cached prefixes are refreshed before running ones grow
+IDLE_LOAD_WAIT_S = 0.01  # nothing to run but loads in flight: wait this long for one before returning
 
 
 @dataclass(slots=True)
@@ -50,6 +58,7 @@ class PrefixCacheCounters:
     preempted_queries: int = 0
     preempted_hits: int = 0
     recent: deque = field(default_factory=lambda: deque(maxlen=1000))  # (queried, hit) per request
+    hits_by_source: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SOURCES, 0))  # splits `hits`
 
     def record(self, request: Request, num_matched_tokens: int) -> None:
         if request.was_admitted:  # preempted (or a fork that found no room): a re-match
@@ -58,6 +67,8 @@ class PrefixCacheCounters:
             return
         self.queries += request.num_prompt_tokens
         self.hits += num_matched_tokens
+        for source, tokens in request.cached_tokens_by_source.items():
+            self.hits_by_source[source] += tokens
         self.recent.append((request.num_prompt_tokens, num_matched_tokens))
 
     def recent_hit_rate(self) -> float:
@@ -78,15 +89,19 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.counters = PrefixCacheCounters()
+        self.tiers: EngineTiers | None = None  # set by the engine when a lower tier is configured
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or (self.tiers is not None and self.tiers.loading))
 
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput()
+        self._protect_waiting()
+        if self.tiers is not None:
+            self._requeue_loaded()
         budget = self._schedule_running(output, self.max_num_batched_tokens)
         if not output.preempted:
             self._schedule_waiting(output, budget)
@@ -137,6 +152,11 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             matched = self.block_manager.match_prefix(request)
+            if self.tiers is not None:
+                matched = self.tiers.extend_match(request, matched)
+                if matched is None:  # WAITING_FOR_KV: the queue goes on without it
+                    self.waiting.popleft()
+                    continue
             num_computed = len(matched) * self.block_manager.block_size
             num_new = min(request.num_tokens - num_computed, budget)
             if not self.block_manager.can_admit(request, matched, num_new):
@@ -152,19 +172,39 @@ class Scheduler:
             output.scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
 
+    def _protect_waiting(self) -> None:
+        """The queue is known future: matching its next requests refreshes their cached prefixes (a
+        match counts as a use for the eviction policy), so the growth of running requests evicts other
+        blocks first (with the cache off, a match is empty and costs nothing)."""
+        for request in itertools.islice(self.waiting, PROTECT_WAITING):
+            self.block_manager.match_prefix(request)
+
     def _adopt_cached_continuation(self, request: Request) -> None:
         adopted = self.block_manager.adopt_cached_continuation(request)
         if adopted:
             request.num_cached_tokens += adopted
+            by_source = request.cached_tokens_by_source
+            by_source["device"] = by_source.get("device", 0) + adopted
             if request.num_preemptions:
                 self.counters.preempted_hits += adopted
             else:
                 self.counters.hits += adopted
+                self.counters.hits_by_source["device"] += adopted
 
     def _record_match(self, request: Request, num_matched_tokens: int) -> None:
         if not request.was_admitted:
             request.num_cached_tokens = num_matched_tokens
+            request.cached_tokens_by_source = split_by_source(
+                request.kv_sources, num_matched_tokens, self.block_manager.block_size)
         self.counters.record(request, num_matched_tokens)
+        request.kv_sources, request.kv_load_tried = {}, False
+
+    def _requeue_loaded(self) -> None:
+        """Requests whose tier load landed (or failed) go back to the head of the queue, in order."""
+        if not self.running and not self.waiting:
+            self.tiers.wait_any(IDLE_LOAD_WAIT_S)
+        for request in reversed(self.tiers.poll()):
+            self.waiting.appendleft(request)
 
     def _order_waiting_by_longest_prefix(self) -> None:
         """SGLang's lpm: admit the longest cached prefix first; FCFS when the queue is long."""
@@ -218,7 +258,10 @@ class Scheduler:
         for request in self.running:
             assert request.status is RequestStatus.RUNNING, request.request_id
         assert len(self.running) <= self.max_num_seqs, f"{len(self.running)} running > {self.max_num_seqs}"
-        self.block_manager.check_invariants(self.running)
+        loading = self.tiers.holders() if self.tiers is not None else []
+        for request in loading:
+            assert request.status is RequestStatus.WAITING_FOR_KV, request.request_id
+        self.block_manager.check_invariants(self.running + loading)
 
     def finish(self, request: Request) -> None:
         """Remove a finished or aborted request and release its blocks."""
@@ -226,5 +269,16 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        elif self.tiers is not None:
+            self.tiers.abort(request)  # loading: drop its job (its blocks are freed below)
         self.block_manager.free(request)
         request.status = RequestStatus.FINISHED
+
+
+def split_by_source(kv_sources: dict[int, str], num_matched_tokens: int, block_size: int) -> dict[str, int]:
+    """Matched tokens by the tier each block was loaded from for this admission (device: it was there)."""
+    by_source = dict.fromkeys(SOURCES, 0)
+    num_blocks = num_matched_tokens // block_size
+    for index in range(num_blocks):
+        by_source[kv_sources.get(index, "device")] += block_size
+    return by_source

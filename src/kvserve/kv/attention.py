@@ -1,9 +1,12 @@
-"""Paged attention, reference backend in torch ops.
+"""Paged attention over the KV pool.
 
 New keys/values are written into their pool slots, then every sequence attends over its block table.
-Decodes (one query token each) are batched into one padded call; prefill spans (a chunk of a prompt,
-possibly continuing after cached blocks) run one call each: they are few per step, and padding a
-2,048-token chunk to the width of 31 single-token decodes would cost far more than the loop.
+With native kernels (float32 pool), decodes and short continued-prefill chunks read K/V in place
+through their block tables: no per-step copy of the context. Otherwise (the torch path): decodes are
+batched into one padded call over gathered blocks; prefill spans (a chunk of a prompt, possibly
+continuing after cached blocks) run one call each: they are few per step, and padding a 2,048-token
+chunk to the width of 31 single-token decodes would cost far more than the loop. A fresh prefill (no
+cached context) always uses torch's causal flash attention on the new keys directly.
 """
 
 from __future__ import annotations
@@ -12,6 +15,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from kvserve.kernels.ops import Kernels
+
+# A continued-prefill chunk up to this many tokens reads the pool in place (native); longer chunks gather
+# the context once and use torch's flash attention, which tiles queries (measured in benchmarks/kernels.py).
+IN_PLACE_PREFILL_MAX_TOKENS = 64
 
 
 @dataclass(slots=True)
@@ -49,6 +58,7 @@ def write_kv(
 def paged_attention(
     queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     key_blocks: torch.Tensor, value_blocks: torch.Tensor, meta: AttentionMetadata, scale: float,
+    kernels: Kernels | None = None,
 ) -> torch.Tensor:
     """Attention for a flat batch. queries ``[T, heads, D]``, keys/values ``[T, kv_heads, D]``.
 
@@ -57,12 +67,26 @@ def paged_attention(
     """
     write_kv(key_blocks, value_blocks, keys, values, meta.slot_mapping)
     num_tokens, num_heads, head_dim = queries.shape
+    in_place = kernels is not None and kernels.supports_paged_attention(queries, key_blocks)
     output = torch.empty(num_tokens, num_heads, head_dim, dtype=queries.dtype, device=queries.device)
-    if meta.num_decodes:
+    if meta.num_decodes and in_place:
+        output[: meta.num_decodes] = kernels.paged_attention(
+            queries[: meta.num_decodes], key_blocks, value_blocks, meta.decode_block_tables,
+            meta.decode_context_lens, scale,
+        )
+    elif meta.num_decodes:
         output[: meta.num_decodes] = _decode_attention(
             queries[: meta.num_decodes], key_blocks, value_blocks, meta, scale
         )
     for span in meta.prefills:
+        num_new = span.end - span.start
+        if in_place and num_new < span.context_len and num_new <= IN_PLACE_PREFILL_MAX_TOKENS:
+            # Row i of the chunk sees the cached tokens plus new tokens 0..i: one shared block table.
+            context_lens = torch.arange(span.context_len - num_new + 1, span.context_len + 1, device=queries.device)
+            output[span.start : span.end] = kernels.paged_attention(
+                queries[span.start : span.end], key_blocks, value_blocks, span.block_table, context_lens, scale
+            )
+            continue
         output[span.start : span.end] = _prefill_attention(
             queries[span.start : span.end], keys[span.start : span.end], values[span.start : span.end],
             key_blocks, value_blocks, span, scale,

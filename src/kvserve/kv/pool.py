@@ -1,10 +1,20 @@
-"""The KV pool: one preallocated tensor holding every layer's key/value blocks."""
+"""The KV pool: one preallocated tensor holding every layer's key/value blocks.
+
+A large pool lives in an anonymous memory mapping: the OS hands out its pages zero-filled and commits
+them when first written, so a 2 GiB pool costs nothing at start-up (torch.zeros would touch every page,
+about a fifth of a cold start) and unused blocks never take RAM -- and no block is ever uninitialised
+(a padded decode gathers whole blocks and masks the unwritten slots; garbage NaNs there would leak through
+the masked softmax, zeros cannot).
+"""
 
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass
 
 import torch
+
+LAZY_POOL_BYTES = 64 * 1024 * 1024  # below this, torch.zeros is cheap and simpler
 
 
 @dataclass(slots=True)
@@ -36,10 +46,14 @@ class KVPool:
 
     def __init__(self, shape: KVPoolShape, dtype: torch.dtype, device: torch.device | str) -> None:
         self.shape = shape
-        self.tensor = torch.zeros(
-            shape.num_layers, 2, shape.num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim,
-            dtype=dtype, device=device,
-        )
+        dims = (shape.num_layers, 2, shape.num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim)
+        nbytes = shape.bytes_per_block(dtype) * shape.num_blocks
+        self._mapping: mmap.mmap | None = None
+        if torch.device(device).type == "cpu" and nbytes >= LAZY_POOL_BYTES:
+            self._mapping = mmap.mmap(-1, nbytes)  # anonymous, private: zero-filled pages on first touch
+            self.tensor = torch.frombuffer(self._mapping, dtype=dtype, count=nbytes // dtype.itemsize).view(dims)
+        else:
+            self.tensor = torch.zeros(dims, dtype=dtype, device=device)
 
     @property
     def num_blocks(self) -> int:

@@ -1,4 +1,9 @@
-"""Read llama.cpp GGUF files: a ModelConfig from the metadata and float32 weights under HF Llama names."""
+"""Read llama.cpp GGUF files: a ModelConfig from the metadata and weights under HF Llama names.
+
+Weights come back as float32 tensors (dense: the transformers-exact reference), or, with
+``quantized=True``, 2-D Q4_0/Q4_1/Q8_0 tensors stay in their stored blocks as `QuantWeight`s for the
+native kernels (norms and other types are still dequantized).
+"""
 
 from __future__ import annotations
 
@@ -12,7 +17,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from kvserve.kernels.quant import QTYPES, QuantWeight
 from kvserve.model.config import ModelConfig, check_weights, expected_weight_shapes
+from kvserve.model.gguf_header import GGUFFile, read_gguf
 
 # llama.cpp tensor names -> Hugging Face Llama names. Layer tensors are "blk.{i}.<leaf>".
 _GLOBAL_NAMES = {
@@ -187,25 +194,38 @@ def dequantize_tensor(tensor: gguf.ReaderTensor) -> torch.Tensor:
     return torch.from_numpy(array)
 
 
+def stored_tensor(tensor: gguf.ReaderTensor) -> QuantWeight | None:
+    """A 2-D tensor in a format the native kernels run, as its blocks (a view of a copy-on-write mapping,
+    else a copy); else None."""
+    qtype = int(tensor.tensor_type)
+    if qtype not in QTYPES or len(tensor.shape) != 2:
+        return None
+    writable = tensor.data.flags.writeable
+    data = torch.from_numpy(tensor.data if writable else np.array(tensor.data, dtype=np.uint8, copy=True))
+    return QuantWeight(data, qtype, int(tensor.shape[0]))
+
+
 def load_gguf_weights(
-    reader: gguf.GGUFReader, config: ModelConfig, progress: bool = True
-) -> dict[str, torch.Tensor]:
-    """Dequantize every tensor (one at a time, to keep peak memory at one extra tensor) under HF names."""
-    path = Path(reader.data.filename)
+    reader: gguf.GGUFReader | GGUFFile, config: ModelConfig, progress: bool = True, quantized: bool = False
+) -> dict[str, torch.Tensor | QuantWeight]:
+    """Every tensor under HF names: dequantized (one at a time, to keep peak memory at one extra tensor)
+    or, with `quantized`, kept in stored form where the native kernels support the format."""
+    path = reader.path if isinstance(reader, GGUFFile) else Path(reader.data.filename)
     # lm_head is listed even when tied so a stray output.weight is shape-checked too.
     expected = expected_weight_shapes(config) | {"lm_head.weight": (config.vocab_size, config.hidden_size)}
-    weights: dict[str, torch.Tensor] = {}
+    weights: dict[str, torch.Tensor | QuantWeight] = {}
     for tensor in tqdm(reader.tensors, desc=f"Loading {path.name}", unit="tensor", disable=not progress):
         try:
             name = hf_name(tensor.name)
             _check_shape(tensor, expected[name])
-            weight = dequantize_tensor(tensor)
+            weight = (stored_tensor(tensor) if quantized else None) or dequantize_tensor(tensor)
         except Exception as err:  # noqa: BLE001 - unsupported quant types, corrupt data, unknown names
             raise ValueError(f"{path}: cannot load tensor {tensor.name!r}: {err}") from err
-        if name.endswith("q_proj.weight"):
-            weight = unpermute_qk(weight, config.num_heads)
-        elif name.endswith("k_proj.weight"):
-            weight = unpermute_qk(weight, config.num_kv_heads)
+        heads = {"q_proj.weight": config.num_heads, "k_proj.weight": config.num_kv_heads}.get(name[-13:])
+        if heads and isinstance(weight, QuantWeight):  # rows hold whole blocks: permute them as bytes
+            weight = QuantWeight(unpermute_qk(weight.data, heads).contiguous(), weight.qtype, weight.in_features)
+        elif heads:
+            weight = unpermute_qk(weight, heads)
         weights[name] = weight
     check_weights(config, weights, path)
     return weights
@@ -219,13 +239,20 @@ def _check_shape(tensor: gguf.ReaderTensor, expected: tuple[int, ...]) -> None:
 
 
 def load_gguf(
-    path: str | Path, progress: bool = True
-) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, Any]]:
-    """Read a GGUF file: (config, float32 weights with HF names, raw metadata for the tokenizer)."""
-    reader = open_gguf(path)
-    metadata = read_metadata(reader)
+    path: str | Path, progress: bool = True, quantized: bool = False
+) -> tuple[ModelConfig, dict[str, torch.Tensor | QuantWeight], dict[str, Any]]:
+    """Read a GGUF file: (config, weights with HF names, raw metadata for the tokenizer).
+
+    Uses the fast reader (`gguf_header`); `open_gguf` (gguf's own reader) stays for inspection and tests.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"GGUF file not found: {path}")
+    _check_header(path)
+    reader = read_gguf(path)
+    metadata = reader.metadata
     try:
         config = config_from_metadata(metadata, {t.name for t in reader.tensors}, source=path)
     except (TypeError, KeyError, IndexError, ArithmeticError) as err:  # metadata values of the wrong kind
         raise ValueError(f"{path}: invalid model metadata: {err!r}") from err
-    return config, load_gguf_weights(reader, config, progress=progress), metadata
+    return config, load_gguf_weights(reader, config, progress=progress, quantized=quantized), metadata

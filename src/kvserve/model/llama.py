@@ -5,6 +5,10 @@ stored transposed as [in, out] because `x @ w` streams that layout faster on CPU
 one-token decode, and no slower for batches or prefill (benchmarks in the git history of this file),
 and the forward is a short loop over layers. The per-step context (slots, block tables) arrives as
 an `AttentionMetadata` argument.
+
+The hot ops go through a `Kernels` object (native C++ or the torch reference): quantized projections
+(`QuantWeight`, GGUF blocks kept as stored) run in the native matmul, RMSNorm is fused with the residual
+add, and decode attention reads the pool in place.
 """
 
 from __future__ import annotations
@@ -14,34 +18,40 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvserve.kernels.ops import Kernels
+from kvserve.kernels.quant import QuantWeight, concat_rows
 from kvserve.kv.attention import AttentionMetadata, paged_attention
 from kvserve.kv.pool import KVPool
 from kvserve.model.config import ModelConfig, rope_inv_freq
+
+Weight = torch.Tensor | QuantWeight
 
 SMALL_BATCH_ROWS = 4  # up to this many rows the transposed head wins; beyond it F.linear's GEMM does
 
 
 @dataclass(slots=True)
 class LayerWeights:
-    """One layer's weights; projections transposed to [in, out]."""
+    """One layer's weights; dense projections transposed to [in, out], quantized ones as stored [out, in]."""
 
     input_norm: torch.Tensor
-    qkv_proj: torch.Tensor  # [hidden, (heads + 2 * kv_heads) * head_dim]
-    o_proj: torch.Tensor  # [heads * head_dim, hidden]
+    qkv_proj: Weight  # [hidden, (heads + 2 * kv_heads) * head_dim]
+    o_proj: Weight  # [heads * head_dim, hidden]
     post_attention_norm: torch.Tensor
-    gate_up_proj: torch.Tensor  # [hidden, 2 * intermediate]
-    down_proj: torch.Tensor  # [intermediate, hidden]
+    gate_up_proj: Weight  # [hidden, 2 * intermediate]
+    down_proj: Weight  # [intermediate, hidden]
 
 
 class LlamaModel:
     """A Llama causal LM that reads and writes a paged `KVPool`."""
 
     def __init__(
-        self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: str = "cpu"
+        self, config: ModelConfig, weights: dict[str, Weight], dtype: torch.dtype, device: str = "cpu",
+        kernels: Kernels | None = None,
     ) -> None:
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
+        self.kernels = kernels or Kernels.create("torch")
         self.scale = config.head_dim**-0.5
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
@@ -55,21 +65,28 @@ class LlamaModel:
         self.rope_cos, self.rope_sin = _rope_tables(config, self.device)
         # fp32 on CPU: a vector times the [hidden, vocab] layout streams the 49k-row head about twice as
         # fast as F.linear's [vocab, hidden] path (measured: 5.7 vs 10.9 ms per decode step on 2 threads).
-        self.lm_head_t = (
-            self.lm_head.t().contiguous() if dtype == torch.float32 and self.device.type == "cpu" else None
-        )
+        dense_head = isinstance(self.lm_head, torch.Tensor) and dtype == torch.float32 and self.device.type == "cpu"
+        self.lm_head_t = self.lm_head.t().contiguous() if dense_head else None
 
-    def _param(self, weights: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    def _param(self, weights: dict[str, Weight], name: str) -> Weight:
         if name not in weights:
             raise ValueError(f"model weights are missing tensor {name!r}")
-        return weights[name].to(device=self.device, dtype=self.dtype).contiguous()
+        weight = weights[name]
+        if isinstance(weight, QuantWeight):
+            if self.device.type == "cpu":
+                return weight
+            weight = self.kernels.dequantize(weight)
+        return weight.to(device=self.device, dtype=self.dtype).contiguous()
 
-    def _layer_weights(self, weights: dict[str, torch.Tensor], index: int) -> LayerWeights:
+    def _layer_weights(self, weights: dict[str, Weight], index: int) -> LayerWeights:
         prefix = f"model.layers.{index}."
 
-        def transposed(*names: str) -> torch.Tensor:
-            fused = torch.cat([self._param(weights, prefix + name) for name in names], dim=0)
-            return fused.t().contiguous()
+        def transposed(*names: str) -> Weight:
+            parts = [self._param(weights, prefix + name) for name in names]
+            if all(isinstance(part, QuantWeight) for part in parts) and (fused := concat_rows(parts)):
+                return fused
+            dense = [self._dense(part) for part in parts]
+            return torch.cat(dense, dim=0).t().contiguous()
 
         return LayerWeights(
             input_norm=self._param(weights, prefix + "input_layernorm.weight"),
@@ -80,47 +97,56 @@ class LlamaModel:
             down_proj=transposed("mlp.down_proj.weight"),
         )
 
+    def _dense(self, weight: Weight) -> torch.Tensor:
+        if isinstance(weight, torch.Tensor):
+            return weight
+        return self.kernels.dequantize(weight).to(device=self.device, dtype=self.dtype)
+
     @torch.inference_mode()
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_pool: KVPool, meta: AttentionMetadata
     ) -> torch.Tensor:
         """Hidden states after the final norm, ``[num_tokens, hidden]``."""
-        hidden = F.embedding(input_ids, self.embed_tokens)
+        kernels, eps = self.kernels, self.config.rms_norm_eps
+        # Each norm also adds the previous sub-layer's output into the residual stream (HF's order).
+        residual = kernels.embedding(input_ids, self.embed_tokens).to(self.dtype)
+        delta = None
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         for index, layer in enumerate(self.layers):
             key_blocks, value_blocks = kv_pool.layer(index)
-            hidden = hidden + self._attention(hidden, layer, cos, sin, key_blocks, value_blocks, meta)
-            hidden = hidden + self._mlp(hidden, layer)
-        return self._rms_norm(hidden, self.final_norm)
+            normed, residual = kernels.rms_norm(residual, layer.input_norm, eps, delta)
+            attended = self._attention(normed, layer, cos, sin, key_blocks, value_blocks, meta)
+            normed, residual = kernels.rms_norm(attended, layer.post_attention_norm, eps, residual)
+            delta = self._mlp(normed, layer)
+        return kernels.rms_norm(delta, self.final_norm, eps, residual)[0]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits ``[rows, vocab]`` on the CPU, where the sampler's per-request generators live."""
+        if isinstance(self.lm_head, QuantWeight):
+            return self.kernels.linear(hidden.float(), self.lm_head).cpu()
         if self.lm_head_t is not None and hidden.shape[0] <= SMALL_BATCH_ROWS:
             return (hidden @ self.lm_head_t).cpu()
         return F.linear(hidden, self.lm_head).float().cpu()
 
     def _attention(
-        self, hidden: torch.Tensor, layer: LayerWeights, cos: torch.Tensor, sin: torch.Tensor,
+        self, normed: torch.Tensor, layer: LayerWeights, cos: torch.Tensor, sin: torch.Tensor,
         key_blocks: torch.Tensor, value_blocks: torch.Tensor, meta: AttentionMetadata,
     ) -> torch.Tensor:
         config = self.config
-        qkv = self._rms_norm(hidden, layer.input_norm) @ layer.qkv_proj
+        qkv = self.kernels.linear(normed, layer.qkv_proj)
         queries, keys, values = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         queries = _apply_rope(queries.view(-1, config.num_heads, config.head_dim), cos, sin)
         keys = _apply_rope(keys.view(-1, config.num_kv_heads, config.head_dim), cos, sin)
         values = values.view(-1, config.num_kv_heads, config.head_dim)
-        attended = paged_attention(queries, keys, values, key_blocks, value_blocks, meta, self.scale)
-        return attended @ layer.o_proj
+        attended = paged_attention(
+            queries, keys, values, key_blocks, value_blocks, meta, self.scale, kernels=self.kernels
+        )
+        return self.kernels.linear(attended, layer.o_proj)
 
-    def _mlp(self, hidden: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
-        gate, up = (self._rms_norm(hidden, layer.post_attention_norm) @ layer.gate_up_proj).chunk(2, -1)
-        return (F.silu(gate) * up) @ layer.down_proj
-
-    def _rms_norm(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        # As in HF: normalise in float32, cast back, then scale.
-        normed = F.rms_norm(hidden.float(), (hidden.shape[-1],), eps=self.config.rms_norm_eps)
-        return weight * normed.to(hidden.dtype)
+    def _mlp(self, normed: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
+        gate, up = self.kernels.linear(normed, layer.gate_up_proj).chunk(2, -1)
+        return self.kernels.linear(F.silu(gate) * up, layer.down_proj)
 
 
 def _rope_tables(config: ModelConfig, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

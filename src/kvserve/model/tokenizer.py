@@ -146,14 +146,17 @@ class Tokenizer:
 
     # ---- chat ----------------------------------------------------------------------------------
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+        chat_template: str | None = None, **kwargs: Any,
     ) -> str:
-        """Render `messages` with the model's Jinja chat template, like transformers (tokenize=False)."""
-        if not self.chat_template:
+        """Render `messages` with the model's Jinja chat template (or `chat_template`), like transformers
+        (tokenize=False); `kwargs` (e.g. `tools`) are template variables."""
+        source = chat_template or self.chat_template
+        if not source:
             raise ValueError("this tokenizer has no chat template")
         context = {name: value for name, value in self.special_tokens.items() if value is not None}
         context.update(kwargs)
-        template = _compile_template(self.chat_template)
+        template = _compile_template(source)
         return template.render(messages=messages, add_generation_prompt=add_generation_prompt, **context)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from kvserve.kv.block_allocator import BlockAllocator
 from kvserve.prefix.base import NoPrefixCache, PrefixCache
+from kvserve.prefix.eviction import DEFAULT_EVICTION, make_policy
 from kvserve.prefix.hashed import HashCache
 from kvserve.prefix.hashing import HashFunction
 from kvserve.prefix.radix import RadixCache
@@ -16,14 +17,17 @@ PREFIX_HASH_KINDS = tuple(algo.value for algo in HashFunction)
 
 
 def make_prefix_cache(
-    kind: str, allocator: BlockAllocator, block_size: int, hash_algo: HashFunction | str = "sha256"
+    kind: str, allocator: BlockAllocator, block_size: int, hash_algo: HashFunction | str = "sha256",
+    eviction: str = DEFAULT_EVICTION,
 ) -> PrefixCache:
-    """Build the prefix cache named `kind`; ValueError for an unknown kind or hash algorithm."""
+    """Build the prefix cache named `kind` evicting by `eviction`; ValueError for an unknown kind,
+    hash algorithm or policy."""
     algo = HashFunction(hash_algo)  # validated for every kind: the engine hashes prompts regardless
+    policy = make_policy(eviction)
     if kind == "radix":
-        return RadixCache(allocator, block_size)
+        return RadixCache(allocator, block_size, policy=policy)
     if kind == "hash":
-        return HashCache(allocator, block_size, algo)
+        return HashCache(allocator, block_size, algo, policy=policy)
     if kind == "off":
         return NoPrefixCache(allocator, block_size)
     raise ValueError(f"unknown prefix cache {kind!r}; expected one of {', '.join(PREFIX_CACHE_KINDS)}")

@@ -2,14 +2,15 @@
 
 One tree per namespace. Every non-root node holds an edge: the tokens of a run of whole blocks
 (`key`, a flat tuple of len(blocks) * block_size ids), the block ids caching them and their chained
-block hashes (`hashes`, split with the node; the tiers and KV events name a block by its hash). Children are
-keyed by the tuple of their first block's tokens, so two children of one node never share a first
-block. A match that ends inside a node splits it, so a request always holds whole nodes.
+block hashes (`hashes`, split with the node; the tiers and KV events name a block by its hash).
+Children are keyed by the tuple of their first block's tokens, so two children of one node never
+share a first block. A match that ends inside a node splits it, so a request always holds whole nodes.
 
-Eviction takes least-recently-used *leaves* whose blocks are all unreferenced; a parent becomes a
+Eviction is leaf-first: candidates are leaves whose blocks are all unreferenced; a parent becomes a
 candidate only when its last child is gone, so a shared prefix outlives the branches built on it.
-Candidates sit in a heap with lazy invalidation (at most one entry per node): an entry is checked
-when popped and re-pushed if its node was touched since, so eviction never scans the tree.
+Which candidate goes first is the `EvictionPolicy`'s choice (prefix/eviction.py; LRU by default); it
+keeps candidates in a heap with lazy invalidation, so eviction never scans the tree. A victim bigger
+than what is needed is trimmed from its tail (its head, which more requests share, stays cached).
 
 Counters (`num_cached_blocks`, `num_evictable_blocks`, per-node referenced counts) are maintained
 incrementally in acquire/release/insert/evict; `check_invariants` recounts them for tests.
@@ -17,14 +18,13 @@ incrementally in acquire/release/insert/evict; `check_invariants` recounts them 
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvserve.kv.block_allocator import BlockAllocator
 from kvserve.prefix.base import Namespace, check_accounting
+from kvserve.prefix.eviction import EvictionPolicy
 
 
 @dataclass(slots=True, eq=False)
@@ -35,19 +35,31 @@ class RadixNode:
     blocks: list[int]
     hashes: list[bytes]  # chained block hash of each block, parallel to `blocks`
     parent: RadixNode | None
-    last_access: float
+    depth: int  # blocks from the root through this node's last block
     children: dict[tuple[int, ...], RadixNode] = field(default_factory=dict)
     num_referenced: int = 0  # blocks of this node with ref count > 0
-    in_heap: bool = False  # an eviction-heap entry exists for this node
     removed: bool = False
+    last_access: float = 0.0  # eviction-policy state (see prefix/eviction.py)
+    hits: int = 0
+    priority: float = 0.0
+    heap_stamp: float | None = None
     namespace: Namespace | None = None  # set on roots only
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def tail_hash(self) -> bytes:
+        return self.hashes[-1]
 
 
 class RadixCache:
     """Prefix cache as a radix tree of whole blocks; see the module docstring."""
 
     def __init__(
-        self, allocator: BlockAllocator, block_size: int, clock: Callable[[], float] = time.monotonic
+        self, allocator: BlockAllocator, block_size: int, clock: Callable[[], float] = time.monotonic,
+        policy: EvictionPolicy | None = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -58,8 +70,7 @@ class RadixCache:
         self._roots: dict[Namespace, RadixNode] = {}
         self._node_of: dict[int, RadixNode] = {}  # registered block id -> its node
         self._num_evictable = 0
-        self._heap: list[tuple[float, int, RadixNode]] = []
-        self._tiebreak = itertools.count()
+        self.policy = policy if policy is not None else EvictionPolicy()
         # Called with (block_id, block_hash) pairs before evicted (or reset) blocks are freed.
         self.on_evict: Callable[[list[tuple[int, bytes]]], None] | None = None
 
@@ -101,7 +112,7 @@ class RadixCache:
         """Follow `tokens[:limit]` (whole blocks) down from `root`; returns the deepest node reached and
         the number of tokens it covers, appending the path's block ids to `blocks` if given. Splits a
         partially matched node and touches the path."""
-        bs, now = self.block_size, self._clock()
+        bs, now, touch = self.block_size, self._clock(), self.policy.touch
         node, pos = root, 0
         while pos < limit:
             child = node.children.get(tokens[pos : pos + bs])
@@ -114,7 +125,7 @@ class RadixCache:
                 # next lookup (in the upper node's only child) then misses and ends the walk.
                 child = self._split(child, self._common_blocks(child.key, tokens, pos, limit))
                 end = pos + len(child.key)
-            child.last_access = now
+            touch(child, now)
             if blocks is not None:
                 blocks.extend(child.blocks)
             node, pos = child, end
@@ -140,9 +151,9 @@ class RadixCache:
         cut = num_blocks * self.block_size
         parent = node.parent
         assert parent is not None
-        upper = RadixNode(
-            node.key[:cut], node.blocks[:num_blocks], node.hashes[:num_blocks], parent, node.last_access
-        )
+        depth = node.depth - len(node.blocks) + num_blocks
+        upper = RadixNode(node.key[:cut], node.blocks[:num_blocks], node.hashes[:num_blocks], parent, depth)
+        upper.last_access, upper.hits = node.last_access, node.hits
         refs = self.allocator.ref_counts
         upper.num_referenced = sum(1 for b in upper.blocks if refs[b] > 0)
         for block_id in upper.blocks:
@@ -152,6 +163,7 @@ class RadixCache:
         node.num_referenced -= upper.num_referenced
         node.parent = upper
         upper.children[node.key[: self.block_size]] = node
+        self.policy.reshaped(upper)
         return upper
 
     # ---- registration ----------------------------------------------------------------------------
@@ -174,7 +186,7 @@ class RadixCache:
         tokens = tuple(tokens[: num_blocks * self.block_size])
         root = self._roots.get(namespace)
         if root is None:
-            root = self._roots[namespace] = RadixNode((), [], [], None, self._clock(), namespace=namespace)
+            root = self._roots[namespace] = RadixNode((), [], [], None, 0, namespace=namespace)
         node, pos = self._walk(root, tokens, len(tokens))
         present = pos // self.block_size
         if present < num_blocks:
@@ -182,42 +194,49 @@ class RadixCache:
         return present
 
     def _add_leaf(self, parent: RadixNode, key: tuple[int, ...], blocks: list[int], hashes: list[bytes]) -> None:
-        for block_id in blocks:
-            if block_id in self._node_of:
-                raise ValueError(f"block {block_id} is already registered")
-        leaf = RadixNode(key, blocks, hashes, parent, self._clock())
+        node_of = self._node_of
+        if not node_of.keys().isdisjoint(blocks):
+            raise ValueError(f"block {next(b for b in blocks if b in node_of)} is already registered")
+        leaf = RadixNode(key, blocks, hashes, parent, parent.depth + len(blocks))
+        self.policy.inserted(leaf, self._clock())
         refs = self.allocator.ref_counts
-        leaf.num_referenced = sum(1 for b in blocks if refs[b] > 0)
-        for block_id in blocks:
-            self._node_of[block_id] = leaf
+        leaf.num_referenced = len(blocks) - [refs[b] for b in blocks].count(0)
+        node_of.update(dict.fromkeys(blocks, leaf))
         parent.children[key[: self.block_size]] = leaf
         self._num_evictable += len(blocks) - leaf.num_referenced
-        self._push_if_candidate(leaf)
+        if self._is_evictable_leaf(leaf):
+            self.policy.push(leaf)
 
     # ---- references ------------------------------------------------------------------------------
 
     def acquire(self, blocks: Sequence[int]) -> None:
-        """One more reference to each block; a registered block stops being evictable."""
+        """One more reference to each block; a registered block stops being evictable. Each node
+        taken counts one hit for the eviction policy."""
+        node_of, incref, last = self._node_of, self.allocator.incref, None
         for block_id in blocks:
-            if self.allocator.incref(block_id) == 1:
-                node = self._node_of.get(block_id)
-                if node is not None:
-                    node.num_referenced += 1
-                    self._num_evictable -= 1
+            node = node_of.get(block_id)
+            if node is not None and node is not last:
+                self.policy.hit(node)
+                last = node
+            if incref(block_id) == 1 and node is not None:
+                node.num_referenced += 1
+                self._num_evictable -= 1
 
     def release(self, blocks: Sequence[int]) -> None:
         """Drop one reference from each block; at 0 a registered block becomes evictable, an
         unregistered one goes back to the free list."""
+        decref, free, node_of, push = self.allocator.decref, self.allocator.free, self._node_of, self.policy.push
         for block_id in blocks:
-            if self.allocator.decref(block_id) != 0:
+            if decref(block_id) != 0:
                 continue
-            node = self._node_of.get(block_id)
+            node = node_of.get(block_id)
             if node is None:
-                self.allocator.free(block_id)
+                free(block_id)
                 continue
             node.num_referenced -= 1
             self._num_evictable += 1
-            self._push_if_candidate(node)
+            if node.num_referenced == 0 and not node.children:
+                push(node)
 
     # ---- eviction --------------------------------------------------------------------------------
 
@@ -225,27 +244,45 @@ class RadixCache:
     def _is_evictable_leaf(node: RadixNode) -> bool:
         return not node.children and node.num_referenced == 0 and node.parent is not None
 
-    def _push_if_candidate(self, node: RadixNode) -> None:
-        if not node.in_heap and self._is_evictable_leaf(node):
-            node.in_heap = True
-            heapq.heappush(self._heap, (node.last_access, next(self._tiebreak), node))
-
     def evict(self, num_blocks: int) -> list[int]:
-        """Free at least `num_blocks` blocks when that many are evictable (whole LRU leaves, so
-        possibly more); returns the freed ids."""
+        """Free `num_blocks` blocks, or every evictable one if fewer; returns the freed ids. Leaves go
+        in the policy's order; the last one is trimmed from its tail to free no more than asked."""
         freed: list[int] = []
-        while len(freed) < num_blocks and self._heap:
-            stamp, _, node = heapq.heappop(self._heap)
-            node.in_heap = False
+        while len(freed) < num_blocks:
+            node = self.policy.pop()
+            if node is None:
+                break
             if node.removed or not self._is_evictable_leaf(node):
-                continue  # stale entry; the node is pushed again when it becomes a candidate
-            if stamp != node.last_access:
-                self._push_if_candidate(node)  # touched since it was pushed: reorder
-                continue
-            freed.extend(node.blocks)
-            self._remove_leaf(node)
+                continue  # stale: the node is pushed again when it becomes a candidate
+            self.policy.evicted(node)
+            need = num_blocks - len(freed)
+            if need < len(node.blocks):
+                freed.extend(self._trim_leaf(node, need))
+            else:
+                freed.extend(node.blocks)
+                self._remove_leaf(node)
         self.num_evictions += len(freed)
         return freed
+
+    def _trim_leaf(self, node: RadixNode, num_blocks: int) -> list[int]:
+        """Evict the last `num_blocks` blocks of a candidate leaf; it stays a (shorter) candidate."""
+        keep = len(node.blocks) - num_blocks
+        dropped = node.blocks[keep:]
+        if self.on_evict is not None:
+            self.on_evict(list(zip(dropped, node.hashes[keep:], strict=True)))
+        node.key, node.blocks, node.hashes = node.key[: keep * self.block_size], node.blocks[:keep], node.hashes[:keep]
+        node.depth -= num_blocks
+        self._free_blocks(dropped)
+        self.policy.reshaped(node)
+        self.policy.push(node)
+        return dropped
+
+    def _free_blocks(self, blocks: list[int]) -> None:
+        node_of, free = self._node_of, self.allocator.free
+        for block_id in blocks:
+            del node_of[block_id]
+            free(block_id)
+        self._num_evictable -= len(blocks)
 
     def _remove_leaf(self, node: RadixNode) -> None:
         parent = node.parent
@@ -253,13 +290,11 @@ class RadixCache:
         if self.on_evict is not None:
             self.on_evict(list(zip(node.blocks, node.hashes, strict=True)))
         del parent.children[node.key[: self.block_size]]
-        for block_id in node.blocks:
-            del self._node_of[block_id]
-            self.allocator.free(block_id)
-        self._num_evictable -= len(node.blocks)
+        self._free_blocks(node.blocks)
         node.removed, node.parent = True, None
         if parent.parent is not None:
-            self._push_if_candidate(parent)
+            if self._is_evictable_leaf(parent):
+                self.policy.push(parent)
         elif not parent.children:
             del self._roots[parent.namespace]  # type: ignore[arg-type]
 
@@ -274,7 +309,7 @@ class RadixCache:
             self.allocator.free(block_id)
         self._roots.clear()
         self._node_of.clear()
-        self._heap.clear()
+        self.policy.clear()
         self._num_evictable = 0
         return True
 
@@ -283,7 +318,7 @@ class RadixCache:
     def check_invariants(self) -> None:
         """Recount everything from the tree and the allocator; raises AssertionError on a mismatch."""
         bs, refs, alloc = self.block_size, self.allocator.ref_counts, self.allocator
-        in_heap = {id(entry[2]) for entry in self._heap}
+        queued = self.policy.queued()
         seen: set[int] = set()
         for namespace, root in self._roots.items():
             assert root.parent is None and not root.blocks and root.namespace == namespace
@@ -295,9 +330,10 @@ class RadixCache:
                 assert node.parent.children.get(first) is node and node.key[:bs] == first
                 assert node.blocks and len(node.key) == len(node.blocks) * bs == len(node.hashes) * bs
                 assert node.num_referenced == sum(1 for b in node.blocks if refs[b] > 0)
-                assert node.in_heap == (id(node) in in_heap)
+                assert node.depth == node.parent.depth + len(node.blocks), "depth drifted"
+                assert (node.heap_stamp is not None) == (id(node) in queued)
                 if self._is_evictable_leaf(node):
-                    assert node.in_heap, "evictable leaf missing from the eviction heap"
+                    assert id(node) in queued, "evictable leaf missing from the eviction heap"
                 for block_id in node.blocks:
                     assert self._node_of.get(block_id) is node and block_id not in seen
                     assert not alloc.is_free(block_id), f"block {block_id} both free and registered"

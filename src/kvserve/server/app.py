@@ -21,6 +21,7 @@ from kvserve.engine.engine import LLMEngine
 from kvserve.events.engine_hook import attach_kv_events
 from kvserve.events.format import AllBlocksCleared
 from kvserve.events.publisher import KVEventPublisher
+from kvserve.replay.request_log import RequestLog
 from kvserve.server import admin_routes, extra_routes, openai_routes
 from kvserve.server.auth import ApiKeys, add_operator_keys, load_api_keys
 from kvserve.server.dashboard import dashboard_enabled
@@ -113,13 +114,14 @@ def run_server(
     config: EngineConfig, host: str, port: int, api_keys_path: str | None, max_queue: int,
     shutdown_timeout: float = GRACEFUL_SHUTDOWN_S, options: ServerOptions | None = None,
     limits: ServerLimits | None = None, kv_events_endpoint: str | None = None,
-    kv_events_replay_endpoint: str | None = None,
+    kv_events_replay_endpoint: str | None = None, request_log: str | None = None,
 ) -> None:
     """Load the model and serve until SIGTERM/SIGINT; then stop accepting, let in-flight requests
     finish for up to `shutdown_timeout` seconds, abort the rest, and return (exit status 0).
 
     With `kv_events_endpoint`, KV events are published there (vLLM's format; the first batch is an
-    AllBlocksCleared: a fresh process holds nothing)."""
+    AllBlocksCleared: a fresh process holds nothing). With `request_log`, one Mooncake-format line per
+    finished request is appended there (`kvserve replay` reads it)."""
     options = options or ServerOptions()
     _configure_logging(options.log_level)
     # Keys fail before the slow model load.
@@ -132,6 +134,8 @@ def run_server(
         if publisher is not None:
             publisher.publish([AllBlocksCleared()])
             attach_kv_events(llm_engine.block_manager, publisher)
+        if request_log:
+            llm_engine.finish_listeners.append(RequestLog(request_log, config.block_size, config.prefix_hash))
         engine = AsyncEngine(llm_engine)
         try:
             _override_chat_template(engine, options.chat_template)

@@ -14,6 +14,8 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvserve.server.request_fields import CHAT, COMPLETION
+
 logger = logging.getLogger(__name__)
 RETRY_AFTER_S = 1  # seconds, on every 429 / 503
 
@@ -23,6 +25,9 @@ _PARAM_OF_ENGINE_FIELD = {
     "min_p": "min_p", "logprobs": "logprobs", "stop": "stop", "prompt": "prompt", "request": "max_tokens",
     "cache_salt": "cache_salt", "n": "n", "best_of": "best_of", "beam_width": "beam_width",
     "length_penalty": "length_penalty", "early_stopping": "early_stopping", "num_return_sequences": "n",
+    "logit_bias": "logit_bias", "min_tokens": "min_tokens",
+    "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty", "structured_outputs": "structured_outputs",
     "seed": "seed", "stop_token_ids": "stop_token_ids",
 }
 
@@ -63,7 +68,7 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 def from_engine_value_error(err: ValueError, prompt_param: str = "prompt") -> ApiError:
     """A 400 for an engine validation error, naming the field its message starts with."""
     message = str(err)
-    first_word = message.split(" ", 1)[0]
+    first_word = message.split(" ", 1)[0].rstrip(":")
     param = _PARAM_OF_ENGINE_FIELD.get(first_word)
     if param == "prompt":
         param = prompt_param
@@ -86,6 +91,8 @@ def from_validation_error(err: ValidationError | RequestValidationError) -> ApiE
     if not loc:
         return bad_request(f"request body must be a JSON object: {first.get('msg')}")
     param = str(loc[0])
+    if first.get("type") == "extra_forbidden":
+        return bad_request(unsupported_field_message(loc), param)
     union = _union_error(errors)
     if union is not None:
         return bad_request(union, param)
@@ -143,6 +150,15 @@ def _describe(value: object) -> str:
     if isinstance(value, list):
         return f"a list containing {_describe(value[0])}" if value else "an empty list"
     return "an object"
+
+
+def unsupported_field_message(loc: list) -> str:
+    """Why a field the request model lacks is refused (request_fields.py), or that it is unknown."""
+    name = str(loc[-1])
+    refused = CHAT.get(name) or COMPLETION.get(name) if len(loc) == 1 else None
+    if refused is not None:
+        return f"{name} is not supported: {refused.reason}"
+    return f"{_format_loc(list(loc))} is not supported: unknown field"
 
 
 def _format_loc(loc: list) -> str:

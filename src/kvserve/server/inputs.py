@@ -22,6 +22,7 @@ from typing import Any
 import jinja2
 
 from kvserve.engine.params import BeamSearchParams, SamplingParams
+from kvserve.server.constraints import ConstraintError, structured_of
 from kvserve.server.errors import ApiError, bad_request, from_engine_value_error
 from kvserve.server.limits import MAX_BYTES_PER_TOKEN, max_prompt_bytes
 from kvserve.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
@@ -32,17 +33,30 @@ MAX_SEQUENCES = 64  # prompts × max(n, best_of, beam_width) per HTTP request
 _SEED_MODULUS = 2**63  # the engine's member seeds: (seed + i) % 2**63
 
 
-def chat_prompt_ids(tokenizer: Any, messages: Sequence[ChatMessage]) -> list[int]:
-    """Render the conversation with the model's chat template and tokenize it (specials stay special)."""
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+def chat_prompt_ids(tokenizer: Any, body: ChatCompletionRequest) -> list[int]:
+    """Render the conversation with the chat template (the request's `chat_template`, else the model's)
+    and tokenize it (specials stay special). Tools and `chat_template_kwargs` are template variables."""
+    template = body.chat_template or getattr(tokenizer, "chat_template", None)
+    if tokenizer is None or not template:
         raise bad_request("this model has no chat template: use /v1/completions", "messages")
-    conversation = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                    for m in messages]
+    if body.continue_final_message and body.add_generation_prompt:
+        raise bad_request("continue_final_message and add_generation_prompt cannot both be true",
+                          "continue_final_message")
+    variables = dict(body.chat_template_kwargs or {})
+    if body.tools:  # OpenAI shows the model its tools whatever tool_choice says
+        variables["tools"] = [tool.model_dump() for tool in body.tools]
+    messages = body.template_messages()
     try:
-        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
+                                             chat_template=body.chat_template, **variables)
     except (jinja2.TemplateError, ValueError, TypeError, KeyError) as err:
         # Templates reject some conversations themselves (e.g. roles that do not alternate).
         raise bad_request(f"messages cannot be rendered by the chat template: {err}", "messages") from err
+    if body.continue_final_message:  # end inside the last message, as transformers does
+        last = messages[-1]["content"]
+        if not last or last not in text:
+            raise bad_request("continue_final_message needs a last message with text", "continue_final_message")
+        text = text[: text.rindex(last) + len(last)]
     return _encode(tokenizer, text)
 
 
@@ -142,9 +156,7 @@ def beam_width_of(body: CompletionRequest) -> int:
 
 def check_group_options(body: SamplingFields) -> None:
     """n / best_of / beam-search combinations the engine cannot run; a 400 naming the field."""
-    if body.use_beam_search:
-        if not isinstance(body, CompletionRequest):
-            raise bad_request("use_beam_search is only supported on /v1/completions", "use_beam_search")
+    if isinstance(body, CompletionRequest) and body.use_beam_search:
         _check_beam_search(body)
         return
     if isinstance(body, CompletionRequest):
@@ -200,20 +212,8 @@ def resolve_max_tokens(
     return max_tokens
 
 
-def reject_unsupported(body: SamplingFields) -> None:
-    """Options we do not implement are refused rather than silently ignored."""
-    if body.presence_penalty:
-        raise bad_request("presence_penalty is not supported", "presence_penalty")
-    if body.frequency_penalty:
-        raise bad_request("frequency_penalty is not supported", "frequency_penalty")
-    if isinstance(body, CompletionRequest) and body.echo:
-        raise bad_request("echo is not supported", "echo")
-    if isinstance(body, CompletionRequest) and body.suffix:
-        raise bad_request("suffix is not supported", "suffix")
-
-
 def engine_params(
-    body: SamplingFields, max_tokens: int, logprobs: int | None
+    body: SamplingFields, max_tokens: int, logprobs: int | None, template: str | None = None
 ) -> SamplingParams | BeamSearchParams:
     """The params of each prompt's engine request: its n choices (best_of samples, or beams) together.
 
@@ -221,7 +221,13 @@ def engine_params(
     (reproducible, distinct), as separate requests with those seeds would.
     """
     try:
+        structured = structured_of(body, template)
+    except ConstraintError as err:
+        raise bad_request(str(err), err.param) from err
+    try:
         if isinstance(body, CompletionRequest) and body.use_beam_search:
+            if structured is not None:
+                raise bad_request("structured output is not supported with use_beam_search", "use_beam_search")
             return BeamSearchParams(
                 beam_width=beam_width_of(body), max_tokens=max_tokens, length_penalty=body.length_penalty,
                 early_stopping=body.early_stopping, num_return_sequences=body.n,
@@ -235,9 +241,25 @@ def engine_params(
             seed=None if body.seed is None else body.seed % _SEED_MODULUS,
             stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
             ignore_eos=body.ignore_eos, logprobs=logprobs, n=body.n, best_of=body.best_of,
+            presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            min_tokens=body.min_tokens, logit_bias=_logit_bias(body.logit_bias),
+            stop_token_ids=list(body.stop_token_ids or []),
+            include_stop_str_in_output=body.include_stop_str_in_output,
+            skip_special_tokens=body.skip_special_tokens, structured_outputs=structured,
         )
     except ValueError as err:
         raise from_engine_value_error(err) from err
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's string token ids as ints; 400 naming logit_bias for a key that is not one."""
+    if not bias:
+        return None
+    try:
+        return {int(token): value for token, value in bias.items()}
+    except ValueError:
+        raise bad_request("logit_bias keys must be token ids (integers as strings)", "logit_bias") from None
 
 
 def chat_logprobs(body: ChatCompletionRequest) -> int | None:

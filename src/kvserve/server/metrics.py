@@ -29,6 +29,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvserve.engine.request import RequestMetrics, RequestOutput
+from kvserve.tiers.offload import SOURCES
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 FINISH_REASONS = ("stop", "length", "abort")
@@ -87,6 +88,40 @@ class EngineStatsCollector(Collector):
         for state, key in (("free", "free_blocks"), ("cached", "cached_blocks"), ("used", "used_blocks")):
             blocks.add_metric([self._model, state], stats[key])
         yield blocks
+        yield from self._tier_metrics(stats)
+
+    def _tier_metrics(self, stats: Stats) -> Iterator[Metric]:
+        """Cached prompt tokens by source, and each lower KV tier's own families (see kvserve.tiers)."""
+        cached = CounterMetricFamily("kvserve_prompt_tokens_cached", "Prompt tokens served from a KV cache, by "
+                                     "where the blocks were at admission (kvserve).", labels=["model_name", "source"])
+        for source in SOURCES:
+            cached.add_metric([self._model, source], stats.get(f"prefix_cache_hits_{source}", 0))
+        yield cached
+        tiers = {name: tier for name, tier in stats.get("tiers", {}).items() if name != "policy"}
+        if not tiers:
+            return
+        labels = ["model_name", "tier"]
+        families = {
+            "blocks": GaugeMetricFamily("kvserve_kv_tier_blocks", "Blocks held by a KV tier.", labels=labels),
+            "bytes": GaugeMetricFamily("kvserve_kv_tier_bytes", "Bytes held by a KV tier.", labels=labels),
+            "hits": CounterMetricFamily("kvserve_kv_tier_hits", "Blocks read from a KV tier.", labels=labels),
+            "errors": CounterMetricFamily("kvserve_kv_tier_errors", "Failed operations or damaged blocks.",
+                                          labels=labels),
+            "loaded": CounterMetricFamily("kvserve_kv_tier_loaded_blocks", "Blocks loaded back into the pool.",
+                                          labels=labels),
+            "load_seconds": CounterMetricFamily("kvserve_kv_tier_load_seconds", "Time spent loading from a tier.",
+                                                labels=labels),
+            "breaker": GaugeMetricFamily("kvserve_kv_tier_breaker_state", "Circuit breaker: 0 closed, 1 half "
+                                         "open, 2 open (calls skipped).", labels=labels),
+        }
+        for name, tier in tiers.items():
+            for key in ("blocks", "bytes", "hits", "errors"):
+                families[key].add_metric([self._model, name], tier[key])
+            families["loaded"].add_metric([self._model, name], tier["load"]["blocks"])
+            families["load_seconds"].add_metric([self._model, name], tier["load"]["seconds_sum"])
+            if "breaker_state_code" in tier["extra"]:
+                families["breaker"].add_metric([self._model, name], tier["extra"]["breaker_state_code"])
+        yield from families.values()
 
     def _family(self, kind: type, name: str, documentation: str, value: float) -> Metric:
         family = kind(f"kvserve_{name}", documentation, labels=["model_name"])

@@ -13,9 +13,17 @@ from kvserve.engine.request import RequestOutput
 from kvserve.prefix.namespace import Namespace
 from kvserve.server import inputs, responses, roles
 from kvserve.server.auth import Principal, cache_namespace
+from kvserve.server.constraints import effective_tool_choice
 from kvserve.server.errors import ApiError, bad_request
 from kvserve.server.generation import ClientDisconnected, StreamFormat, collect, sse_stream, submit
-from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from kvserve.server.protocol import (
+    ChatCompletion,
+    ChatCompletionRequest,
+    Completion,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+)
 from kvserve.server.state import CLIENT_CLOSED_REQUEST, Caller, ServerState, parse_body, server_state
 from kvserve.serving.async_engine import RequestGroup
 
@@ -31,16 +39,43 @@ async def list_models(request: Request, _: Caller) -> JSONResponse:
     return JSONResponse(ModelList(data=cards).model_dump())
 
 
-@router.post("/v1/chat/completions")
+def _openapi(request_model: type[BaseModel], response_model: type[BaseModel]) -> dict:
+    """OpenAPI entries for a route that parses its body itself (parse_body: size limit, strict JSON):
+    the request and response schemas, inlined (no shared components needed)."""
+    return {
+        "requestBody": {"required": True, "content": {"application/json": {"schema": _inline(request_model)}}},
+        "responses": {"200": {"description": "the completion, or its chunks as server-sent events", "content": {
+            "application/json": {"schema": _inline(response_model)}, "text/event-stream": {}}}},
+    }
+
+
+def _inline(model: type[BaseModel]) -> dict:
+    schema = model.model_json_schema()
+    definitions = schema.pop("$defs", {})
+
+    def resolve(node):
+        if isinstance(node, dict):
+            if "$ref" in node:
+                return resolve(definitions[node["$ref"].rsplit("/", 1)[1]])
+            return {key: resolve(value) for key, value in node.items()}
+        if isinstance(node, list):
+            return [resolve(value) for value in node]
+        return node
+
+    return resolve(schema)
+
+
+@router.post("/v1/chat/completions", openapi_extra=_openapi(ChatCompletionRequest, ChatCompletion))
 async def chat_completions(request: Request, caller: Caller) -> Response:
     state = server_state(request)
     body = await parse_body(request, ChatCompletionRequest)
     _check_request(state, body)
     inputs.check_chat_size(body.messages, state.engine.info)
-    prompt_ids = await state.off_loop(inputs.chat_prompt_ids, state.engine.tokenizer, body.messages)
+    prompt_ids = await state.off_loop(inputs.chat_prompt_ids, state.engine.tokenizer, body)
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_tokens = inputs.resolve_max_tokens(requested, [len(prompt_ids)], state.engine.info, None, "messages")
-    params = inputs.engine_params(body, max_tokens, inputs.chat_logprobs(body))
+    template = body.chat_template or getattr(state.engine.tokenizer, "chat_template", None)
+    params = inputs.engine_params(body, max_tokens, inputs.chat_logprobs(body), template)
     ctx = responses.ResponseContext.new(
         "chatcmpl", body.model, body.n, [len(prompt_ids)], state.token_texts
     )
@@ -51,11 +86,12 @@ async def chat_completions(request: Request, caller: Caller) -> Response:
         chunk=partial(responses.chat_chunk, logprobs=body.logprobs),
         usage_chunk=responses.chat_usage_chunk if body.include_usage else None,
     )
-    final = partial(responses.chat_completion, ctx, logprobs=body.logprobs)
+    final = partial(responses.chat_completion, ctx, logprobs=body.logprobs,
+                    tool_choice=effective_tool_choice(body) if body.tools else None)
     return await _respond(request, state, group, ctx, fmt if body.stream else None, final, ([prompt_ids], namespace))
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", openapi_extra=_openapi(CompletionRequest, Completion))
 async def completions(request: Request, caller: Caller) -> Response:
     state = server_state(request)
     body = await parse_body(request, CompletionRequest)
@@ -86,7 +122,6 @@ def _check_request(state: ServerState, body: ChatCompletionRequest | CompletionR
     if body.model not in state.model_names:
         raise ApiError(404, f"model {body.model!r} does not exist; this server serves {list(state.model_names)}",
                        "model", "model_not_found")
-    inputs.reject_unsupported(body)
     inputs.check_group_options(body)
 
 

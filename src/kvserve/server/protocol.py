@@ -1,37 +1,43 @@
 """OpenAI wire format: request bodies (validated strictly) and response / stream-chunk models.
 
 Requests are parsed in pydantic strict mode, so a wrong JSON type ("5" for an integer, 1 for a bool)
-is a 400 naming the field instead of a silent coercion. Unknown fields are ignored, as OpenAI
-clients send extras (`user`, `metadata`, ...). Extensions beyond OpenAI follow vLLM's names:
-`top_k`, `min_p`, `ignore_eos`, `cache_salt`, `best_of` (chat too), and on /v1/completions beam search:
-`use_beam_search`, `beam_width`, `length_penalty`, `early_stopping`.
+is a 400 naming the field instead of a silent coercion. Nothing is silently ignored: a field that is
+not here is refused with a 400 naming it (request_fields.py says why for OpenAI's and vLLM's fields;
+those are accepted at their neutral value). Extensions beyond OpenAI follow vLLM's names: `top_k`,
+`min_p`, `repetition_penalty`, `min_tokens`, `stop_token_ids`, `include_stop_str_in_output`,
+`skip_special_tokens`, `ignore_eos`, `cache_salt`, `best_of` (chat too), `structured_outputs` (and the
+older `guided_*`), chat-template fields on chat, and on /v1/completions beam search: `use_beam_search`,
+`beam_width`, `length_penalty`, `early_stopping`.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvserve.engine.params import (
     MAX_LENGTH_PENALTY,
     MAX_LOGPROBS,
+    MAX_REPETITION_PENALTY,
     MAX_TEMPERATURE,
     MAX_TOKENS_LIMIT,
     MAX_TOP_K,
     SEED_RANGE,
 )
+from kvserve.server import request_fields
+from kvserve.server.constraints import ResponseFormat, StructuredOutputsField, Tool, ToolChoice
 
 # n, best_of and beam_width: each sample / beam is a sequence holding KV blocks, so this bounds one
 # caller's share (the prompt itself is prefilled once and shared).
 MAX_N = 16
-MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty| (OpenAI's range; only 0 is supported)
+MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty| (OpenAI's range)
 
 # --- requests ----------------------------------------------------------------------------------------
 
 
 class StrictModel(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
 
 class StreamOptions(StrictModel):
@@ -47,6 +53,16 @@ class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls, passed to the template
+    tool_call_id: str | None = None  # a tool message's answer to that call
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as a chat template sees it."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+        for name in ("name", "tool_calls", "tool_call_id"):
+            if getattr(self, name) is not None:
+                message[name] = getattr(self, name)
+        return message
 
     def text(self) -> str:
         """The content as one string (text parts joined; no content is empty text)."""
@@ -76,7 +92,30 @@ class SamplingFields(StrictModel):
     cache_salt: str | None = None
     presence_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)
     frequency_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)
-    use_beam_search: bool = False  # kvserve extension; only /v1/completions runs it (chat: 400)
+    repetition_penalty: float | None = Field(None, gt=0, le=MAX_REPETITION_PENALTY, allow_inf_nan=False)
+    min_tokens: int = Field(0, ge=0)
+    logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI) -> bias in [-100, 100]
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    user: str | None = None  # accepted: identifies the end user to OpenAI; kvserve keeps no record
+
+    refused: ClassVar[dict[str, request_fields.Refused]] = request_fields.COMMON
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_neutral_refused(cls, data: Any) -> Any:
+        """Refused fields at their neutral value mean nothing: drop them; others fail as unknown fields."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items()
+                    if not (k in cls.refused and request_fields.refused_value(cls.refused, k, v) is None)}
+        return data
 
     @property
     def include_usage(self) -> bool:
@@ -88,17 +127,30 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None  # default: "auto" with tools, else "none"
+    parallel_tool_calls: bool = True
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    refused: ClassVar[dict[str, request_fields.Refused]] = request_fields.CHAT
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.template_dict() for m in self.messages]
 
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False
-    suffix: str | None = None
+    use_beam_search: bool = False
     # Beam search (with use_beam_search): the n best of `beam_width` beams come back, best first.
     beam_width: int | None = Field(None, ge=1, le=MAX_N)  # default: n
     length_penalty: float = Field(1.0, ge=-MAX_LENGTH_PENALTY, le=MAX_LENGTH_PENALTY, allow_inf_nan=False)
     early_stopping: bool | Literal["never"] = False
+
+    refused: ClassVar[dict[str, request_fields.Refused]] = request_fields.COMPLETION
 
 
 # --- responses -----------------------------------------------------------------------------------------
@@ -106,6 +158,8 @@ class CompletionRequest(SamplingFields):
 
 class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
+    # kvserve extension: where the cached tokens came from (device, host, disk, remote); sums to cached_tokens
+    cached_tokens_by_source: dict[str, int] = Field(default_factory=dict)
 
 
 class Usage(BaseModel):
@@ -129,9 +183,21 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprobOut]
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):

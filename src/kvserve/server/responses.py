@@ -15,6 +15,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from kvserve.engine.request import CompletionOutput, RequestOutput, TokenLogprob
+from kvserve.server.constraints import ToolChoice, parse_auto_tool_calls, tool_calls_from_text
 from kvserve.server.protocol import (
     AssistantMessage,
     BeamInfo,
@@ -29,6 +30,7 @@ from kvserve.server.protocol import (
     CompletionLogprobs,
     PromptTokensDetails,
     TokenLogprobOut,
+    ToolCall,
     TopLogprob,
     Usage,
 )
@@ -104,16 +106,21 @@ def usage_of(ctx: ResponseContext, latest: dict[int, RequestOutput]) -> Usage:
     completion tokens are summed over the returned choices."""
     completion = sum(len(c.token_ids) for output in latest.values() for c in output.completions)
     cached = sum(output.num_cached_tokens for output in latest.values())
+    by_source: dict[str, int] = {}
+    for output in latest.values():
+        for source, tokens in output.cached_tokens_by_source.items():
+            by_source[source] = by_source.get(source, 0) + tokens
     prompt = sum(ctx.prompt_lens)
+    details = PromptTokensDetails(cached_tokens=cached, cached_tokens_by_source=by_source)
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+                 prompt_tokens_details=details)
 
 
 def delta_logprobs(completion: CompletionOutput) -> list[TokenLogprob]:
     """Logprobs of the tokens this output added (`delta_token_ids`)."""
-    if not completion.logprobs or not completion.delta_token_ids:
+    if not completion.token_logprobs or not completion.delta_token_ids:
         return []
-    return completion.logprobs[len(completion.token_ids) - len(completion.delta_token_ids):]
+    return completion.token_logprobs[len(completion.token_ids) - len(completion.delta_token_ids):]
 
 
 def _beam_info(completion: CompletionOutput) -> BeamInfo | None:
@@ -138,16 +145,31 @@ def chat_logprobs(entries: Sequence[TokenLogprob], texts: TokenTexts) -> ChatLog
     return ChatLogprobs(content=content)
 
 
-def chat_completion(ctx: ResponseContext, finals: dict[int, RequestOutput], logprobs: bool) -> ChatCompletion:
-    choices = [
-        ChatChoice(
-            index=index, message=AssistantMessage(content=c.text), finish_reason=c.finish_reason,
-            logprobs=chat_logprobs(c.logprobs or [], ctx.token_texts) if logprobs else None,
-        )
-        for index, c in final_choices(ctx, finals)
-    ]
+def chat_completion(
+    ctx: ResponseContext, finals: dict[int, RequestOutput], logprobs: bool, tool_choice: ToolChoice | None = None
+) -> ChatCompletion:
+    choices = []
+    for index, c in final_choices(ctx, finals):
+        message, finish_reason = _assistant_message(c, tool_choice)
+        choices.append(ChatChoice(
+            index=index, message=message, finish_reason=finish_reason,
+            logprobs=chat_logprobs(c.token_logprobs or [], ctx.token_texts) if logprobs else None,
+        ))
     return ChatCompletion(id=ctx.id, created=ctx.created, model=ctx.model, choices=choices,
                           usage=usage_of(ctx, finals))
+
+
+def _assistant_message(c: CompletionOutput, tool_choice: ToolChoice | None) -> tuple[AssistantMessage, str | None]:
+    """The reply as text, or as OpenAI tool calls (finish_reason "tool_calls") when tools were chosen."""
+    if tool_choice is None or tool_choice == "none" or c.finish_reason != "stop":
+        return AssistantMessage(content=c.text), c.finish_reason
+    if tool_choice == "auto":
+        content, calls = parse_auto_tool_calls(c.text)
+    else:
+        content, calls = None, tool_calls_from_text(c.text, tool_choice)
+    if not calls:
+        return AssistantMessage(content=c.text), c.finish_reason
+    return AssistantMessage(content=content, tool_calls=[ToolCall(**call) for call in calls]), "tool_calls"
 
 
 def chat_role_chunks(ctx: ResponseContext) -> list[BaseModel]:
@@ -198,7 +220,7 @@ def text_completion(ctx: ResponseContext, finals: dict[int, RequestOutput], logp
     choices = [
         CompletionChoice(
             index=index, text=c.text, finish_reason=c.finish_reason,
-            logprobs=completion_logprobs(c.logprobs or [], ctx.token_texts) if logprobs else None,
+            logprobs=completion_logprobs(c.token_logprobs or [], ctx.token_texts) if logprobs else None,
             kvserve=_beam_info(c),
         )
         for index, c in final_choices(ctx, finals)

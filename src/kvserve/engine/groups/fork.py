@@ -21,7 +21,9 @@ def fork_sequence(parent: Request, child_id: str) -> Request:
     child.output_token_ids = list(parent.output_token_ids)
     child.all_token_ids = list(parent.all_token_ids)
     child.num_cached_tokens = parent.num_cached_tokens
+    child.cached_tokens_by_source = dict(parent.cached_tokens_by_source)
     child.num_preemptions = parent.num_preemptions  # a resumed parent's child re-matches as "preempted"
     child.cumulative_logprob = parent.cumulative_logprob
     child.logprobs = None if parent.logprobs is None else list(parent.logprobs)
+    child.grammar = None if parent.grammar is None else parent.grammar.fork(parent.output_token_ids)
     return child

@@ -6,8 +6,8 @@ from kvserve.engine.request import CompletionOutput, Request, RequestOutput
 
 
 def plain_output(request: Request) -> RequestOutput:
-    """A single sequence's output now (top-level fields only, no `outputs`); takes its delta."""
-    return _request_output(request, [member_completion(0, request)], request.is_finished, grouped=False)
+    """A single sequence's output now (one completion); takes its delta."""
+    return _request_output(request, [member_completion(0, request)], request.is_finished)
 
 
 def member_completion(index: int, request: Request) -> CompletionOutput:
@@ -18,20 +18,18 @@ def member_completion(index: int, request: Request) -> CompletionOutput:
         token_ids=list(request.output_token_ids),
         finish_reason=request.finish_reason.value if request.finish_reason else None,
         cumulative_logprob=request.cumulative_logprob,
-        logprobs=None if request.logprobs is None else list(request.logprobs),
-        delta_text=delta_text, delta_token_ids=delta_tokens,
+        token_logprobs=None if request.logprobs is None else list(request.logprobs),
+        delta_text=delta_text, delta_token_ids=delta_tokens, stop_reason=request.stop_reason,
     )
 
 
 def group_output(root: Request, completions: list[CompletionOutput], finished: bool) -> RequestOutput:
     """A group's RequestOutput (`root`: the request as submitted); top-level fields mirror the first
     completion."""
-    return _request_output(root, completions, finished, grouped=True)
+    return _request_output(root, completions, finished)
 
 
-def _request_output(
-    root: Request, completions: list[CompletionOutput], finished: bool, grouped: bool
-) -> RequestOutput:
+def _request_output(root: Request, completions: list[CompletionOutput], finished: bool) -> RequestOutput:
     first = completions[0] if completions else CompletionOutput(0, "", [], None)
     return RequestOutput(
         request_id=root.request_id,
@@ -42,9 +40,10 @@ def _request_output(
         finished=finished,
         finish_reason=first.finish_reason if finished else None,
         num_cached_tokens=root.num_cached_tokens,
+        cached_tokens_by_source=dict(root.cached_tokens_by_source),
         metrics=root.metrics,
-        logprobs=first.logprobs,
+        logprobs=first.token_logprobs,
         delta_text=first.delta_text,
         delta_token_ids=first.delta_token_ids,
-        outputs=completions if grouped else None,
+        outputs=completions,
     )

@@ -1,0 +1,319 @@
+"""Native kernels: kvserve (native kernels on the GGUF's own Q4_1/Q8_0 weights, and on dense fp32
+weights, and the torch kernels as before) beside transformers fp32 and llama.cpp (llama-cpp-python, the
+`bench` extra) on the same GGUF, in one run.
+
+Figures: one-request decode tok/s; batch 8 / 32 (generated tokens / wall time, prefill included, as
+PEERS.md counts it); prefill tok/s at 512 and 2,048; the shared-prefix workload (16 requests sharing a
+1,900-token prefix, 32 new tokens each, all sent at once) in seconds; `LLM()` ready time in a fresh
+process; `kvserve generate ... --max-tokens 16` end to end. Then a per-step time breakdown of a batch-8
+decode step (matmuls, attention, norms, lm head, the rest) before (torch kernels, dense) and after
+(native kernels and weights), drawn to docs/kernels_step.png.
+
+    python benchmarks/kernels.py            # about 10 minutes on 2 busy cores
+    python benchmarks/kernels.py --quick    # smaller decode lengths
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import ROOT, Timer, hf_generate, load_hf_model, load_workloads, markdown_table, write_result  # noqa: E402
+from kvserve import LLM, SamplingParams  # noqa: E402
+from kvserve.model.registry import resolve_model  # noqa: E402
+
+VARIANTS = {
+    "kvserve native Q4_1": {"kernels": "native", "weights": "native"},
+    "kvserve native fp32": {"kernels": "native", "weights": "dense"},
+    "kvserve torch fp32 (before)": {"kernels": "torch", "weights": "dense"},
+}
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+class KvserveRunner:
+    def __init__(self, name: str, args: dict[str, str]) -> None:
+        self.name = name
+        self.llm = LLM("smollm2-135m", progress=False, kv_cache_memory="1GiB", max_num_seqs=64, **args)
+
+    def decode(self, prompt: list[int], new: int) -> float:
+        out = self.llm.generate([prompt], greedy(new))[0]
+        return (new - 1) / (out.metrics.total_time - out.metrics.ttft)
+
+    def batch(self, prompts: list[list[int]], new: int) -> float:
+        with Timer() as timer:
+            self.llm.generate(prompts, greedy(new))
+        return len(prompts) * new / timer.seconds
+
+    def prefill(self, prompt: list[int]) -> float:
+        salt = str(time.perf_counter())  # a fresh namespace: nothing cached
+        out = self.llm.generate([prompt], greedy(1), cache_salt=salt)[0]
+        return len(prompt) / out.metrics.ttft
+
+    def shared_prefix(self, prefix: list[int], suffixes: list[list[int]], new: int) -> float:
+        with Timer() as timer:
+            self.llm.generate([prefix + s for s in suffixes], greedy(new), cache_salt=str(time.perf_counter()))
+        return timer.seconds
+
+
+class HFRunner:
+    name = "transformers fp32"
+
+    def __init__(self) -> None:
+        self.model = load_hf_model(torch.float32)
+
+    def decode(self, prompt: list[int], new: int) -> float:
+        with Timer() as first:
+            hf_generate(self.model, [prompt], 1)
+        with Timer() as full:
+            hf_generate(self.model, [prompt], new)
+        return (new - 1) / (full.seconds - first.seconds)
+
+    def batch(self, prompts: list[list[int]], new: int) -> float:
+        with Timer() as timer:
+            hf_generate(self.model, prompts, new)
+        return len(prompts) * new / timer.seconds
+
+    def prefill(self, prompt: list[int]) -> float:
+        with Timer() as timer:
+            hf_generate(self.model, [prompt], 1)
+        return len(prompt) / timer.seconds
+
+    def shared_prefix(self, prefix: list[int], suffixes: list[list[int]], new: int) -> float:
+        with Timer() as timer:  # one at a time, as PEERS.md measured it
+            for suffix in suffixes:
+                hf_generate(self.model, [prefix + suffix], new)
+        return timer.seconds
+
+
+class LlamaCppRunner:
+    name = "llama.cpp (llama-cpp-python)"
+
+    def __init__(self) -> None:
+        from llama_cpp import Llama
+
+        self.model = Llama(str(resolve_model("smollm2-135m")), n_ctx=4096, n_threads=torch.get_num_threads(),
+                           n_batch=512, verbose=False)
+
+    def _run(self, prompt: list[int], new: int) -> tuple[float, float]:
+        """(seconds to the first token, seconds in total) for greedy generation from a fresh context."""
+        self.model.reset()
+        start = time.perf_counter()
+        first = None
+        count = 0
+        for _ in self.model.generate(prompt, temp=0.0, top_k=1, reset=True):
+            count += 1
+            if first is None:
+                first = time.perf_counter() - start
+            if count >= new:
+                break
+        return first, time.perf_counter() - start
+
+    def decode(self, prompt: list[int], new: int) -> float:
+        first, total = self._run(prompt, new)
+        return (new - 1) / (total - first)
+
+    def batch(self, prompts: list[list[int]], new: int) -> float:
+        with Timer() as timer:  # its Python API runs one sequence at a time
+            for prompt in prompts:
+                self._run(prompt, new)
+        return len(prompts) * new / timer.seconds
+
+    def prefill(self, prompt: list[int]) -> float:
+        return len(prompt) / self._run(prompt, 1)[0]
+
+    def shared_prefix(self, prefix: list[int], suffixes: list[list[int]], new: int) -> float:
+        with Timer() as timer:  # one at a time; reset() drops its cache, so each prefills the prefix
+            for suffix in suffixes:
+                self._run(prefix + suffix, new)
+        return timer.seconds
+
+
+def ready_time(args: dict[str, str], repeats: int) -> float:
+    """Seconds from a fresh interpreter to a ready `LLM()` (imports included), median of `repeats`."""
+    options = ", ".join(f"{k}={v!r}" for k, v in args.items())
+    code = (
+        "import time; t = time.perf_counter(); from kvserve import LLM; "
+        f"LLM('smollm2-135m', progress=False, {options}); print(time.perf_counter() - t)"
+    )
+    return statistics.median(
+        float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+        for _ in range(repeats)
+    )
+
+
+def generate_time(args: dict[str, str]) -> float:
+    """Wall seconds of `kvserve generate "..." --max-tokens 16`, process start to exit."""
+    flags = [f"--{key}={value}" for key, value in args.items()]
+    command = [sys.executable, "-m", "kvserve.cli", "generate", "Tell me about Paris.", "--max-tokens", "16", *flags]
+    with Timer() as timer:
+        subprocess.run(command, capture_output=True, check=True)
+    return timer.seconds
+
+
+def llama_cpp_ready() -> float:
+    code = (
+        "import time; t = time.perf_counter(); from llama_cpp import Llama; "
+        f"Llama({str(resolve_model('smollm2-135m'))!r}, n_ctx=4096, verbose=False); print(time.perf_counter() - t)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return float(result.stdout)
+
+
+PEER_SHARED_REQUESTS = 2  # the peers run shared-prefix requests one at a time: 2 of 16, scaled to 16
+
+
+def figures(runners: list, workloads: dict, new: int) -> dict[str, dict[str, float]]:
+    """Every figure for every runner, interleaved figure by figure so all runners see the same machine load."""
+    shared = workloads["shared_prefix"]
+    tasks = {
+        "decode": lambda r: r.decode(workloads["prefill"]["128"], new),
+        "batch8": lambda r: r.batch(workloads["batch"]["8"]["prompts"], new),
+        "batch32": lambda r: r.batch(workloads["batch"]["32"]["prompts"], new),
+        "prefill512": lambda r: r.prefill(workloads["prefill"]["512"]),
+        "prefill2048": lambda r: r.prefill(workloads["prefill"]["2048"]),
+        "shared": lambda r: (
+            r.shared_prefix(shared["prefix"], shared["suffixes"], 32) if isinstance(r, KvserveRunner)
+            else r.shared_prefix(shared["prefix"], shared["suffixes"][:PEER_SHARED_REQUESTS], 32)
+            * len(shared["suffixes"]) / PEER_SHARED_REQUESTS
+        ),
+    }
+    for runner in runners:
+        runner.decode(workloads["prefill"]["128"], 8)  # warm-up
+    results: dict[str, dict[str, float]] = {runner.name: {} for runner in runners}
+    for key, task in tasks.items():
+        for runner in runners:
+            results[runner.name][key] = task(runner)
+            print(f"{key:12s} {runner.name:30s} {results[runner.name][key]:10.2f}", flush=True)
+    return results
+
+
+def step_breakdown(args: dict[str, str], workloads: dict, steps: int = 16) -> dict[str, float]:
+    """Milliseconds per batch-8 decode step by part, from timers wrapped around the model's calls."""
+    from kvserve.model import llama
+
+    llm = LLM("smollm2-135m", progress=False, kv_cache_memory="256MiB", **args)
+    model, kernels = llm.engine.model, llm.engine.model.kernels
+    totals = {"matmuls": 0.0, "attention": 0.0, "norms": 0.0, "lm head": 0.0}
+    depth = [0]  # only the outermost timed call counts (the lm head's matmul is the lm head's)
+
+    def timed(part: str, function):
+        def wrapper(*a, **k):
+            depth[0] += 1
+            start = time.perf_counter()
+            try:
+                return function(*a, **k)
+            finally:
+                depth[0] -= 1
+                if depth[0] == 0:
+                    totals[part] += time.perf_counter() - start
+        return wrapper
+
+    engine = llm.engine
+    for prompt in workloads["batch"]["8"]["prompts"]:
+        engine.add(engine.make_request(prompt, greedy(steps + 4)))
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
+        engine.step()
+    originals = (type(kernels).linear, type(kernels).rms_norm, llama.paged_attention, type(model).compute_logits)
+    type(kernels).linear = timed("matmuls", originals[0])
+    type(kernels).rms_norm = timed("norms", originals[1])
+    llama.paged_attention = timed("attention", originals[2])
+    type(model).compute_logits = timed("lm head", originals[3])
+    try:
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        total = time.perf_counter() - start
+    finally:
+        type(kernels).linear, type(kernels).rms_norm, llama.paged_attention, type(model).compute_logits = originals
+    result = {part: 1000 * seconds / steps for part, seconds in totals.items()}
+    result["other (python, rope, sampler, scheduler)"] = 1000 * total / steps - sum(result.values())
+    return result
+
+
+def plot(breakdowns: dict[str, dict[str, float]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    names = list(breakdowns)
+    left = [0.0] * len(names)
+    for part in next(iter(breakdowns.values())):
+        widths = [breakdowns[name][part] for name in names]
+        ax.barh(names, widths, left=left, label=part)
+        left = [a + b for a, b in zip(left, widths, strict=True)]
+    ax.set_xlabel("ms per batch-8 decode step")
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="32 new tokens per decode instead of 128")
+    parser.add_argument("--skip-hf", action="store_true")
+    args = parser.parse_args()
+    new = 32 if args.quick else 128
+    workloads = load_workloads()
+    runners = [KvserveRunner(name, variant) for name, variant in VARIANTS.items()]
+    runners += [] if args.skip_hf else [HFRunner()]
+    notes = []
+    try:
+        runners.append(LlamaCppRunner())
+    except ImportError:
+        notes.append("llama.cpp: not installed (`pip install -e .[bench]` builds llama-cpp-python).")
+    results = figures(runners, workloads, new)
+    del runners
+    startup = {name: VARIANTS[name] for name in ("kvserve native Q4_1", "kvserve torch fp32 (before)")}
+    ready = {name: ready_time(variant, 1 if args.quick else 3) for name, variant in startup.items()}
+    generate = {name: generate_time(variant) for name, variant in startup.items()}
+    if "llama.cpp (llama-cpp-python)" in results:
+        ready["llama.cpp (llama-cpp-python)"] = llama_cpp_ready()
+    header = ["runner", "decode tok/s", "batch 8 tok/s", "batch 32 tok/s", "prefill 512 tok/s", "prefill 2048 tok/s",
+              "shared prefix s", "LLM() ready s", "generate 16 s"]
+    rows = [
+        [name, f["decode"], f["batch8"], f["batch32"], f["prefill512"], f["prefill2048"], f["shared"],
+         ready.get(name, "–"), generate.get(name, "–")]
+        for name, f in results.items()
+    ]
+    base = results["kvserve native Q4_1"]
+    ratio_rows = [
+        [f"native Q4_1 / {name}"] + [base[key] / f[key] for key in ("decode", "batch8", "batch32", "prefill512",
+                                                                     "prefill2048")] + [f["shared"] / base["shared"]]
+        for name, f in results.items() if name != "kvserve native Q4_1"
+    ]
+    breakdowns = {
+        "before: torch kernels, fp32": step_breakdown(VARIANTS["kvserve torch fp32 (before)"], workloads),
+        "after: native kernels, Q4_1": step_breakdown(VARIANTS["kvserve native Q4_1"], workloads),
+    }
+    plot(breakdowns, ROOT / "docs" / "kernels_step.png")
+    parts = list(next(iter(breakdowns.values())))
+    step_rows = [[name] + [b[p] for p in parts] + [sum(b.values())] for name, b in breakdowns.items()]
+    table = (
+        markdown_table(header, rows)
+        + "\n\nRatios (higher = kvserve native Q4_1 faster; shared prefix as time ratio):\n\n"
+        + markdown_table(["", "decode", "batch 8", "batch 32", "prefill 512", "prefill 2048", "shared prefix"],
+                         ratio_rows)
+        + "\n\nPer-step breakdown, ms per batch-8 decode step (![plot](docs/kernels_step.png)):\n\n"
+        + markdown_table(["", *parts, "total"], step_rows)
+    )
+    notes.append(f"Decode figures: {new} new tokens; threads: {torch.get_num_threads()}. transformers batches with "
+                 "padding; llama.cpp's Python API runs batch requests one at a time. Shared prefix: kvserve gets all "
+                 f"16 requests at once; the peers run {PEER_SHARED_REQUESTS} of them one at a time, scaled to 16.")
+    write_result("kernels", "Native CPU kernels vs transformers and llama.cpp", table, "\n".join(notes))
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

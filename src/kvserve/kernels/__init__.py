@@ -1,0 +1,1 @@
+"""Native CPU kernels (C++ with run-time ISA dispatch) and their pure-torch twins; see `ops.Kernels`."""

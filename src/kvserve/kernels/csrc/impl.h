@@ -1,0 +1,226 @@
+// Kernel bodies, compiled once per ISA (see simd.h). Everything here is static: each namespace gets its own copy.
+
+enum : int { QT_Q4_0 = 2, QT_Q4_1 = 3, QT_Q8_0 = 8 };  // ggml type ids
+constexpr int QK = 32;                                // weights per quantization block
+
+static inline int64_t block_bytes(int qt) { return qt == QT_Q4_0 ? 18 : qt == QT_Q4_1 ? 20 : 34; }
+
+// out[r * ostride + c] = dot(x row r, weight row c) for R activation rows x NC weight rows (columns of the
+// output). Each block is converted to floats once and used by all R rows; NC independent columns keep
+// several FMA chains in flight. Q4_0 / Q4_1 fold their offset into a per-block sum of x: d*(x.q) + m*sum(x).
+template <int R, int NC, int QT>
+static inline void dot_tile(const float* x, int64_t xstride, const float* xsum, int64_t nb, const uint8_t* w,
+                            int64_t row_bytes, float* out, int64_t ostride) {
+    constexpr int64_t BB = QT == QT_Q4_0 ? 18 : QT == QT_Q4_1 ? 20 : 34;
+    V acc[R][NC];
+    float macc[R][NC];
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < NC; ++c) { acc[r][c] = vzero(); macc[r][c] = 0.0f; }
+    for (int64_t b = 0; b < nb; ++b) {
+        for (int c = 0; c < NC; ++c) {
+            const uint8_t* blk = w + c * row_bytes + b * BB;
+            V q[QK / W];
+            const float d = half_to_float(blk);
+            float m = 0.0f;
+            if (QT == QT_Q4_1) { m = half_to_float(blk + 2); q4_1_block(blk + 4, q); }
+            else if (QT == QT_Q4_0) { m = -8.0f * d; q4_1_block(blk + 2, q); }
+            else { q8_0_block(reinterpret_cast<const int8_t*>(blk + 2), q); }
+            const V dv = vset1(d);
+            for (int r = 0; r < R; ++r) {
+                const float* xr = x + r * xstride + b * QK;
+                V t = vmul(vload(xr), q[0]);
+                for (int i = 1; i < QK / W; ++i) t = vfma(vload(xr + i * W), q[i], t);
+                acc[r][c] = vfma(dv, t, acc[r][c]);
+                if (QT != QT_Q8_0) macc[r][c] += m * xsum[r * nb + b];
+            }
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < NC; ++c) out[r * ostride + c] = vsum(acc[r][c]) + macc[r][c];
+}
+
+template <int R, int QT>
+static inline void dot_cols(const float* x, int64_t k, const float* xs, int64_t nb, const uint8_t* w,
+                            int64_t row_bytes, float* y, int64_t ystride, int64_t c0, int64_t c1) {
+    constexpr int NC = R == 1 ? 4 : 2;
+    int64_t col = c0;
+    for (; col + NC <= c1; col += NC)
+        dot_tile<R, NC, QT>(x, k, xs, nb, w + col * row_bytes, row_bytes, y + col, ystride);
+    for (; col < c1; ++col) dot_tile<R, 1, QT>(x, k, xs, nb, w + col * row_bytes, row_bytes, y + col, ystride);
+}
+
+template <int QT>
+static void qmatmul_t(const float* x, int64_t rows, int64_t k, const uint8_t* w, int64_t n, int64_t row_bytes,
+                      float* y, int64_t ystride) {
+    const int64_t nb = k / QK;
+    float* xsum = nullptr;
+    if (QT != QT_Q8_0) {
+        xsum = new float[rows * nb];
+        for (int64_t r = 0; r < rows; ++r)
+            for (int64_t b = 0; b < nb; ++b) {
+                float s = 0.0f;
+                for (int j = 0; j < QK; ++j) s += x[r * k + b * QK + j];
+                xsum[r * nb + b] = s;
+            }
+    }
+    constexpr int64_t CHUNK = 16;  // output columns per task: their weights stay in L1 across row tiles
+    const int64_t nchunks = (n + CHUNK - 1) / CHUNK;
+#pragma omp parallel for schedule(static) num_threads(kv_threads())
+    for (int64_t c = 0; c < nchunks; ++c) {
+        const int64_t c0 = c * CHUNK, c1 = c0 + CHUNK < n ? c0 + CHUNK : n;
+        for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+            const int64_t left = rows - r0;
+            const float* xr = x + r0 * k;
+            const float* xs = xsum ? xsum + r0 * nb : nullptr;
+            float* yr = y + r0 * ystride;
+            if (left >= 4) dot_cols<4, QT>(xr, k, xs, nb, w, row_bytes, yr, ystride, c0, c1);
+            else if (left == 3) dot_cols<3, QT>(xr, k, xs, nb, w, row_bytes, yr, ystride, c0, c1);
+            else if (left == 2) dot_cols<2, QT>(xr, k, xs, nb, w, row_bytes, yr, ystride, c0, c1);
+            else dot_cols<1, QT>(xr, k, xs, nb, w, row_bytes, yr, ystride, c0, c1);
+        }
+    }
+    delete[] xsum;
+}
+
+static int qmatmul(int qt, const float* x, int64_t rows, int64_t k, const uint8_t* w, int64_t n, int64_t row_bytes,
+                   float* y, int64_t ystride) {
+    if (k % QK != 0) return -2;
+    if (qt == QT_Q4_1) qmatmul_t<QT_Q4_1>(x, rows, k, w, n, row_bytes, y, ystride);
+    else if (qt == QT_Q4_0) qmatmul_t<QT_Q4_0>(x, rows, k, w, n, row_bytes, y, ystride);
+    else if (qt == QT_Q8_0) qmatmul_t<QT_Q8_0>(x, rows, k, w, n, row_bytes, y, ystride);
+    else return -1;
+    return 0;
+}
+
+// Rows of a quantized matrix as float32, computed exactly as gguf's numpy dequantizer does (d*q + m with
+// separate roundings; built with -ffp-contract=off). ids (optional) selects rows, e.g. an embedding lookup.
+static int dequantize(int qt, const uint8_t* w, int64_t row_bytes, int64_t k, const int64_t* ids, int64_t nrows,
+                      float* out) {
+    if (k % QK != 0) return -2;
+    if (qt != QT_Q4_0 && qt != QT_Q4_1 && qt != QT_Q8_0) return -1;
+    const int64_t nb = k / QK, bb = block_bytes(qt);
+#pragma omp parallel for schedule(static) num_threads(kv_threads())
+    for (int64_t r = 0; r < nrows; ++r) {
+        const uint8_t* src = w + (ids ? ids[r] : r) * row_bytes;
+        float* dst = out + r * k;
+        for (int64_t b = 0; b < nb; ++b) {
+            const uint8_t* blk = src + b * bb;
+            V q[QK / W];
+            const float d = half_to_float(blk);
+            if (qt == QT_Q8_0) {
+                q8_0_block(reinterpret_cast<const int8_t*>(blk + 2), q);
+                for (int i = 0; i < QK / W; ++i) vstore(dst + b * QK + i * W, vmul(vset1(d), q[i]));
+            } else if (qt == QT_Q4_1) {
+                q4_1_block(blk + 4, q);
+                const V m = vset1(half_to_float(blk + 2));
+                for (int i = 0; i < QK / W; ++i) vstore(dst + b * QK + i * W, vadd(vmul(vset1(d), q[i]), m));
+            } else {
+                q4_1_block(blk + 2, q);
+                for (int i = 0; i < QK / W; ++i)
+                    vstore(dst + b * QK + i * W, vmul(vset1(d), vadd(q[i], vset1(-8.0f))));
+            }
+        }
+    }
+    return 0;
+}
+
+// Paged attention straight from the pool. Query row t (heads [H, D]) attends to the first ctx_lens[t] tokens
+// of the sequence whose block table starts at tables + t * table_stride (stride 0: rows share one table, as a
+// prefill chunk's rows do). One task per (row, KV head): the group's H/KVH queries read each K/V block once.
+// Online softmax per block: scores, running max and sum, rescaled accumulators.
+static int paged_attention(const float* q, int64_t T, int64_t H, int64_t KVH, int64_t D, const float* kpool,
+                           const float* vpool, int64_t bs, const int64_t* tables, int64_t table_stride,
+                           const int64_t* ctx_lens, float scale, float* out) {
+    if (D % W != 0 || H % KVH != 0) return -2;
+    const int64_t G = H / KVH, BSP = (bs + W - 1) / W * W, DV = D / W;
+#pragma omp parallel num_threads(kv_threads())
+    {
+        float* s = new float[G * BSP];
+        float* acc = new float[G * D];
+        float* qs = new float[G * D];
+        float* mx = new float[G];
+        float* sum = new float[G];
+#pragma omp for collapse(2) schedule(dynamic, 1)
+        for (int64_t t = 0; t < T; ++t) {
+            for (int64_t g = 0; g < KVH; ++g) {
+                const int64_t* table = tables + t * table_stride;
+                const int64_t ctx = ctx_lens[t];
+                for (int64_t j = 0; j < G; ++j) {
+                    const float* qj = q + (t * H + g * G + j) * D;
+                    for (int64_t e = 0; e < DV; ++e) {
+                        vstore(qs + j * D + e * W, vmul(vload(qj + e * W), vset1(scale)));
+                        vstore(acc + j * D + e * W, vzero());
+                    }
+                    mx[j] = -__builtin_inff();
+                    sum[j] = 0.0f;
+                }
+                for (int64_t blk = 0; blk * bs < ctx; ++blk) {
+                    const int64_t ntok = ctx - blk * bs < bs ? ctx - blk * bs : bs;
+                    const int64_t base = table[blk] * bs;
+                    for (int64_t i = 0; i < ntok; ++i) {
+                        const float* kp = kpool + ((base + i) * KVH + g) * D;
+                        for (int64_t j = 0; j < G; ++j) {
+                            V a = vmul(vload(qs + j * D), vload(kp));
+                            for (int64_t e = 1; e < DV; ++e) a = vfma(vload(qs + j * D + e * W), vload(kp + e * W), a);
+                            s[j * BSP + i] = vsum(a);
+                        }
+                    }
+                    for (int64_t j = 0; j < G; ++j) {
+                        float* sj = s + j * BSP;
+                        float bmax = sj[0];
+                        for (int64_t i = 1; i < ntok; ++i) bmax = sj[i] > bmax ? sj[i] : bmax;
+                        const float mnew = bmax > mx[j] ? bmax : mx[j];
+                        for (int64_t i = ntok; i < BSP; ++i) sj[i] = mnew;  // defined padding lanes
+                        for (int64_t i = 0; i < BSP; i += W) vstore(sj + i, vexp(vadd(vload(sj + i), vset1(-mnew))));
+                        float bsum = 0.0f;
+                        for (int64_t i = 0; i < ntok; ++i) bsum += sj[i];
+                        if (mnew > mx[j]) {
+                            const float corr = mx[j] == -__builtin_inff() ? 0.0f : __builtin_expf(mx[j] - mnew);
+                            for (int64_t e = 0; e < DV; ++e)
+                                vstore(acc + j * D + e * W, vmul(vload(acc + j * D + e * W), vset1(corr)));
+                            sum[j] *= corr;
+                            mx[j] = mnew;
+                        }
+                        sum[j] += bsum;
+                    }
+                    for (int64_t i = 0; i < ntok; ++i) {
+                        const float* vp = vpool + ((base + i) * KVH + g) * D;
+                        for (int64_t j = 0; j < G; ++j) {
+                            const V p = vset1(s[j * BSP + i]);
+                            for (int64_t e = 0; e < DV; ++e)
+                                vstore(acc + j * D + e * W, vfma(p, vload(vp + e * W), vload(acc + j * D + e * W)));
+                        }
+                    }
+                }
+                for (int64_t j = 0; j < G; ++j) {
+                    float* oj = out + (t * H + g * G + j) * D;
+                    const V inv = vset1(1.0f / sum[j]);
+                    for (int64_t e = 0; e < DV; ++e) vstore(oj + e * W, vmul(vload(acc + j * D + e * W), inv));
+                }
+            }
+        }
+        delete[] s; delete[] acc; delete[] qs; delete[] mx; delete[] sum;
+    }
+    return 0;
+}
+
+// y = w * rms_norm(x) row by row (float32 statistics, as HF), optionally adding `residual` into x first
+// (x += residual; the sum is kept in x for the next residual).
+static int rms_norm(float* x, const float* residual, const float* weight, int64_t rows, int64_t n, float eps,
+                    float* y) {
+    if (n % W != 0) return -2;
+#pragma omp parallel for schedule(static) if (rows > 8) num_threads(kv_threads())
+    for (int64_t r = 0; r < rows; ++r) {
+        float* xr = x + r * n;
+        V ss = vzero();
+        for (int64_t e = 0; e < n; e += W) {
+            V v = vload(xr + e);
+            if (residual) { v = vadd(v, vload(residual + r * n + e)); vstore(xr + e, v); }
+            ss = vfma(v, v, ss);
+        }
+        const float inv = 1.0f / __builtin_sqrtf(vsum(ss) / static_cast<float>(n) + eps);
+        for (int64_t e = 0; e < n; e += W)
+            vstore(y + r * n + e, vmul(vload(weight + e), vmul(vload(xr + e), vset1(inv))));
+    }
+    return 0;
+}

@@ -1,0 +1,85 @@
+// kvserve native CPU kernels: a plain C ABI (loaded with ctypes), every kernel compiled twice -- for
+// AVX2/FMA/F16C and for AVX-512 (F/BW/VL/DQ/VNNI) -- and chosen per call by the `isa` argument, which
+// Python sets from kv_cpu_features() (run-time __builtin_cpu_supports checks) or an override.
+#include <immintrin.h>
+#include <omp.h>
+#include <cstdint>
+
+// Threads per parallel region, set from torch.get_num_threads() when the library is loaded (0: OpenMP's
+// default). An explicit count, because OpenMP's own setting is per calling thread and the engine may run
+// steps on a thread that never called omp_set_num_threads.
+static int g_threads = 0;
+static inline int kv_threads() { return g_threads > 0 ? g_threads : omp_get_max_threads(); }
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace isa_avx2 {
+#define KV_AVX512 0
+#include "simd.h"
+#include "impl.h"
+#undef KV_AVX512
+}  // namespace isa_avx2
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
+namespace isa_avx512 {
+#define KV_AVX512 1
+#include "simd.h"
+#include "impl.h"
+#undef KV_AVX512
+}  // namespace isa_avx512
+#pragma GCC pop_options
+
+enum : int { ISA_AVX2 = 1, ISA_AVX512 = 2 };
+enum : int { F_AVX2 = 1, F_AVX512 = 2, F_VNNI = 4, F_BF16 = 8, F_AMX = 16 };
+
+extern "C" {
+
+int kv_abi_version() { return 2; }
+
+void kv_set_num_threads(int n) { g_threads = n; }
+
+// Bit set of what this CPU can run: AVX2 (with FMA and F16C), AVX-512 (F/BW/VL/DQ), VNNI, BF16, AMX.
+int kv_cpu_features() {
+    __builtin_cpu_init();
+    int f = 0;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) f |= F_AVX2;
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
+        f |= F_AVX512;
+    if (__builtin_cpu_supports("avx512vnni")) f |= F_VNNI;
+    if (__builtin_cpu_supports("avx512bf16")) f |= F_BF16;
+    if (__builtin_cpu_supports("amx-bf16")) f |= F_AMX;
+    return f;
+}
+
+#define KV_DISPATCH(call)                                  \
+    do {                                                   \
+        if (isa == ISA_AVX512) return isa_avx512::call;    \
+        if (isa == ISA_AVX2) return isa_avx2::call;        \
+        return -3;                                         \
+    } while (0)
+
+int kv_qmatmul(int isa, int qt, const float* x, int64_t rows, int64_t k, const uint8_t* w, int64_t n,
+               int64_t row_bytes, float* y, int64_t ystride) {
+    KV_DISPATCH(qmatmul(qt, x, rows, k, w, n, row_bytes, y, ystride));
+}
+
+int kv_dequantize(int isa, int qt, const uint8_t* w, int64_t row_bytes, int64_t k, const int64_t* ids, int64_t nrows,
+                  float* out) {
+    KV_DISPATCH(dequantize(qt, w, row_bytes, k, ids, nrows, out));
+}
+
+int kv_paged_attention(int isa, const float* q, int64_t T, int64_t H, int64_t KVH, int64_t D, const float* kpool,
+                       const float* vpool, int64_t bs, const int64_t* tables, int64_t table_stride,
+                       const int64_t* ctx_lens, float scale, float* out) {
+    KV_DISPATCH(paged_attention(q, T, H, KVH, D, kpool, vpool, bs, tables, table_stride, ctx_lens, scale, out));
+}
+
+int kv_rms_norm(int isa, float* x, const float* residual, const float* weight, int64_t rows, int64_t n, float eps,
+                float* y) {
+    KV_DISPATCH(rms_norm(x, residual, weight, rows, n, eps, y));
+}
+
+}  // extern "C"

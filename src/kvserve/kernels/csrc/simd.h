@@ -1,0 +1,105 @@
+// One SIMD vocabulary, compiled once per ISA: kernels.cpp includes this (and the kernel bodies) inside a
+// namespace under `#pragma GCC target(...)`, with KV_AVX512 set to 1 or 0. No system headers here.
+
+#if KV_AVX512
+typedef __m512 V;
+constexpr int W = 16;
+static inline V vload(const float* p) { return _mm512_loadu_ps(p); }
+static inline void vstore(float* p, V v) { _mm512_storeu_ps(p, v); }
+static inline V vzero() { return _mm512_setzero_ps(); }
+static inline V vset1(float x) { return _mm512_set1_ps(x); }
+static inline V vadd(V a, V b) { return _mm512_add_ps(a, b); }
+static inline V vmul(V a, V b) { return _mm512_mul_ps(a, b); }
+static inline V vfma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+static inline V vmax(V a, V b) { return _mm512_max_ps(a, b); }
+static inline float vsum(V v) { return _mm512_reduce_add_ps(v); }
+static inline float vhmax(V v) { return _mm512_reduce_max_ps(v); }
+
+// exp(x) for x <= 0 region used by softmax (clamped to [-87, 88]); relative error ~2e-7.
+static inline V vexp(V x) {
+    x = _mm512_max_ps(_mm512_min_ps(x, vset1(88.0f)), vset1(-87.0f));
+    V fx = _mm512_roundscale_ps(vmul(x, vset1(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
+    x = vfma(fx, vset1(-0.693359375f), x);
+    x = vfma(fx, vset1(2.12194440e-4f), x);
+    V y = vset1(1.9875691500e-4f);
+    y = vfma(y, x, vset1(1.3981999507e-3f));
+    y = vfma(y, x, vset1(8.3334519073e-3f));
+    y = vfma(y, x, vset1(4.1665795894e-2f));
+    y = vfma(y, x, vset1(1.6666665459e-1f));
+    y = vfma(y, x, vset1(5.0000001201e-1f));
+    y = vfma(y, vmul(x, x), vadd(x, vset1(1.0f)));
+    return _mm512_scalef_ps(y, fx);
+}
+
+// 32 quantized weights of one block as float vectors q[0..32/W).
+static inline void q4_1_block(const uint8_t* qs, V* q) {
+    __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+    __m128i mask = _mm_set1_epi8(0x0F);
+    q[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, mask)));
+    q[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), mask)));
+}
+static inline void q8_0_block(const int8_t* qs, V* q) {
+    q[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs))));
+    q[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16))));
+}
+#else
+typedef __m256 V;
+constexpr int W = 8;
+static inline V vload(const float* p) { return _mm256_loadu_ps(p); }
+static inline void vstore(float* p, V v) { _mm256_storeu_ps(p, v); }
+static inline V vzero() { return _mm256_setzero_ps(); }
+static inline V vset1(float x) { return _mm256_set1_ps(x); }
+static inline V vadd(V a, V b) { return _mm256_add_ps(a, b); }
+static inline V vmul(V a, V b) { return _mm256_mul_ps(a, b); }
+static inline V vfma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+static inline V vmax(V a, V b) { return _mm256_max_ps(a, b); }
+static inline float vsum(V v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+static inline float vhmax(V v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+static inline V vexp(V x) {
+    x = _mm256_max_ps(_mm256_min_ps(x, vset1(88.0f)), vset1(-87.0f));
+    V fx = _mm256_round_ps(vmul(x, vset1(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = vfma(fx, vset1(-0.693359375f), x);
+    x = vfma(fx, vset1(2.12194440e-4f), x);
+    V y = vset1(1.9875691500e-4f);
+    y = vfma(y, x, vset1(1.3981999507e-3f));
+    y = vfma(y, x, vset1(8.3334519073e-3f));
+    y = vfma(y, x, vset1(4.1665795894e-2f));
+    y = vfma(y, x, vset1(1.6666665459e-1f));
+    y = vfma(y, x, vset1(5.0000001201e-1f));
+    y = vfma(y, vmul(x, x), vadd(x, vset1(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return vmul(y, _mm256_castsi256_ps(e));
+}
+static inline V u8x8(const uint8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+static inline void q4_1_block(const uint8_t* qs, V* q) {
+    __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+    __m128i mask = _mm_set1_epi8(0x0F);
+    __m128i lo = _mm_and_si128(raw, mask), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+    q[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+    q[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+    q[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+    q[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+}
+static inline void q8_0_block(const int8_t* qs, V* q) {
+    for (int i = 0; i < 4; ++i)
+        q[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 8 * i))));
+}
+#endif
+
+static inline float half_to_float(const uint8_t* p) {
+    uint16_t h;
+    __builtin_memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}

@@ -1,0 +1,152 @@
+"""The native library through ctypes: loading, the CPU's features, and which ISA each call runs.
+
+Functions take raw pointers, so every wrapper here checks dtypes, contiguity and shapes first; a bad
+argument is a ValueError, never a wild read.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+ISA_CODES = {"avx2": 1, "avx512": 2}
+FEATURE_BITS = {"avx2": 1, "avx512": 2, "avx512_vnni": 4, "avx512_bf16": 8, "amx_bf16": 16}
+ABI_VERSION = 2
+
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_SIGNATURES = {
+    "kv_abi_version": [],
+    "kv_cpu_features": [],
+    "kv_set_num_threads": [ctypes.c_int],
+    "kv_qmatmul": [ctypes.c_int, ctypes.c_int, _P, _I, _I, _P, _I, _I, _P, _I],
+    "kv_dequantize": [ctypes.c_int, ctypes.c_int, _P, _I, _I, _P, _I, _P],
+    "kv_paged_attention": [ctypes.c_int, _P, _I, _I, _I, _I, _P, _P, _I, _P, _I, _P, _F, _P],
+    "kv_rms_norm": [ctypes.c_int, _P, _P, _P, _I, _I, _F, _P],
+}
+
+
+def cpu_features(lib: ctypes.CDLL) -> set[str]:
+    bits = lib.kv_cpu_features()
+    return {name for name, bit in FEATURE_BITS.items() if bits & bit}
+
+
+def best_isa(features: set[str]) -> str | None:
+    """The widest ISA this CPU runs, or None when it lacks even AVX2/FMA."""
+    if "avx512" in features:
+        return "avx512"
+    return "avx2" if "avx2" in features else None
+
+
+@dataclass(slots=True)
+class NativeLibrary:
+    lib: ctypes.CDLL
+    isa: str
+    features: frozenset[str]
+
+    @classmethod
+    def load(cls, path: Path, isa: str | None = None) -> NativeLibrary:
+        """Load `path`; `isa` forces "avx2" or "avx512" (must be supported), None picks the best."""
+        lib = ctypes.CDLL(str(path))
+        for name, argtypes in _SIGNATURES.items():
+            function = getattr(lib, name)
+            function.argtypes = argtypes
+            function.restype = ctypes.c_int
+        if lib.kv_abi_version() != ABI_VERSION:
+            raise RuntimeError(f"{path}: ABI version {lib.kv_abi_version()}, expected {ABI_VERSION}")
+        lib.kv_set_num_threads(torch.get_num_threads())
+        features = cpu_features(lib)
+        chosen = isa or best_isa(features)
+        if chosen is None:
+            raise RuntimeError("this CPU has no AVX2/FMA; the native kernels need at least that")
+        if chosen not in ISA_CODES:
+            raise ValueError(f"unknown ISA {chosen!r}; choose one of {sorted(ISA_CODES)}")
+        if chosen not in features:
+            raise RuntimeError(f"ISA {chosen} requested but this CPU supports only {sorted(features)}")
+        return cls(lib, chosen, frozenset(features))
+
+    @property
+    def code(self) -> int:
+        return ISA_CODES[self.isa]
+
+    def qmatmul(self, x: torch.Tensor, data: torch.Tensor, qtype: int, in_features: int) -> torch.Tensor:
+        """``x [rows, in] @ W.T`` -> float32 ``[rows, out]``; W is ``data`` (uint8 blocks, one row per output)."""
+        _check(x, torch.float32, "x")
+        _check(data, torch.uint8, "weight")
+        rows, width = x.shape
+        if width != in_features:
+            raise ValueError(f"x has {width} features, weight expects {in_features}")
+        out = torch.empty(rows, data.shape[0], dtype=torch.float32)
+        _ok(self.lib.kv_qmatmul(
+            self.code, qtype, x.data_ptr(), rows, width, data.data_ptr(), data.shape[0], data.shape[1],
+            out.data_ptr(), out.shape[1],
+        ), "qmatmul")
+        return out
+
+    def dequantize(self, data: torch.Tensor, qtype: int, in_features: int, rows: torch.Tensor | None) -> torch.Tensor:
+        _check(data, torch.uint8, "weight")
+        if rows is not None:
+            rows = rows.reshape(-1).to(torch.int64).contiguous()
+            if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= data.shape[0]):
+                raise ValueError(f"row ids out of range [0, {data.shape[0]})")
+        count = data.shape[0] if rows is None else rows.numel()
+        out = torch.empty(count, in_features, dtype=torch.float32)
+        _ok(self.lib.kv_dequantize(
+            self.code, qtype, data.data_ptr(), data.shape[1], in_features,
+            None if rows is None else rows.data_ptr(), count, out.data_ptr(),
+        ), "dequantize")
+        return out
+
+    def paged_attention(
+        self, queries: torch.Tensor, key_blocks: torch.Tensor, value_blocks: torch.Tensor,
+        block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+    ) -> torch.Tensor:
+        """As `reference.paged_attention`; block_tables ``[T, max_blocks]`` or one shared ``[max_blocks]``."""
+        for tensor, name in ((queries, "queries"), (key_blocks, "key_blocks"), (value_blocks, "value_blocks")):
+            _check(tensor, torch.float32, name)
+        _check(block_tables, torch.int64, "block_tables")
+        _check(context_lens, torch.int64, "context_lens")
+        num_rows, num_heads, head_dim = queries.shape
+        num_blocks, block_size, num_kv_heads, _ = key_blocks.shape
+        stride = 0 if block_tables.dim() == 1 else block_tables.shape[1]
+        width = block_tables.shape[-1]
+        if context_lens.shape != (num_rows,) or (stride and block_tables.shape[0] != num_rows):
+            raise ValueError("context_lens / block_tables do not match the number of query rows")
+        if num_rows and (int(context_lens.max()) > width * block_size or int(context_lens.min()) < 1):
+            raise ValueError("a context length is < 1 or exceeds its block table")
+        out = torch.empty_like(queries)
+        _ok(self.lib.kv_paged_attention(
+            self.code, queries.data_ptr(), num_rows, num_heads, num_kv_heads, head_dim,
+            key_blocks.data_ptr(), value_blocks.data_ptr(), block_size, block_tables.data_ptr(), stride,
+            context_lens.data_ptr(), scale, out.data_ptr(),
+        ), "paged_attention")
+        return out
+
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """As `reference.rms_norm`; with a residual the sum is written into a fresh copy of x."""
+        _check(x, torch.float32, "x")
+        _check(weight, torch.float32, "weight")
+        if residual is not None:
+            _check(residual, torch.float32, "residual")
+            x = x.clone()
+        out = torch.empty_like(x)
+        _ok(self.lib.kv_rms_norm(
+            self.code, x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
+            x.shape[0], x.shape[1], eps, out.data_ptr(),
+        ), "rms_norm")
+        return out, x
+
+
+def _check(tensor: torch.Tensor, dtype: torch.dtype, name: str) -> None:
+    if tensor.dtype != dtype or tensor.device.type != "cpu" or not tensor.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous CPU {dtype} tensor, got {tensor.dtype} on {tensor.device}")
+
+
+def _ok(status: int, kernel: str) -> None:
+    if status != 0:
+        reasons = {-1: "unsupported quantization type", -2: "unsupported shape", -3: "unknown ISA"}
+        raise ValueError(f"native {kernel}: {reasons.get(status, f'error {status}')}")

@@ -1,0 +1,140 @@
+"""`Kernels`: one object the model calls for its hot ops, backed by the native library or by torch.
+
+``Kernels.create("native")`` builds/loads the C++ library and picks the widest ISA the CPU runs
+(AVX-512 over AVX2; ``KVSERVE_ISA=avx2`` forces the narrower path, which the tests use). If the library
+cannot be built or loaded, or the CPU lacks AVX2/FMA, it logs one warning and uses the torch kernels:
+never a crash. ``Kernels.create("torch")`` is the pure-torch reference (`reference.py`) throughout.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.kernels import reference
+from kvserve.kernels.native import NativeLibrary
+from kvserve.kernels.quant import QuantWeight
+
+KERNEL_BACKENDS = ("native", "torch")
+ISA_ENV = "KVSERVE_ISA"
+# Up to this many activation rows the register-dequantizing kernel wins; beyond it, dequantizing the
+# weight once per call and using torch's GEMM does -- except for very large weights (the 49k-row lm head),
+# where materialising float32 copies costs more than the kernel's slower per-row rate.
+NATIVE_QMATMUL_MAX_ROWS = 16
+ALWAYS_NATIVE_ELEMENTS = 8 * 1024 * 1024
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Kernels:
+    backend: str  # what actually runs: "native" or "torch"
+    native: NativeLibrary | None = None
+
+    @classmethod
+    def create(cls, requested: str = "native", isa: str | None = None) -> Kernels:
+        if requested not in KERNEL_BACKENDS:
+            raise ValueError(f"kernels must be one of {KERNEL_BACKENDS}, got {requested!r}")
+        if requested == "torch":
+            return cls("torch")
+        try:
+            from kvserve.kernels.build import build
+
+            library = NativeLibrary.load(build(), isa or os.environ.get(ISA_ENV) or None)
+        except (RuntimeError, OSError, ValueError, AttributeError) as err:
+            logger.warning("native kernels unavailable, using the torch kernels instead: %s", err)
+            return cls("torch")
+        logger.info("native kernels: %s (CPU features: %s)", library.isa, ", ".join(sorted(library.features)))
+        return cls("native", library)
+
+    @property
+    def isa(self) -> str | None:
+        return self.native.isa if self.native else None
+
+    def describe(self) -> str:
+        return f"native ({self.isa})" if self.native else "torch"
+
+    def native_bf16(self) -> bool:
+        """Whether this CPU computes bf16 natively (AVX512_BF16 or AMX); without it bf16 runs emulated."""
+        if self.native is not None:
+            return bool({"avx512_bf16", "amx_bf16"} & self.native.features)
+        try:
+            with open("/proc/cpuinfo") as info:
+                flags = next((line for line in info if line.startswith("flags")), "").split()
+        except OSError:
+            return False
+        return "avx512_bf16" in flags or "amx_bf16" in flags
+
+    def resolve_dtype(self, dtype: str, weights: str) -> str:
+        """``auto``: bfloat16 only for dense weights on a CPU with native bf16, else float32 (quantized
+        weights run with float32 activations). An explicit bf16 on a CPU without it works, slowly: warn."""
+        if dtype == "auto":
+            return "bfloat16" if weights == "dense" and self.native_bf16() else "float32"
+        if dtype == "bfloat16" and not self.native_bf16():
+            logger.warning("bfloat16 requested but this CPU has no native bf16 (avx512_bf16/amx): expect it to "
+                           "run several times slower than float32; --dtype auto picks the fast one")
+        return dtype
+
+    # --- matmuls -----------------------------------------------------------------------------------
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor | QuantWeight) -> torch.Tensor:
+        """``x @ W.T``; a dense weight is stored transposed (``[in, out]``), so that is ``x @ weight``."""
+        if not isinstance(weight, QuantWeight):
+            return x @ weight
+        if self.native is None:
+            return reference.qlinear(x, weight).to(x.dtype)
+        x32 = x.float().contiguous()
+        large = weight.out_features * weight.in_features >= ALWAYS_NATIVE_ELEMENTS
+        if x32.shape[0] <= NATIVE_QMATMUL_MAX_ROWS or large:
+            out = self.native.qmatmul(x32, weight.data, weight.qtype, weight.in_features)
+        else:
+            out = F.linear(x32, self.dequantize(weight))
+        return out.to(x.dtype)
+
+    def dequantize(self, weight: QuantWeight, rows: torch.Tensor | None = None) -> torch.Tensor:
+        if self.native is None:
+            return reference.dequantize(weight, rows)
+        return self.native.dequantize(weight.data, weight.qtype, weight.in_features, rows)
+
+    def embedding(self, ids: torch.Tensor, weight: torch.Tensor | QuantWeight) -> torch.Tensor:
+        if isinstance(weight, QuantWeight):
+            return self.dequantize(weight, ids)
+        return F.embedding(ids, weight)
+
+    # --- attention and norms -----------------------------------------------------------------------
+
+    def supports_paged_attention(self, queries: torch.Tensor, key_blocks: torch.Tensor) -> bool:
+        width = 16 if self.isa == "avx512" else 8
+        return (
+            self.native is not None and queries.dtype == torch.float32 and key_blocks.dtype == torch.float32
+            and queries.device.type == "cpu" and queries.shape[-1] % width == 0
+        )
+
+    def paged_attention(
+        self, queries: torch.Tensor, key_blocks: torch.Tensor, value_blocks: torch.Tensor,
+        block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+    ) -> torch.Tensor:
+        """Query rows attend over their block tables in the pool (see `reference.paged_attention`)."""
+        if self.supports_paged_attention(queries, key_blocks):
+            return self.native.paged_attention(
+                queries.contiguous(), key_blocks, value_blocks, block_tables.contiguous(), context_lens, scale
+            )
+        tables = block_tables if block_tables.dim() == 2 else block_tables.expand(queries.shape[0], -1)
+        out = reference.paged_attention(queries, key_blocks, value_blocks, tables, context_lens, scale)
+        return out.to(queries.dtype)
+
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weight * rms_norm(x + residual), x + residual)."""
+        width = 16 if self.isa == "avx512" else 8
+        if (
+            self.native is not None and x.dtype == torch.float32 and weight.dtype == torch.float32
+            and x.dim() == 2 and x.shape[1] % width == 0 and x.is_contiguous()
+        ):
+            return self.native.rms_norm(x, weight, eps, residual)
+        return reference.rms_norm(x, weight, eps, residual)

@@ -1,0 +1,62 @@
+"""GGUF block-quantized weights kept in their stored form: the bytes of each row plus the block format.
+
+A `QuantWeight` is a ``[out_features, in_features]`` matrix whose rows are runs of 32-weight blocks
+(ggml's layout): Q8_0 = fp16 scale d + 32 int8 (w = d*q); Q4_1 = fp16 d, fp16 m + 16 bytes of nibbles
+(w = d*q + m; the low nibble of byte j is weight j, the high nibble weight j+16); Q4_0 = fp16 d + nibbles
+(w = d*(q - 8)). Rows can be permuted and concatenated as bytes, which is all loading needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+BLOCK = 32
+# ggml type id -> (name, bytes per 32-weight block)
+QTYPES: dict[int, tuple[str, int]] = {2: ("Q4_0", 18), 3: ("Q4_1", 20), 8: ("Q8_0", 34)}
+
+
+@dataclass(slots=True)
+class QuantWeight:
+    data: torch.Tensor  # uint8 [out_features, row_bytes]
+    qtype: int  # ggml type id, a key of QTYPES
+    in_features: int
+
+    def __post_init__(self) -> None:
+        if self.qtype not in QTYPES:
+            raise ValueError(f"unsupported quantization type id {self.qtype}")
+        if self.in_features % BLOCK:
+            raise ValueError(f"in_features {self.in_features} is not a multiple of {BLOCK}")
+        if self.data.dtype != torch.uint8 or self.data.dim() != 2 or self.data.shape[1] != self.row_bytes:
+            raise ValueError(
+                f"{self.type_name} data must be uint8 [rows, {self.row_bytes}], got {self.data.dtype} "
+                f"{tuple(self.data.shape)}"
+            )
+
+    @property
+    def type_name(self) -> str:
+        return QTYPES[self.qtype][0]
+
+    @property
+    def row_bytes(self) -> int:
+        return self.in_features // BLOCK * QTYPES[self.qtype][1]
+
+    @property
+    def out_features(self) -> int:
+        return self.data.shape[0]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.out_features, self.in_features)
+
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+
+def concat_rows(weights: list[QuantWeight]) -> QuantWeight | None:
+    """Stack matrices with the same format and width (fused q/k/v, gate/up); None if they differ."""
+    first = weights[0]
+    if any(w.qtype != first.qtype or w.in_features != first.in_features for w in weights):
+        return None
+    return QuantWeight(torch.cat([w.data for w in weights], dim=0).contiguous(), first.qtype, first.in_features)

@@ -1,0 +1,64 @@
+"""Pure-torch twins of every native kernel: the oracle the native ones are tested against, and the
+`--kernels torch` backend. Written for clarity, not speed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.kernels.quant import BLOCK, QuantWeight
+
+
+def dequantize(weight: QuantWeight, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Float32 ``[rows, in_features]``, rounding exactly as gguf's numpy dequantizer (d*q, then + m)."""
+    data = weight.data if rows is None else weight.data.index_select(0, rows.reshape(-1))
+    blocks = data.view(data.shape[0], weight.in_features // BLOCK, -1)
+    scale = blocks[..., 0:2].contiguous().view(torch.float16).float()
+    if weight.type_name == "Q8_0":
+        quants = blocks[..., 2:].contiguous().view(torch.int8).float()
+        values = scale * quants
+    else:
+        nibbles = blocks[..., 4:] if weight.type_name == "Q4_1" else blocks[..., 2:]
+        quants = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1).float()
+        if weight.type_name == "Q4_1":
+            values = scale * quants + blocks[..., 2:4].contiguous().view(torch.float16).float()
+        else:
+            values = scale * (quants - 8.0)
+    return values.reshape(data.shape[0], weight.in_features)
+
+
+def qlinear(x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
+    """``x @ W.T`` for a quantized W, in float32."""
+    return F.linear(x.float(), dequantize(weight))
+
+
+def paged_attention(
+    queries: torch.Tensor, key_blocks: torch.Tensor, value_blocks: torch.Tensor, block_tables: torch.Tensor,
+    context_lens: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    """Row t of ``queries [T, heads, D]`` attends to the first ``context_lens[t]`` tokens of the blocks in
+    ``block_tables[t]`` (pool layout ``[num_blocks, block_size, kv_heads, D]``). Float32 ``[T, heads, D]``.
+    """
+    num_rows, num_heads, head_dim = queries.shape
+    num_kv_heads = key_blocks.shape[2]
+    keys = key_blocks.index_select(0, block_tables.reshape(-1)).view(num_rows, -1, num_kv_heads, head_dim)
+    values = value_blocks.index_select(0, block_tables.reshape(-1)).view(num_rows, -1, num_kv_heads, head_dim)
+    group = num_heads // num_kv_heads
+    keys = keys.float().repeat_interleave(group, dim=2)  # [T, L, heads, D]
+    values = values.float().repeat_interleave(group, dim=2)
+    scores = torch.einsum("thd,tlhd->thl", queries.float(), keys) * scale
+    positions = torch.arange(keys.shape[1], device=queries.device)
+    mask = positions.unsqueeze(0) < context_lens.unsqueeze(1)  # [T, L]
+    scores = scores.masked_fill(~mask.unsqueeze(1), float("-inf"))
+    return torch.einsum("thl,tlhd->thd", torch.softmax(scores, dim=-1), values)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight * rms_norm(x + residual), x + residual): the norm in float32 as HF, the sum for the next add."""
+    if residual is not None:
+        x = x + residual
+    normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
+    return weight * normed.to(x.dtype), x

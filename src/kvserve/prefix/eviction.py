@@ -1,0 +1,191 @@
+"""Eviction policies: which evictable leaf a prefix cache drops first (`--eviction`).
+
+Both caches evict *leaf-first*: a unit (a radix node, a hash-cache block) is a candidate only while it is
+registered, unreferenced and has no cached children, so a prefix always outlives what is built on it
+and a cached block's whole prefix is always cached. Which candidate goes first is the policy's choice,
+and every policy here is a *value*: the candidate with the smallest value goes first.
+
+Candidates sit in one heap with lazy invalidation. A unit remembers the value of its live heap entry
+(`heap_stamp`); a popped entry whose stamp is not the unit's live stamp is a stale duplicate and is
+dropped; a live entry whose unit has since gained value (touched) is pushed again with the new value.
+When a unit loses value while queued (a Belady tail trimmed) a new live entry is pushed. So eviction
+never scans the cache, and the cache only reports events: a unit was registered (`inserted`), looked up
+(`touch`), taken by a request (`hit`), split or trimmed (`reshaped`), became a candidate (`push`).
+
+The policies (measured on a production trace in benchmarks/results/eviction.md):
+- lru: last use. The seed's policy.
+- lfu: frequency with dynamic aging (LFU-DA): `L + hits`, where L is the value of the last victim,
+  so old popularity decays instead of pinning blocks forever.
+- gdsf: GreedyDual-Size-Frequency: `L + hits * cost / size`, cost the prefill work a hit saves. A block
+  at depth d costs about (1 + d / DEPTH_SCALE) to recompute (attention reads the whole prefix); the
+  unit's cost per block is that at its tail.
+- s2lru (the default): LRU with a probation segment (the 2Q / SLRU / S3-FIFO idea): a unit used once
+  ranks as if it had been used `probation` (20 s) earlier than it was, so a one-off prompt's blocks leave
+  before blocks that came back, but a block that came back is not kept forever. 20 s is short against
+  a chat user's think time (longer probation evicted the next turn's prefix: -2.6 points at 60 s) and long
+  enough to keep hot RAG documents over one-off questions.
+- belady: the offline optimum (replay only): evict the leaf whose next use is farthest in the future;
+  the replay tool supplies the future as a `NextUse` oracle.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable
+from typing import Protocol
+
+EVICTION_POLICIES = ("lru", "lfu", "gdsf", "s2lru", "belady")
+ONLINE_POLICIES = EVICTION_POLICIES[:-1]  # belady needs the future: replay only
+DEFAULT_EVICTION = "s2lru"  # never more than a point below lru on the benchmarks, up to 3 above on RAG
+
+DEPTH_SCALE = 256.0  # blocks: a block this deep costs twice a first block to recompute
+NextUse = Callable[[bytes], float]  # block hash -> when it is next used (inf: never)
+
+
+class Unit(Protocol):
+    """What a policy reads and writes on a cache's unit of eviction."""
+
+    last_access: float
+    hits: int  # uses since it was registered (1 at insert)
+    priority: float  # current value; smaller is evicted first
+    heap_stamp: float | None  # value of its live heap entry, None when not queued
+    depth: int  # blocks from the root through the unit's last block
+
+    @property
+    def num_blocks(self) -> int: ...
+
+    @property
+    def tail_hash(self) -> bytes: ...
+
+
+class EvictionPolicy:
+    """Least value first; subclasses define `value`. The base value is recency (LRU)."""
+
+    name = "lru"
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, Unit]] = []
+        self._tiebreak = itertools.count()
+        self.inflation = 0.0  # L: value of the last victim (aging for the frequency policies)
+
+    def value(self, unit: Unit) -> float:
+        return unit.last_access
+
+    # ---- events from the cache ------------------------------------------------------------------
+
+    def inserted(self, unit: Unit, now: float) -> None:
+        """`unit` was registered at `now` by the request that computed it (its first use)."""
+        unit.hits, unit.last_access = 1, now
+        self._revalue(unit)
+
+    def touch(self, unit: Unit, now: float) -> None:
+        """`unit` was looked up at `now` (recency)."""
+        unit.last_access = now
+        self._revalue(unit)
+
+    def hit(self, unit: Unit) -> None:
+        """A request took `unit`'s cached blocks (frequency; once per request and unit)."""
+        unit.hits += 1
+        self._revalue(unit)
+
+    def reshaped(self, unit: Unit) -> None:
+        """`unit` was split or trimmed: its value may change without a use."""
+        self._revalue(unit)
+
+    def push(self, unit: Unit) -> None:
+        """`unit` became a candidate (a no-op when it is queued already)."""
+        if unit.heap_stamp is None:
+            self._push(unit)
+
+    def pop(self) -> Unit | None:
+        """The least valued queued unit, dequeued; None when none is queued. The caller checks that it
+        is still a candidate (units are not dequeued when they stop being one)."""
+        heap = self._heap
+        while heap:
+            stamp, _, unit = heapq.heappop(heap)
+            if unit.heap_stamp != stamp:
+                continue  # superseded by a newer entry
+            if unit.priority > stamp:
+                self._push(unit)  # gained value since queued
+                continue
+            unit.heap_stamp = None
+            return unit
+        return None
+
+    def evicted(self, unit: Unit) -> None:
+        """`unit` (or part of it) was evicted: age every other value up to it."""
+        self.inflation = max(self.inflation, unit.priority)
+
+    def clear(self) -> None:
+        self._heap.clear()
+        self.inflation = 0.0
+
+    def queued(self) -> set[int]:
+        """ids of units with a live entry (tests)."""
+        return {id(unit) for stamp, _, unit in self._heap if unit.heap_stamp == stamp}
+
+    # ---- heap ----------------------------------------------------------------------------------
+
+    def _revalue(self, unit: Unit) -> None:
+        unit.priority = self.value(unit)
+        if unit.heap_stamp is not None and unit.priority < unit.heap_stamp:
+            self._push(unit)  # lost value while queued: the old entry would pop too late
+
+    def _push(self, unit: Unit) -> None:
+        unit.heap_stamp = unit.priority
+        heapq.heappush(self._heap, (unit.priority, next(self._tiebreak), unit))
+
+
+class LFUPolicy(EvictionPolicy):
+    name = "lfu"
+
+    def value(self, unit: Unit) -> float:
+        return self.inflation + unit.hits
+
+
+class GDSFPolicy(EvictionPolicy):
+    name = "gdsf"
+
+    def value(self, unit: Unit) -> float:
+        return self.inflation + unit.hits * (1.0 + unit.depth / DEPTH_SCALE)
+
+
+class S2LRUPolicy(EvictionPolicy):
+    """LRU where a unit used only once ranks `probation` seconds (of the cache's clock) older."""
+
+    name = "s2lru"
+
+    def __init__(self, probation: float = 20.0) -> None:
+        super().__init__()
+        self.probation = probation
+
+    def value(self, unit: Unit) -> float:
+        return unit.last_access - (self.probation if unit.hits <= 1 else 0.0)
+
+
+class BeladyPolicy(EvictionPolicy):
+    """Farthest next use first (offline: `next_use` knows the future)."""
+
+    name = "belady"
+
+    def __init__(self, next_use: NextUse) -> None:
+        super().__init__()
+        self.next_use = next_use
+
+    def value(self, unit: Unit) -> float:
+        return -self.next_use(unit.tail_hash)
+
+
+def make_policy(name: str, next_use: NextUse | None = None) -> EvictionPolicy:
+    """The policy named `name`; ValueError for an unknown name or belady without a future."""
+    if name == "belady":
+        if next_use is None:
+            raise ValueError("eviction 'belady' needs the future: it is only available in `kvserve replay`")
+        return BeladyPolicy(next_use)
+    classes: dict[str, type[EvictionPolicy]] = {
+        "lru": EvictionPolicy, "lfu": LFUPolicy, "gdsf": GDSFPolicy, "s2lru": S2LRUPolicy,
+    }
+    if name not in classes:
+        raise ValueError(f"unknown eviction policy {name!r}; expected one of {', '.join(ONLINE_POLICIES)}")
+    return classes[name]()

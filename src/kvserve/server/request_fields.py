@@ -1,0 +1,83 @@
+"""Every request field kvserve knows and does not implement, with why: each is a 400 naming it.
+
+The request models (protocol.py) hold the implemented fields; these tables hold OpenAI's and vLLM's
+other fields. A refused field is accepted only at its neutral value (what leaving it out means), so
+a client that sends defaults still works; any other value is refused with the reason below. A field
+in neither place is unknown and refused too (`extra="forbid"`): nothing is silently ignored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    reason: str
+    neutral: tuple[Any, ...] = (None,)
+
+
+_NO_MULTIMODAL = Refused("kvserve serves text-only models")
+_NO_REASONING = Refused("kvserve has no reasoning parser")
+
+COMMON: dict[str, Refused] = {
+    # OpenAI
+    "service_tier": Refused("kvserve has one service tier", (None, "auto", "default")),
+    "store": Refused("kvserve stores no completions", (None, False)),
+    "metadata": Refused("kvserve stores no completions, so there is nothing to tag", (None, {})),
+    "prompt_cache_key": Refused("kvserve's prefix cache needs no key; use cache_salt to isolate callers"),
+    "safety_identifier": Refused("kvserve runs no abuse monitoring"),
+    # vLLM extras
+    "prompt_logprobs": Refused("kvserve computes no logits for prompt positions"),
+    "allowed_token_ids": Refused("use logit_bias or structured_outputs to restrict tokens"),
+    "bad_words": Refused("use logit_bias to ban tokens"),
+    "truncate_prompt_tokens": Refused("prompts are never truncated: a prompt that does not fit is a 400"),
+    "spaces_between_special_tokens": Refused("special tokens are decoded as the tokenizer writes them",
+                                             (None, True)),
+    "priority": Refused("kvserve has no priority scheduling", (None, 0)),
+    "request_id": Refused("kvserve names requests itself"),
+    "logits_processors": Refused("custom logits processors cannot be sent over HTTP to kvserve"),
+    "return_tokens_as_token_ids": Refused("logprob tokens are always text", (None, False)),
+    "return_token_ids": Refused("responses carry text; use /tokenize", (None, False)),
+    "kv_transfer_params": Refused("kvserve has no disaggregated prefill"),
+    "vllm_xargs": Refused("kvserve takes no engine-specific extra arguments"),
+    "mm_processor_kwargs": _NO_MULTIMODAL,
+    "prompt_embeds": Refused("prompts are text or token ids"),
+    "guided_decoding_backend": Refused("the grammar engine is always xgrammar"),
+    "guided_whitespace_pattern": Refused("JSON is generated compact (no free whitespace)"),
+}
+
+CHAT: dict[str, Refused] = {
+    **COMMON,
+    "audio": _NO_MULTIMODAL,
+    "modalities": Refused("kvserve generates text only", (None, ["text"])),
+    "prediction": Refused("kvserve has no predicted-output decoding"),
+    "web_search_options": Refused("kvserve has no web search"),
+    "functions": Refused("deprecated by OpenAI: use tools"),
+    "function_call": Refused("deprecated by OpenAI: use tool_choice"),
+    "reasoning_effort": _NO_REASONING,
+    "include_reasoning": Refused("kvserve has no reasoning parser", (None, True)),
+    "verbosity": _NO_REASONING,
+    "echo": Refused("chat responses do not repeat the conversation; use /v1/completions echo",
+                    (None, False)),
+    "documents": Refused("documents are not passed to chat templates by kvserve"),
+    "add_special_tokens": Refused("the chat template writes the special tokens", (None, False)),
+    "use_beam_search": Refused("beam search runs on /v1/completions only", (None, False)),
+    "length_penalty": Refused("length_penalty needs use_beam_search, on /v1/completions only", (None, 1.0)),
+}
+
+COMPLETION: dict[str, Refused] = {
+    **COMMON,
+    "add_special_tokens": Refused("prompts are tokenized without added special tokens", (None, False)),
+    "echo": Refused("the prompt is not repeated in the completion", (None, False)),
+    "suffix": Refused("kvserve has no fill-in-the-middle completion"),
+}
+
+
+def refused_value(table: dict[str, Refused], name: str, value: Any) -> str | None:
+    """The 400 message for `name=value`, or None when the field is absent from `table` or neutral."""
+    refused = table.get(name)
+    if refused is None or value in refused.neutral:
+        return None
+    return f"{name} is not supported: {refused.reason}"
