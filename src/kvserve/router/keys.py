@@ -25,7 +25,7 @@ from kvserve.model.tokenizer import Tokenizer
 from kvserve.server.auth import SINGLE_TENANT, ApiKeys, Principal, cache_namespace
 from kvserve.server.errors import ApiError
 from kvserve.server.inputs import chat_prompt_ids
-from kvserve.server.protocol import ChatMessage
+from kvserve.server.protocol import ChatCompletionRequest, ChatMessage
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
@@ -89,7 +89,7 @@ class RequestKeyer:
 
     def _tokens(self, path: str, body: dict) -> tuple[tuple[int, ...] | None, bool]:
         if path == CHAT_PATH:
-            return self._chat_tokens(body.get("messages"))
+            return self._chat_tokens(body)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch: route by its first prompt
@@ -101,17 +101,18 @@ class RequestKeyer:
             return tuple(ord(char) for char in prompt), False
         return None, False
 
-    def _chat_tokens(self, messages: Any) -> tuple[tuple[int, ...] | None, bool]:
+    def _chat_tokens(self, body: dict) -> tuple[tuple[int, ...] | None, bool]:
+        messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             return None, False
         try:
             parsed = [ChatMessage.model_validate(message) for message in messages]
         except ValidationError:
             return None, False
-        if self.tokenizer is not None and self.tokenizer.chat_template:
-            try:
-                return tuple(chat_prompt_ids(self.tokenizer, parsed)), True
-            except ApiError:
+        if self.tokenizer is not None and (self.tokenizer.chat_template or body.get("chat_template")):
+            try:  # rendered exactly as the worker renders it (template, tools, template kwargs)
+                return tuple(chat_prompt_ids(self.tokenizer, ChatCompletionRequest.model_validate(body))), True
+            except (ApiError, ValidationError):
                 return None, False
         text = "\x1e".join(f"{m.role}\x1f{m.text()}" for m in parsed)
         return tuple(ord(char) for char in text), False
