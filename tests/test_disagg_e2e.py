@@ -5,13 +5,15 @@ Greedy outputs through the hand-off equal a single mixed worker's, for radix and
 for two tenants and a `cache_salt` (each its own namespace, so each its own hand-off), streamed or
 not; the decode worker reports the prompt as cached from `remote`; a repeat is served warm by the
 decode worker alone; afterwards neither worker holds a block. Faults: the prefill worker killed while
-requests are in flight loses none of them (they are prefilled on the decode worker) and leaks nothing.
+requests are in flight loses none of them (they are prefilled on the decode worker) and leaks nothing;
+a decode worker whose store is unreachable makes the router fall back to mixed serving.
 """
 
 from __future__ import annotations
 
 import json
 import random
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -20,7 +22,7 @@ import pytest
 
 from kvserve.router.config import RouterConfig
 from kvserve.router.thread import RouterThread
-from kvserve.server.launcher import launch_server
+from kvserve.server.launcher import free_port, launch_server
 from test_router_support import metric, write_keys
 from test_server_support import chat_model_dir, wait_until_drained  # noqa: F401
 
@@ -154,3 +156,30 @@ def test_prefill_worker_killed_mid_run_loses_no_request_and_leaks_nothing(
         fell_back = metric(router.url, "kvserve_router_pd_fallbacks_total")
         assert fell_back >= 1 and handed + fell_back == len(prompts)
     wait_until_drained(decode.url, OPS)
+
+
+def test_store_unreachable_from_the_decode_worker_falls_back_to_mixed(
+    workers, chat_model_dir, keys, redis_url,  # noqa: F811
+):
+    """The decode worker's Redis is down (nothing listens there): its loads fail and its breaker opens;
+    `/load` says so, and the router stops handing off (`store_down`) — every answer still right."""
+    dead = f"redis://127.0.0.1:{free_port()}/0"
+    prefill, decode = start([worker_args(chat_model_dir, keys, "--remote-cache", url, "--role", role)
+                             for url, role in ((redis_url, "prefill"), (dead, "decode"))])
+    (reference,) = workers("reference")
+    try:
+        with pd_router([prefill, decode], chat_model_dir, keys) as router:
+            for i in range(10):
+                tokens = prompt(50 + i)
+                got = post(router.url, body(tokens), ALICE)
+                assert got["choices"][0]["text"] == post(reference.url, body(tokens), ALICE)["choices"][0]["text"]
+                assert "remote" not in sources(got)
+                if metric(router.url, "kvserve_router_pd_fallbacks_total", {"reason": "store_down"}) >= 1:
+                    break
+                time.sleep(0.3)  # a poll of /load
+            assert metric(router.url, "kvserve_router_pd_fallbacks_total", {"reason": "store_down"}) >= 1
+        for worker in (prefill, decode):
+            wait_until_drained(worker.url, OPS)
+    finally:
+        for worker in (prefill, decode):
+            worker.terminate()
