@@ -61,6 +61,9 @@ class EngineConfig:
     schedule_policy: str = "fcfs"
     num_threads: int | None = None
     seed: int = 0
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         self.validate()
@@ -101,6 +104,8 @@ class EngineConfig:
         )
         if self.num_threads is not None:
             _require(self.num_threads >= 1, f"num_threads must be >= 1, got {self.num_threads}")
+        _require(self.max_loras >= 1, f"max_loras must be >= 1, got {self.max_loras}")
+        _require(self.max_lora_rank >= 1, f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
 
     @classmethod
     def field_names(cls) -> list[str]:

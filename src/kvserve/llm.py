@@ -11,6 +11,7 @@ from kvserve.config import EngineConfig
 from kvserve.engine.engine import LLMEngine
 from kvserve.engine.params import BeamSearchParams, SamplingParams
 from kvserve.engine.request import Request, RequestOutput
+from kvserve.lora.adapter import LoRARequest
 from kvserve.prefix.namespace import make_namespace
 
 Prompt = str | Sequence[int]
@@ -31,11 +32,13 @@ class LLM:
         self, prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         cache_salt: str | None = None, use_tqdm: bool = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Complete every prompt (text or token ids); outputs in input order.
 
-        `params` is one SamplingParams for all prompts or one per prompt. All prompts are validated
-        before any is queued, so one bad prompt queues nothing.
+        `params` is one SamplingParams for all prompts or one per prompt; `lora_request` likewise one
+        adapter (or None: the base model) for all or one per prompt (needs `enable_lora=True`). All
+        prompts are validated before any is queued, so one bad prompt queues nothing.
         """
         prompt_list = _as_list(prompts)
         if params is None or isinstance(params, SamplingParams):
@@ -43,9 +46,10 @@ class LLM:
         if len(params) != len(prompt_list):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompt_list)} prompts")
         namespace = make_namespace(cache_salt)
+        adapters = [self.engine.resolve_lora(lora) for lora in _per_prompt_lora(lora_request, len(prompt_list))]
         requests = [
-            self.engine.make_request(prompt, p, namespace=namespace)
-            for prompt, p in zip(prompt_list, params, strict=True)
+            self.engine.make_request(prompt, p, namespace=namespace, lora=adapter)
+            for prompt, p, adapter in zip(prompt_list, params, adapters, strict=True)
         ]
         return self._run_to_completion(requests, use_tqdm)
 
@@ -70,10 +74,13 @@ class LLM:
     def chat(
         self, messages: list[Message] | list[list[Message]], params: SamplingParams | None = None,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Reply to one conversation (a list of messages) or to several (a list of such lists)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        return self.generate([self.render_chat(c) for c in conversations], params, cache_salt)
+        return self.generate(
+            [self.render_chat(c) for c in conversations], params, cache_salt, lora_request=lora_request
+        )
 
     def render_chat(self, messages: list[Message]) -> list[int]:
         """Chat template → token ids (special tokens in the template stay special)."""
@@ -126,6 +133,17 @@ class LLM:
                 for request_id in pending:  # interrupted: leave nothing behind
                     self.engine.abort_request(request_id)
         return [results[request.request_id] for request in requests]
+
+
+def _per_prompt_lora(
+    lora_request: LoRARequest | Sequence[LoRARequest | None] | None, count: int
+) -> list[LoRARequest | None]:
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * count
+    loras = list(lora_request)
+    if len(loras) != count:
+        raise ValueError(f"got {len(loras)} LoRA requests for {count} prompts")
+    return loras
 
 
 def _as_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -32,10 +32,12 @@ from kvserve.engine.tokens import append_sampled_token
 from kvserve.engine.validation import validate_prompt_ids
 from kvserve.kv.block_allocator import BlockAllocator
 from kvserve.kv.pool import KVPool, KVPoolShape, num_blocks_for_memory
+from kvserve.lora.adapter import LoRAAdapter, LoRARequest, load_adapter
+from kvserve.lora.registry import LoRARegistry
 from kvserve.model.llama import LlamaModel
 from kvserve.model.registry import load_model
 from kvserve.prefix.factory import make_prefix_cache
-from kvserve.prefix.namespace import Namespace
+from kvserve.prefix.namespace import Namespace, with_adapter
 
 DEBUG_CHECKS_ENV = "KVSERVE_DEBUG_CHECKS"
 
@@ -63,7 +65,13 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.schedule_policy
         )
-        self.runner = ModelRunner(self.model, self.kv_pool)
+        self.lora = (
+            LoRARegistry(
+                self.model_config, config.max_loras, config.max_lora_rank, self.model.dtype, self.model.device
+            )
+            if config.enable_lora else None
+        )
+        self.runner = ModelRunner(self.model, self.kv_pool, self.lora)
         self.groups: dict[str, SequenceGroup] = {}  # open requests, by id as submitted
         self.debug_checks = os.environ.get(DEBUG_CHECKS_ENV, "0") not in ("", "0")
         self._seed_rng = random.Random(config.seed)
@@ -97,13 +105,18 @@ class LLMEngine:
 
     def make_request(
         self, prompt: str | Sequence[int], params: SamplingParams | BeamSearchParams | None = None,
-        request_id: str | None = None, namespace: Namespace = (),
+        request_id: str | None = None, namespace: Namespace = (), lora: LoRAAdapter | None = None,
     ) -> Request:
         """Validate and build a request without queueing it; raises ValueError naming the problem.
 
-        `namespace` comes from `make_namespace` (prefix/namespace.py), the one constructor."""
+        `namespace` comes from `make_namespace` (prefix/namespace.py), the one constructor; `lora` (from
+        `resolve_lora`) adds its adapter id to it, so its blocks are keyed by the adapter too."""
         params = params or SamplingParams()
         params.validate()
+        if lora is not None:
+            if self.lora is None:
+                raise ValueError("LoRA adapters are not enabled on this engine (enable_lora)")
+            namespace = with_adapter(namespace, lora.adapter_id)
         prompt_ids = self._encode(prompt)
         validate_prompt_ids(prompt_ids, self.model_config.vocab_size)
         self._check_fits(len(prompt_ids), params.max_tokens)
@@ -115,12 +128,36 @@ class LLMEngine:
         request = Request(
             request_id, prompt_ids, sampling, namespace=namespace,
             prompt=prompt if isinstance(prompt, str) else None, eos_token_ids=self.eos_token_ids,
-            beam_params=beam_params,
+            beam_params=beam_params, lora=lora,
         )
         if not sampling.is_greedy:
             request.seed = sampling.seed if sampling.seed is not None else self._seed_rng.getrandbits(63)
             request.generator = torch.Generator(device="cpu").manual_seed(request.seed)
         return request
+
+    def load_lora(self, name: str, path: str) -> LoRAAdapter:
+        """Load and register an adapter under `name`; ValueError naming the problem, nothing registered."""
+        if self.lora is None:
+            raise ValueError("LoRA adapters are not enabled on this engine (enable_lora)")
+        if self.lora.get(name) is not None:
+            raise ValueError(f"LoRA adapter {name!r} is already loaded")
+        adapter = load_adapter(name, path, self.model_config, self.config.max_lora_rank)
+        self.lora.add(adapter)
+        return adapter
+
+    def unload_lora(self, name: str) -> bool:
+        """Forget an adapter's name (requests already running under it finish under it)."""
+        return self.lora is not None and self.lora.remove(name)
+
+    def resolve_lora(self, lora_request: LoRARequest | None) -> LoRAAdapter | None:
+        """The adapter of a `LoRARequest`, loading it from `lora_path` the first time its name is seen."""
+        if lora_request is None:
+            return None
+        if self.lora is not None:
+            adapter = self.lora.get(lora_request.lora_name)
+            if adapter is not None:
+                return adapter
+        return self.load_lora(lora_request.lora_name, lora_request.lora_path)
 
     def _encode(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):

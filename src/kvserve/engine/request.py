@@ -23,12 +23,16 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvserve.engine.detokenizer import DetokenizerState, streamable_length
 from kvserve.engine.params import BeamSearchParams, SamplingParams
 from kvserve.prefix.base import Namespace
+
+if TYPE_CHECKING:
+    from kvserve.lora.adapter import LoRAAdapter
 
 
 class RequestStatus(enum.Enum):
@@ -148,6 +152,7 @@ class Request:
     detokenizer: DetokenizerState = field(default_factory=DetokenizerState)
     may_share_tail: bool = False  # forked: the partial tail block may be shared (copy it before writing)
     cumulative_logprob: float = 0.0  # kept when its group asks for it (parallel members, beams)
+    lora: LoRAAdapter | None = None  # the adapter it runs under (its id is also in `namespace`)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

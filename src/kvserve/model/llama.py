@@ -10,6 +10,7 @@ an `AttentionMetadata` argument.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +18,9 @@ import torch.nn.functional as F
 from kvserve.kv.attention import AttentionMetadata, paged_attention
 from kvserve.kv.pool import KVPool
 from kvserve.model.config import ModelConfig, rope_inv_freq
+
+if TYPE_CHECKING:
+    from kvserve.lora.batch import LayerLoRA, LoRABatch
 
 SMALL_BATCH_ROWS = 4  # up to this many rows the transposed head wins; beyond it F.linear's GEMM does
 
@@ -82,15 +86,17 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_pool: KVPool, meta: AttentionMetadata
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_pool: KVPool, meta: AttentionMetadata,
+        lora: LoRABatch | None = None,
     ) -> torch.Tensor:
-        """Hidden states after the final norm, ``[num_tokens, hidden]``."""
+        """Hidden states after the final norm, ``[num_tokens, hidden]``; `lora`: the step's adapters."""
         hidden = F.embedding(input_ids, self.embed_tokens)
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         for index, layer in enumerate(self.layers):
             key_blocks, value_blocks = kv_pool.layer(index)
-            hidden = hidden + self._attention(hidden, layer, cos, sin, key_blocks, value_blocks, meta)
-            hidden = hidden + self._mlp(hidden, layer)
+            layer_lora = lora.for_layer(index) if lora is not None else None  # LoRA hook
+            hidden = hidden + self._attention(hidden, layer, cos, sin, key_blocks, value_blocks, meta, layer_lora)
+            hidden = hidden + self._mlp(hidden, layer, layer_lora)
         return self._rms_norm(hidden, self.final_norm)
 
     @torch.inference_mode()
@@ -103,19 +109,34 @@ class LlamaModel:
     def _attention(
         self, hidden: torch.Tensor, layer: LayerWeights, cos: torch.Tensor, sin: torch.Tensor,
         key_blocks: torch.Tensor, value_blocks: torch.Tensor, meta: AttentionMetadata,
+        lora: LayerLoRA | None = None,
     ) -> torch.Tensor:
         config = self.config
-        qkv = self._rms_norm(hidden, layer.input_norm) @ layer.qkv_proj
+        normed = self._rms_norm(hidden, layer.input_norm)
+        qkv = normed @ layer.qkv_proj
+        if lora is not None:  # LoRA hook: per-adapter low-rank update after the base matmul
+            lora.add(qkv, normed, "qkv")
         queries, keys, values = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         queries = _apply_rope(queries.view(-1, config.num_heads, config.head_dim), cos, sin)
         keys = _apply_rope(keys.view(-1, config.num_kv_heads, config.head_dim), cos, sin)
         values = values.view(-1, config.num_kv_heads, config.head_dim)
         attended = paged_attention(queries, keys, values, key_blocks, value_blocks, meta, self.scale)
-        return attended @ layer.o_proj
+        out = attended @ layer.o_proj
+        if lora is not None:  # LoRA hook
+            lora.add(out, attended, "o")
+        return out
 
-    def _mlp(self, hidden: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
-        gate, up = (self._rms_norm(hidden, layer.post_attention_norm) @ layer.gate_up_proj).chunk(2, -1)
-        return (F.silu(gate) * up) @ layer.down_proj
+    def _mlp(self, hidden: torch.Tensor, layer: LayerWeights, lora: LayerLoRA | None = None) -> torch.Tensor:
+        normed = self._rms_norm(hidden, layer.post_attention_norm)
+        gate_up = normed @ layer.gate_up_proj
+        if lora is not None:  # LoRA hook
+            lora.add(gate_up, normed, "gate_up")
+        gate, up = gate_up.chunk(2, -1)
+        activated = F.silu(gate) * up
+        out = activated @ layer.down_proj
+        if lora is not None:  # LoRA hook
+            lora.add(out, activated, "down")
+        return out
 
     def _rms_norm(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # As in HF: normalise in float32, cast back, then scale.
