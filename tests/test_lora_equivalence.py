@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_pool_drained, hf_greedy, random_prompts
-from lora_util import load_peft_model, make_peft_adapter
 
+from conftest import assert_pool_drained, hf_greedy, random_prompts
 from kvserve import LLM, LoRARequest, SamplingParams
 from kvserve.lora.sgmv import add_lora, group_rows, lora_delta_reference
+from lora_util import load_peft_model, make_peft_adapter
 
 MAX_TOKENS = 8
 
