@@ -18,7 +18,8 @@ from starlette.middleware.cors import CORSMiddleware
 
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import LLMEngine
-from kvserve.server import admin_routes, extra_routes, openai_routes
+from kvserve.lora.adapter import LoRAAdapter
+from kvserve.server import admin_routes, extra_routes, lora_routes, openai_routes
 from kvserve.server.auth import ApiKeys, add_operator_keys, load_api_keys
 from kvserve.server.dashboard import dashboard_enabled
 from kvserve.server.dashboard import install as install_dashboard
@@ -39,6 +40,7 @@ __all__ = ["DEFAULT_MAX_QUEUE", "GRACEFUL_SHUTDOWN_S", "build_app", "run_server"
 def build_app(
     async_engine: AsyncEngine, served_model_name: str, api_keys: ApiKeys | None, max_queue: int,
     options: ServerOptions | None = None, limits: ServerLimits | None = None, dashboard: bool = False,
+    lora_adapters: dict[str, LoRAAdapter] | None = None,
 ) -> FastAPI:
     """An app serving `async_engine`; its lifespan starts the engine thread and shuts it down.
 
@@ -72,12 +74,13 @@ def build_app(
     app.state.server = ServerState(
         engine=async_engine, model_name=names[0], api_keys=api_keys, max_queue=max_queue,
         metrics=metrics, token_texts=TokenTexts(async_engine.tokenizer), served_model_names=names,
-        limits=limits, workers=workers,
+        limits=limits, workers=workers, lora_adapters=dict(lora_adapters or {}),
     )
     install_error_handlers(app)
     app.include_router(openai_routes.router)
     app.include_router(admin_routes.router)
     app.include_router(extra_routes.router)
+    app.include_router(lora_routes.router)
     _add_cors(app, options.allowed_origins)
     install_dashboard(app, app.state.server, enabled=dashboard)
     if limits.docs and api_keys is not None:
@@ -117,11 +120,14 @@ def run_server(
     api_keys = add_operator_keys(load_api_keys(api_keys_path) if api_keys_path else None, options.api_keys)
     limits = limits or ServerLimits(max_num_seqs=config.max_num_seqs)
     with _graceful_signals() as signals:
-        engine = AsyncEngine(LLMEngine(config))
+        llm_engine = LLMEngine(config)
+        adapters = {name: llm_engine.load_lora(name, path) for name, path in options.lora_modules}
+        engine = AsyncEngine(llm_engine)
         try:
             _override_chat_template(engine, options.chat_template)
             show = dashboard_enabled(options.dashboard, host, api_keys is not None)
-            app = build_app(engine, engine.info.model_name, api_keys, max_queue, options, limits, dashboard=show)
+            app = build_app(engine, engine.info.model_name, api_keys, max_queue, options, limits, dashboard=show,
+                            lora_adapters=adapters)
             mode = f"{len(api_keys)} API keys" if api_keys else "single tenant, no auth"
             logger.info("kvserve: model %s served as %s, %d KV blocks of %d tokens, %s", engine.info.model_name,
                         ", ".join(options.model_names(engine.info.model_name)), engine.info.num_blocks,

@@ -12,13 +12,14 @@ import functools
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Any, TypeVar
 
 from fastapi import Depends, Request
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
+from kvserve.lora.adapter import LoRAAdapter
 from kvserve.server.auth import ApiKeys, AuthError, Principal, authenticate, require_admin
 from kvserve.server.errors import ApiError, from_validation_error
 from kvserve.server.limits import ServerLimits
@@ -47,6 +48,7 @@ class ServerState:
     limits: ServerLimits
     workers: ThreadPoolExecutor  # bounded: CPU-heavy input work, off the event loop
     served_model_names: tuple[str, ...] = ()  # every name requests may use; model_name is the first
+    lora_adapters: dict[str, LoRAAdapter] = field(default_factory=dict)  # served adapters by name (event loop)
 
     @property
     def model_names(self) -> tuple[str, ...]:
