@@ -56,6 +56,10 @@ def test_sgmv_matches_per_row_reference():
     add_lora(out, x, group_rows(row_slots), a, b)
     torch.testing.assert_close(out, lora_delta_reference(x, row_slots, a, b))
     assert out[1].abs().sum() == 0 and out[0].abs().sum() > 0
+    single = torch.full((11,), 1)  # one adapter for every row: the fused path
+    out = torch.zeros(11, 5)
+    add_lora(out, x, group_rows(single), a, b)
+    torch.testing.assert_close(out, lora_delta_reference(x, single, a, b))
 
 
 def test_each_adapter_alone_matches_peft(tiny_model_dir, adapters, oracle):

@@ -21,7 +21,7 @@ class RowGroups:
     """The batch's rows grouped by adapter slot: `slots[i]` owns the row indices `rows[i]`."""
 
     slots: list[int]
-    rows: list[torch.Tensor]
+    rows: list[torch.Tensor | None]  # None: every row of the batch (no gather / scatter needed)
 
     @property
     def empty(self) -> bool:
@@ -38,7 +38,7 @@ def group_rows(row_slots: torch.Tensor) -> RowGroups:
     for slot, segment in zip(unique.tolist(), torch.split(order, counts.tolist()), strict=True):
         if slot >= 0:
             slots.append(int(slot))
-            rows.append(segment)
+            rows.append(None if len(segment) == len(row_slots) else segment)
     return RowGroups(slots, rows)
 
 
@@ -47,8 +47,10 @@ def add_lora(out: torch.Tensor, x: torch.Tensor, groups: RowGroups, a: torch.Ten
 
     `a` is ``[slots, in, rank]`` and `b` ``[slots, rank, out]`` (scaling folded into `b`)."""
     for slot, rows in zip(groups.slots, groups.rows, strict=True):
-        segment = x.index_select(0, rows)
-        out.index_add_(0, rows, (segment @ a[slot]) @ b[slot])
+        if rows is None:  # one adapter for the whole batch: no gather, and the add fused into the matmul
+            out.addmm_(x @ a[slot], b[slot])
+        else:
+            out.index_add_(0, rows, (x.index_select(0, rows) @ a[slot]) @ b[slot])
 
 
 def lora_delta_reference(x: torch.Tensor, row_slots: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
