@@ -1,4 +1,8 @@
-"""Pool accounting under random mixes of requests, steps, aborts and preemptions (hypothesis)."""
+"""Pool accounting under random mixes of requests, steps, aborts and preemptions (hypothesis).
+
+Each request runs under a random LoRA adapter (or none): three adapters through two slots, so steps
+mix adapters, swap slots and split; adapters change the cache keys but never the accounting.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ from hypothesis import strategies as st
 from conftest import assert_pool_drained
 from kvserve import LLM, SamplingParams
 from kvserve.prefix.namespace import make_namespace
+from lora_util import make_peft_adapter
 
 SHARED_PREFIX = list(range(10, 58))  # 48 tokens: three blocks of 16 that requests may share
 
@@ -53,18 +58,26 @@ def drain_checking(engine, *checks) -> None:
 
 
 operation = st.one_of(
-    st.tuples(st.just("add"), st.integers(1, 70), st.integers(1, 20), st.booleans(), st.integers(0, 2)),
+    st.tuples(
+        st.just("add"), st.integers(1, 70), st.integers(1, 20), st.booleans(), st.integers(0, 2), st.integers(0, 3)
+    ),
     st.tuples(st.just("step"), st.integers(1, 4)),
     st.tuples(st.just("abort"), st.integers(0, 50)),
 )
 
 
 @pytest.fixture(scope="module", params=["radix", "hash", "off"])
-def engine(request, tiny_model_dir):
+def engine(request, tiny_model_dir, tmp_path_factory):
     # 10 blocks of 16 tokens: a few requests fill it, so preemption and eviction are common.
     llm = LLM(str(tiny_model_dir), progress=False, num_blocks=10, block_size=16,
-              prefix_cache=request.param, max_num_batched_tokens=40)
-    return llm.engine
+              prefix_cache=request.param, max_num_batched_tokens=40, enable_lora=True, max_loras=2, max_lora_rank=4)
+    root = tmp_path_factory.mktemp("pool-adapters")
+    engine = llm.engine
+    engine.test_adapters = [None] + [
+        engine.load_lora(f"l{i}", str(make_peft_adapter(tiny_model_dir, root / f"l{i}", seed=i, rank=2 + i % 2)))
+        for i in range(3)
+    ]
+    return engine
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -73,13 +86,15 @@ def test_random_operations_keep_pool_consistent(engine, ops, seed):
     ids: list[str] = []
     for op in ops:
         if op[0] == "add":
-            _, length, max_tokens, shared, salt = op
+            _, length, max_tokens, shared, salt, adapter = op
             prompt = (SHARED_PREFIX + [seed % 400 + 60] * length) if shared else [(seed + i) % 500 + 3
                                                                                     for i in range(length)]
             prompt = prompt[: 150 - max_tokens]
             params = SamplingParams(max_tokens=max_tokens, temperature=0.0 if salt else 0.8, seed=seed,
                                     ignore_eos=True)
-            ids.append(engine.add_request(prompt, params, namespace=make_namespace(f"s{salt}" if salt else None)))
+            request = engine.make_request(prompt, params, namespace=make_namespace(f"s{salt}" if salt else None),
+                                          lora=engine.test_adapters[adapter])
+            ids.append(engine.add(request))
         else:
             apply_step_or_abort(engine, op, ids)
         check_pool(engine)

@@ -52,6 +52,10 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                        help="native C++ kernels (torch if they cannot load) or the torch reference")
     group.add_argument("--weights", default=defaults.weights, choices=WEIGHT_FORMATS,
                        help="dense float32, or run a GGUF's quantized tensors as stored")
+    group.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (implied by --lora-modules)")
+    group.add_argument("--max-loras", type=int, default=defaults.max_loras,
+                       help="LoRA adapters resident at once (more are swapped in from host memory)")
+    group.add_argument("--max-lora-rank", type=int, default=defaults.max_lora_rank, help="highest adapter rank")
     add_tier_flags(parser)
 
 
@@ -111,6 +115,8 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE, help="waiting requests beyond this get 429")
     group.add_argument("--shutdown-timeout", type=float, default=GRACEFUL_SHUTDOWN_S,
                        help="seconds in-flight requests may run after SIGTERM before they are aborted")
+    group.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                       help="PEFT LoRA adapters to serve; requests pick one by `model`: NAME")
     group.add_argument("--dashboard", action=argparse.BooleanOptionalAction, default=None,
                        help="serve /dashboard (None: on with --api-keys or a loopback --host)")
     group.add_argument("--version", action="version", version=_version_text())
@@ -134,7 +140,10 @@ def add_kv_events_flags(parser: argparse.ArgumentParser) -> None:
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     names = EngineConfig.field_names()
-    return EngineConfig(**{name: getattr(args, name) for name in names if hasattr(args, name)})
+    values = {name: getattr(args, name) for name in names if hasattr(args, name)}
+    if getattr(args, "lora_modules", None):
+        values["enable_lora"] = True  # --lora-modules implies --enable-lora
+    return EngineConfig(**values)
 
 
 def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
@@ -264,7 +273,7 @@ def limits_from_args(args: argparse.Namespace, max_num_seqs: int):  # -> ServerL
 
 
 def server_options_from_args(args: argparse.Namespace):  # -> ServerOptions (imported lazily: no FastAPI here)
-    from kvserve.server.options import ServerOptions, resolve_chat_template
+    from kvserve.server.options import ServerOptions, parse_lora_modules, resolve_chat_template
 
     template = resolve_chat_template(args.chat_template) if args.chat_template else None
     return ServerOptions(
@@ -272,6 +281,7 @@ def server_options_from_args(args: argparse.Namespace):  # -> ServerOptions (imp
         chat_template=template, log_level=args.log_level, allowed_origins=tuple(args.allowed_origins),
         stats_log_interval=0.0 if args.disable_log_stats else args.stats_log_interval,
         dashboard=args.dashboard, role=args.role, prefill_flush_timeout=args.prefill_flush_timeout,
+        lora_modules=parse_lora_modules(args.lora_modules),
     )
 
 

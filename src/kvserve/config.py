@@ -73,6 +73,9 @@ class EngineConfig:
     kv_load_timeout: float = 5.0  # seconds a disk/remote load may take before the prompt is recomputed
     kernels: str = "native"
     weights: str = "dense"
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         self.validate()
@@ -114,6 +117,8 @@ class EngineConfig:
         _require(self.eviction in ONLINE_POLICIES, f"eviction must be one of {ONLINE_POLICIES}, got {self.eviction!r}")
         if self.num_threads is not None:
             _require(self.num_threads >= 1, f"num_threads must be >= 1, got {self.num_threads}")
+        _require(self.max_loras >= 1, f"max_loras must be >= 1, got {self.max_loras}")
+        _require(self.max_lora_rank >= 1, f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
         _require(self.kernels in KERNEL_BACKENDS, f"kernels must be one of {KERNEL_BACKENDS}, got {self.kernels!r}")
         _require(self.weights in WEIGHT_FORMATS, f"weights must be one of {WEIGHT_FORMATS}, got {self.weights!r}")
         self._validate_tiers()

@@ -18,6 +18,7 @@ from kvserve.engine.engine import LLMEngine
 from kvserve.engine.params import BeamSearchParams, SamplingParams
 from kvserve.engine.request import Request, RequestOutput, vllm_logprobs
 from kvserve.engine_args import engine_config
+from kvserve.lora.adapter import LoRAAdapter, LoRARequest
 from kvserve.model.tokenizer import Tokenizer
 from kvserve.prefix.namespace import make_namespace
 
@@ -46,19 +47,22 @@ class LLM:
         self, prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         cache_salt: str | None = None, *, use_tqdm: bool | Callable[..., tqdm] = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Complete every prompt; outputs in input order.
 
-        `sampling_params` is one SamplingParams for all prompts or one per prompt. All prompts are
-        validated before any is queued, so one bad prompt queues nothing.
+        `sampling_params` is one SamplingParams for all prompts or one per prompt; `lora_request` likewise one
+        adapter (or None: the base model) for all or one per prompt (needs `enable_lora=True`). All prompts
+        are validated before any is queued, so one bad prompt queues nothing.
         """
         prompt_list = _as_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompt_list)
         if len(sampling_params) != len(prompt_list):
             raise ValueError(f"got {len(sampling_params)} SamplingParams for {len(prompt_list)} prompts")
-        requests = [self._make_request(prompt, p, cache_salt)
-                    for prompt, p in zip(prompt_list, sampling_params, strict=True)]
+        adapters = [self.engine.resolve_lora(lora) for lora in _per_prompt_lora(lora_request, len(prompt_list))]
+        requests = [self._make_request(prompt, p, cache_salt, adapter)
+                    for prompt, p, adapter in zip(prompt_list, sampling_params, adapters, strict=True)]
         return self._run_to_completion(requests, use_tqdm)
 
     def beam_search(
@@ -92,6 +96,7 @@ class LLM:
         add_generation_prompt: bool = True, continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None, tools: list[dict[str, Any]] | None = None,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Reply to one conversation (a list of messages) or to several (a list of such lists)."""
         if continue_final_message and add_generation_prompt:
@@ -102,7 +107,7 @@ class LLM:
             extra["tools"] = tools
         prompts = [self.render_chat(c, chat_template, add_generation_prompt, continue_final_message, **extra)
                    for c in conversations]
-        return self.generate(prompts, sampling_params, cache_salt, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, cache_salt, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def render_chat(
         self, messages: list[Message], chat_template: str | None = None, add_generation_prompt: bool = True,
@@ -150,7 +155,8 @@ class LLM:
         return self.engine.reset_prefix_cache()
 
     def _make_request(
-        self, prompt: Prompt, params: SamplingParams | BeamSearchParams | None, cache_salt: str | None
+        self, prompt: Prompt, params: SamplingParams | BeamSearchParams | None, cache_salt: str | None,
+        lora: LoRAAdapter | None = None,
     ) -> Request:
         if isinstance(prompt, Mapping):
             unknown = set(prompt) - PROMPT_KEYS
@@ -161,7 +167,7 @@ class LLM:
                 raise ValueError("a prompt dict needs exactly one of 'prompt' and 'prompt_token_ids'")
             cache_salt = prompt.get("cache_salt", cache_salt)
             prompt = prompt["prompt"] if "prompt" in prompt else prompt["prompt_token_ids"]
-        return self.engine.make_request(prompt, params, namespace=make_namespace(cache_salt))
+        return self.engine.make_request(prompt, params, namespace=make_namespace(cache_salt), lora=lora)
 
     def _with_vllm_logprobs(self, output: RequestOutput) -> RequestOutput:
         """Fill each completion's vLLM-shaped `logprobs` (decoded tokens included)."""
@@ -192,6 +198,17 @@ class LLM:
                 for request_id in pending:  # interrupted: leave nothing behind
                     self.engine.abort_request(request_id)
         return [results[request.request_id] for request in requests]
+
+
+def _per_prompt_lora(
+    lora_request: LoRARequest | Sequence[LoRARequest | None] | None, count: int
+) -> list[LoRARequest | None]:
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * count
+    loras = list(lora_request)
+    if len(loras) != count:
+        raise ValueError(f"got {len(loras)} LoRA requests for {count} prompts")
+    return loras
 
 
 def _as_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -35,10 +35,12 @@ from kvserve.engine.validation import validate_prompt_ids, validate_token_params
 from kvserve.kernels.ops import Kernels
 from kvserve.kv.block_allocator import BlockAllocator
 from kvserve.kv.pool import KVPool, KVPoolShape, num_blocks_for_memory
+from kvserve.lora.adapter import LoRAAdapter, LoRARequest, load_adapter
+from kvserve.lora.registry import LoRARegistry
 from kvserve.model.llama import LlamaModel
 from kvserve.model.registry import load_model
 from kvserve.prefix.factory import make_prefix_cache
-from kvserve.prefix.namespace import Namespace
+from kvserve.prefix.namespace import Namespace, with_adapter
 
 DEBUG_CHECKS_ENV = "KVSERVE_DEBUG_CHECKS"
 
@@ -70,7 +72,13 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.schedule_policy
         )
-        self.runner = ModelRunner(self.model, self.kv_pool)
+        self.lora = (
+            LoRARegistry(
+                self.model_config, config.max_loras, config.max_lora_rank, self.model.dtype, self.model.device
+            )
+            if config.enable_lora else None
+        )
+        self.runner = ModelRunner(self.model, self.kv_pool, self.lora)
         self.tiers = make_engine_tiers(config, self.model_config, tensor_shapes, weights_path, self.block_manager,
                                        self.kv_pool.tensor)
         self.scheduler.tiers = self.tiers
@@ -109,13 +117,18 @@ class LLMEngine:
 
     def make_request(
         self, prompt: str | Sequence[int], params: SamplingParams | BeamSearchParams | None = None,
-        request_id: str | None = None, namespace: Namespace = (),
+        request_id: str | None = None, namespace: Namespace = (), lora: LoRAAdapter | None = None,
     ) -> Request:
         """Validate and build a request without queueing it; raises ValueError naming the problem.
 
-        `namespace` comes from `make_namespace` (prefix/namespace.py), the one constructor."""
+        `namespace` comes from `make_namespace` (prefix/namespace.py), the one constructor; `lora` (from
+        `resolve_lora`) adds its adapter id to it, so its blocks are keyed by the adapter too."""
         params = params or SamplingParams()
         params.validate()
+        if lora is not None:
+            if self.lora is None:
+                raise ValueError("LoRA adapters are not enabled on this engine (enable_lora)")
+            namespace = with_adapter(namespace, lora.adapter_id)
         prompt_ids = self._encode(prompt)
         validate_prompt_ids(prompt_ids, self.model_config.vocab_size)
         self._check_fits(len(prompt_ids), params.max_tokens)
@@ -128,7 +141,7 @@ class LLMEngine:
         request = Request(
             request_id, prompt_ids, sampling, namespace=namespace,
             prompt=prompt if isinstance(prompt, str) else None, eos_token_ids=self.eos_token_ids,
-            beam_params=beam_params,
+            beam_params=beam_params, lora=lora,
         )
         if sampling.structured_outputs is not None:  # sampling hook: the grammar masks every row
             request.grammar = self._grammar_compiler().matcher(sampling.structured_outputs)
@@ -144,6 +157,30 @@ class LLMEngine:
             self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
                                              sorted(self.eos_token_ids))
         return self._grammars
+
+    def load_lora(self, name: str, path: str) -> LoRAAdapter:
+        """Load and register an adapter under `name`; ValueError naming the problem, nothing registered."""
+        if self.lora is None:
+            raise ValueError("LoRA adapters are not enabled on this engine (enable_lora)")
+        if self.lora.get(name) is not None:
+            raise ValueError(f"LoRA adapter {name!r} is already loaded")
+        adapter = load_adapter(name, path, self.model_config, self.config.max_lora_rank)
+        self.lora.add(adapter)
+        return adapter
+
+    def unload_lora(self, name: str) -> bool:
+        """Forget an adapter's name (requests already running under it finish under it)."""
+        return self.lora is not None and self.lora.remove(name)
+
+    def resolve_lora(self, lora_request: LoRARequest | None) -> LoRAAdapter | None:
+        """The adapter of a `LoRARequest`, loading it from `lora_path` the first time its name is seen."""
+        if lora_request is None:
+            return None
+        if self.lora is not None:
+            adapter = self.lora.get(lora_request.lora_name)
+            if adapter is not None:
+                return adapter
+        return self.load_lora(lora_request.lora_name, lora_request.lora_path)
 
     def _encode(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):

@@ -9,6 +9,8 @@ import torch
 from kvserve.engine.scheduler import ScheduledRequest
 from kvserve.kv.attention import AttentionMetadata, PrefillSpan
 from kvserve.kv.pool import KVPool
+from kvserve.lora.batch import LoRABatch
+from kvserve.lora.registry import LoRARegistry
 from kvserve.model.llama import LlamaModel
 
 
@@ -19,12 +21,14 @@ class BatchInputs:
     meta: AttentionMetadata
     sample_rows: torch.Tensor  # flat-batch row of the last token of each sequence that samples
     sampling: list[ScheduledRequest]  # the scheduled requests those rows belong to, same order
+    lora: LoRABatch | None = None  # per-row adapter slots; None when no row uses an adapter
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, kv_pool: KVPool) -> None:
+    def __init__(self, model: LlamaModel, kv_pool: KVPool, lora: LoRARegistry | None = None) -> None:
         self.model = model
         self.kv_pool = kv_pool
+        self.lora = lora
         self.block_size = kv_pool.block_size
         self.device = model.device
 
@@ -37,9 +41,21 @@ class ModelRunner:
         self.kv_pool.tensor[:, :, dst] = self.kv_pool.tensor[:, :, src]
 
     def run(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, list[ScheduledRequest]]:
-        """Forward the batch; returns float32 logits for each sequence that reached its last token."""
+        """Forward the batch; returns float32 logits for each sequence that reached its last token.
+
+        A step with more distinct adapters than `max_loras` slots runs as several forwards, each within
+        the slots (rare: the usual step fits in one)."""
+        parts = [scheduled] if self.lora is None else split_by_adapters(scheduled, self.lora.max_loras)
+        if len(parts) == 1:
+            return self._run_one(scheduled)
+        results = [self._run_one(part) for part in parts]
+        sampling = [item for _, part_sampling in results for item in part_sampling]
+        logits = [part_logits for part_logits, part_sampling in results if part_sampling]
+        return (torch.cat(logits) if logits else torch.empty(0)), sampling
+
+    def _run_one(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, list[ScheduledRequest]]:
         batch = self.prepare(scheduled)
-        hidden = self.model.forward(batch.input_ids, batch.positions, self.kv_pool, batch.meta)
+        hidden = self.model.forward(batch.input_ids, batch.positions, self.kv_pool, batch.meta, batch.lora)
         if not batch.sampling:
             return torch.empty(0), []
         return self.model.compute_logits(hidden[batch.sample_rows]), batch.sampling
@@ -78,7 +94,20 @@ class ModelRunner:
             meta=meta,
             sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=self.device),
             sampling=sampling,
+            lora=self._lora_batch(decodes + prefills),
         )
+
+    def _lora_batch(self, ordered: list[ScheduledRequest]) -> LoRABatch | None:
+        """Per-row adapter slots (-1: base model), the adapters made resident first."""
+        adapters = [item.request.lora for item in ordered if item.request.lora is not None]
+        if self.lora is None or not adapters:
+            return None
+        slots = self.lora.activate(adapters)
+        row_slots: list[int] = []
+        for item in ordered:
+            lora = item.request.lora
+            row_slots.extend([-1 if lora is None else slots[lora.adapter_id]] * item.num_new_tokens)
+        return LoRABatch.build(torch.tensor(row_slots, dtype=torch.long, device=self.device), self.lora.a, self.lora.b)
 
     def _slot_mapping(self, ordered: list[ScheduledRequest], positions: torch.Tensor) -> torch.Tensor:
         # slot = block_table[pos // block_size] * block_size + pos % block_size, for every new token.
@@ -118,3 +147,18 @@ def _padded(block_table: list[int], length: int) -> list[int]:
     """The first `length` entries, padded with block 0 (its keys are masked out)."""
     head = block_table[:length]
     return head + [0] * (length - len(head))
+
+
+def split_by_adapters(scheduled: list[ScheduledRequest], max_loras: int) -> list[list[ScheduledRequest]]:
+    """The step in parts of at most `max_loras` distinct adapters each (base-model rows join the first)."""
+    parts: list[list[ScheduledRequest]] = [[]]
+    seen: list[set[str]] = [set()]
+    for item in scheduled:
+        lora = item.request.lora
+        if lora is not None and lora.adapter_id not in seen[-1] and len(seen[-1]) == max_loras:
+            parts.append([])
+            seen.append(set())
+        if lora is not None:
+            seen[-1].add(lora.adapter_id)
+        parts[-1].append(item)
+    return parts

@@ -24,13 +24,16 @@ import enum
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvserve.engine.detokenizer import DetokenizerState, streamable_length
 from kvserve.engine.params import BeamSearchParams, SamplingParams
 from kvserve.prefix.base import Namespace
+
+if TYPE_CHECKING:
+    from kvserve.lora.adapter import LoRAAdapter
 
 
 class RequestStatus(enum.Enum):
@@ -213,6 +216,7 @@ class Request:
     cumulative_logprob: float = 0.0  # kept when its group asks for it (parallel members, beams)
     stop_reason: str | int | None = None  # the stop string or stop token id that finished it
     grammar: Any = None  # a structured-output matcher (engine/structured.py) when params ask for one
+    lora: LoRAAdapter | None = None  # the adapter it runs under (its id is also in `namespace`)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

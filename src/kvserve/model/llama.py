@@ -14,6 +14,7 @@ add, and decode attention reads the pool in place.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +26,9 @@ from kvserve.kv.pool import KVPool
 from kvserve.model.config import ModelConfig, rope_inv_freq
 
 Weight = torch.Tensor | QuantWeight
+
+if TYPE_CHECKING:
+    from kvserve.lora.batch import LayerLoRA, LoRABatch
 
 SMALL_BATCH_ROWS = 4  # up to this many rows the transposed head wins; beyond it F.linear's GEMM does
 
@@ -104,9 +108,10 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_pool: KVPool, meta: AttentionMetadata
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_pool: KVPool, meta: AttentionMetadata,
+        lora: LoRABatch | None = None,
     ) -> torch.Tensor:
-        """Hidden states after the final norm, ``[num_tokens, hidden]``."""
+        """Hidden states after the final norm, ``[num_tokens, hidden]``; `lora`: the step's adapters."""
         kernels, eps = self.kernels, self.config.rms_norm_eps
         # Each norm also adds the previous sub-layer's output into the residual stream (HF's order).
         residual = kernels.embedding(input_ids, self.embed_tokens).to(self.dtype)
@@ -114,10 +119,11 @@ class LlamaModel:
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         for index, layer in enumerate(self.layers):
             key_blocks, value_blocks = kv_pool.layer(index)
+            layer_lora = lora.for_layer(index) if lora is not None else None  # LoRA hook
             normed, residual = kernels.rms_norm(residual, layer.input_norm, eps, delta)
-            attended = self._attention(normed, layer, cos, sin, key_blocks, value_blocks, meta)
+            attended = self._attention(normed, layer, cos, sin, key_blocks, value_blocks, meta, layer_lora)
             normed, residual = kernels.rms_norm(attended, layer.post_attention_norm, eps, residual)
-            delta = self._mlp(normed, layer)
+            delta = self._mlp(normed, layer, layer_lora)
         return kernels.rms_norm(delta, self.final_norm, eps, residual)[0]
 
     @torch.inference_mode()
@@ -132,9 +138,12 @@ class LlamaModel:
     def _attention(
         self, normed: torch.Tensor, layer: LayerWeights, cos: torch.Tensor, sin: torch.Tensor,
         key_blocks: torch.Tensor, value_blocks: torch.Tensor, meta: AttentionMetadata,
+        lora: LayerLoRA | None = None,
     ) -> torch.Tensor:
         config = self.config
         qkv = self.kernels.linear(normed, layer.qkv_proj)
+        if lora is not None:  # LoRA hook: per-adapter low-rank update after the base matmul
+            lora.add(qkv, normed, "qkv")
         queries, keys, values = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         queries = _apply_rope(queries.view(-1, config.num_heads, config.head_dim), cos, sin)
         keys = _apply_rope(keys.view(-1, config.num_kv_heads, config.head_dim), cos, sin)
@@ -142,11 +151,21 @@ class LlamaModel:
         attended = paged_attention(
             queries, keys, values, key_blocks, value_blocks, meta, self.scale, kernels=self.kernels
         )
-        return self.kernels.linear(attended, layer.o_proj)
+        out = self.kernels.linear(attended, layer.o_proj)
+        if lora is not None:  # LoRA hook
+            lora.add(out, attended, "o")
+        return out
 
-    def _mlp(self, normed: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
-        gate, up = self.kernels.linear(normed, layer.gate_up_proj).chunk(2, -1)
-        return self.kernels.linear(F.silu(gate) * up, layer.down_proj)
+    def _mlp(self, normed: torch.Tensor, layer: LayerWeights, lora: LayerLoRA | None = None) -> torch.Tensor:
+        gate_up = self.kernels.linear(normed, layer.gate_up_proj)
+        if lora is not None:  # LoRA hook
+            lora.add(gate_up, normed, "gate_up")
+        gate, up = gate_up.chunk(2, -1)
+        activated = F.silu(gate) * up
+        out = self.kernels.linear(activated, layer.down_proj)
+        if lora is not None:  # LoRA hook
+            lora.add(out, activated, "down")
+        return out
 
 
 def _rope_tables(config: ModelConfig, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,8 +21,9 @@ from kvserve.engine.engine import LLMEngine
 from kvserve.events.engine_hook import attach_kv_events
 from kvserve.events.format import AllBlocksCleared
 from kvserve.events.publisher import KVEventPublisher
+from kvserve.lora.adapter import LoRAAdapter
 from kvserve.replay.request_log import RequestLog
-from kvserve.server import admin_routes, extra_routes, openai_routes
+from kvserve.server import admin_routes, extra_routes, lora_routes, openai_routes
 from kvserve.server.auth import ApiKeys, add_operator_keys, load_api_keys
 from kvserve.server.dashboard import dashboard_enabled
 from kvserve.server.dashboard import install as install_dashboard
@@ -45,6 +46,7 @@ def build_app(
     async_engine: AsyncEngine, served_model_name: str, api_keys: ApiKeys | None, max_queue: int,
     options: ServerOptions | None = None, limits: ServerLimits | None = None, dashboard: bool = False,
     replica: ReplicaInfo | None = None,
+    lora_adapters: dict[str, LoRAAdapter] | None = None,
 ) -> FastAPI:
     """An app serving `async_engine`; its lifespan starts the engine thread and shuts it down.
 
@@ -78,12 +80,13 @@ def build_app(
     app.state.server = ServerState(
         engine=async_engine, model_name=names[0], api_keys=api_keys, max_queue=max_queue,
         metrics=metrics, token_texts=TokenTexts(async_engine.tokenizer), served_model_names=names,
-        limits=limits, workers=workers, replica=replica or ReplicaInfo(),
+        limits=limits, workers=workers, replica=replica or ReplicaInfo(), lora_adapters=dict(lora_adapters or {}),
     )
     install_error_handlers(app)
     app.include_router(openai_routes.router)
     app.include_router(admin_routes.router)
     app.include_router(extra_routes.router)
+    app.include_router(lora_routes.router)
     _add_cors(app, options.allowed_origins)
     install_dashboard(app, app.state.server, enabled=dashboard)
     if limits.docs and api_keys is not None:
@@ -136,6 +139,7 @@ def run_server(
             attach_kv_events(llm_engine.block_manager, publisher)
         if request_log:
             llm_engine.finish_listeners.append(RequestLog(request_log, config.block_size, config.prefix_hash))
+        adapters = {name: llm_engine.load_lora(name, path) for name, path in options.lora_modules}
         engine = AsyncEngine(llm_engine)
         try:
             _override_chat_template(engine, options.chat_template)
@@ -143,7 +147,7 @@ def run_server(
             role = RoleInfo(options.role, options.prefill_flush_timeout, remote_offload(llm_engine))
             replica = ReplicaInfo(prefix_hash=config.prefix_hash, kv_events=publisher, role=role)
             app = build_app(engine, engine.info.model_name, api_keys, max_queue, options, limits, dashboard=show,
-                            replica=replica)
+                            replica=replica, lora_adapters=adapters)
             mode = f"{len(api_keys)} API keys" if api_keys else "single tenant, no auth"
             logger.info("kvserve: model %s served as %s, %d KV blocks of %d tokens, %s", engine.info.model_name,
                         ", ".join(options.model_names(engine.info.model_name)), engine.info.num_blocks,

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from kvserve import __version__
 from kvserve.server.errors import ApiError, bad_request
 from kvserve.server.limits import max_prompt_bytes
+from kvserve.server.lora_routes import lora_model_cards
 from kvserve.server.protocol import ChatMessage, ModelCard
 from kvserve.server.state import Caller, ServerState, parse_body, server_state
 
@@ -102,13 +103,16 @@ async def ping(request: Request) -> Response:
 @router.get("/v1/models/{model_id:path}")
 async def retrieve_model(model_id: str, request: Request, _: Caller) -> JSONResponse:
     state = server_state(request)
+    adapters = {card.id: card for card in lora_model_cards(state)}
+    if model_id in adapters:
+        return JSONResponse(adapters[model_id].model_dump())
     _check_model(state, model_id)
     card = ModelCard(id=model_id, created=0, max_model_len=state.engine.info.max_model_len)
     return JSONResponse(card.model_dump())
 
 
 def _check_model(state: ServerState, name: str | None) -> None:
-    if name is not None and name not in state.model_names:
+    if name is not None and name not in state.model_names and name not in state.lora_adapters:
         raise ApiError(404, f"model {name!r} does not exist; this server serves {list(state.model_names)}",
                        "model", "model_not_found")
 

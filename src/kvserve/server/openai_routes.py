@@ -10,12 +10,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
 from kvserve.engine.request import RequestOutput
+from kvserve.lora.adapter import LoRAAdapter
 from kvserve.prefix.namespace import Namespace
 from kvserve.server import inputs, responses, roles
 from kvserve.server.auth import Principal, cache_namespace
 from kvserve.server.constraints import effective_tool_choice
-from kvserve.server.errors import ApiError, bad_request
+from kvserve.server.errors import bad_request
 from kvserve.server.generation import ClientDisconnected, StreamFormat, collect, sse_stream, submit
+from kvserve.server.lora_routes import lora_model_cards, resolve_model
 from kvserve.server.protocol import (
     ChatCompletion,
     ChatCompletionRequest,
@@ -36,6 +38,7 @@ async def list_models(request: Request, _: Caller) -> JSONResponse:
     state = server_state(request)
     cards = [ModelCard(id=name, created=0, max_model_len=state.engine.info.max_model_len)
              for name in state.model_names]
+    cards += lora_model_cards(state)
     return JSONResponse(ModelList(data=cards).model_dump())
 
 
@@ -69,7 +72,7 @@ def _inline(model: type[BaseModel]) -> dict:
 async def chat_completions(request: Request, caller: Caller) -> Response:
     state = server_state(request)
     body = await parse_body(request, ChatCompletionRequest)
-    _check_request(state, body)
+    lora = _check_request(state, body)
     inputs.check_chat_size(body.messages, state.engine.info)
     prompt_ids = await state.off_loop(inputs.chat_prompt_ids, state.engine.tokenizer, body)
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -80,7 +83,7 @@ async def chat_completions(request: Request, caller: Caller) -> Response:
         "chatcmpl", body.model, body.n, [len(prompt_ids)], state.token_texts
     )
     namespace = _namespace(caller, body.cache_salt)
-    group = await submit(state, ctx, [prompt_ids], params, namespace, "messages")
+    group = await submit(state, ctx, [prompt_ids], params, namespace, "messages", lora)
     fmt = StreamFormat(
         first_chunks=responses.chat_role_chunks,
         chunk=partial(responses.chat_chunk, logprobs=body.logprobs),
@@ -95,7 +98,7 @@ async def chat_completions(request: Request, caller: Caller) -> Response:
 async def completions(request: Request, caller: Caller) -> Response:
     state = server_state(request)
     body = await parse_body(request, CompletionRequest)
-    _check_request(state, body)
+    lora = _check_request(state, body)
     inputs.check_completion_size(body, state.engine.info)
     prompts = await state.off_loop(
         inputs.completion_prompt_ids, state.engine.tokenizer, body.prompt, state.engine.info.vocab_size
@@ -107,7 +110,7 @@ async def completions(request: Request, caller: Caller) -> Response:
     params = inputs.engine_params(body, max_tokens, body.logprobs)
     ctx = responses.ResponseContext.new("cmpl", body.model, body.n, prompt_lens, state.token_texts)
     namespace = _namespace(caller, body.cache_salt)
-    group = await submit(state, ctx, prompts, params, namespace, "prompt")
+    group = await submit(state, ctx, prompts, params, namespace, "prompt", lora)
     want_logprobs = body.logprobs is not None
     fmt = StreamFormat(
         first_chunks=lambda _: [],
@@ -118,11 +121,11 @@ async def completions(request: Request, caller: Caller) -> Response:
     return await _respond(request, state, group, ctx, fmt if body.stream else None, final, (prompts, namespace))
 
 
-def _check_request(state: ServerState, body: ChatCompletionRequest | CompletionRequest) -> None:
-    if body.model not in state.model_names:
-        raise ApiError(404, f"model {body.model!r} does not exist; this server serves {list(state.model_names)}",
-                       "model", "model_not_found")
+def _check_request(state: ServerState, body: ChatCompletionRequest | CompletionRequest) -> LoRAAdapter | None:
+    """The adapter `model` names (None: the base model); 404 model_not_found for an unknown name."""
+    lora = resolve_model(state, body.model)
     inputs.check_group_options(body)
+    return lora
 
 
 def _namespace(caller: Principal, cache_salt: str | None) -> Namespace:

@@ -31,6 +31,7 @@ class ServerOptions:
     dashboard: bool | None = None  # None: on with API keys or on a loopback host
     role: str = "mixed"  # --role (server/roles.py)
     prefill_flush_timeout: float = 2.0
+    lora_modules: tuple[tuple[str, str], ...] = ()  # (name, path) of each `--lora-modules name=path`
 
     def __post_init__(self) -> None:
         if self.log_level not in LOG_LEVELS:
@@ -39,6 +40,9 @@ class ServerOptions:
             raise ValueError("served_model_name: names must be non-empty")
         if len(set(self.served_model_names)) != len(self.served_model_names):
             raise ValueError(f"served_model_name: duplicate names in {list(self.served_model_names)}")
+        names = [name for name, _ in self.lora_modules]
+        if len(set(names)) != len(names) or set(names) & set(self.served_model_names):
+            raise ValueError(f"lora_modules: adapter names must be unique and differ from the served names: {names}")
         if self.stats_log_interval < 0:
             raise ValueError(f"stats_log_interval must be >= 0, got {self.stats_log_interval}")
 
@@ -63,3 +67,14 @@ def resolve_chat_template(value: str) -> str:
     except jinja2.TemplateSyntaxError as err:
         raise ValueError(f"chat_template: invalid Jinja at line {err.lineno}: {err.message}") from err
     return value
+
+
+def parse_lora_modules(values: list[str]) -> tuple[tuple[str, str], ...]:
+    """`--lora-modules name=path ...` -> ((name, path), ...); ValueError naming a malformed entry."""
+    modules = []
+    for value in values:
+        name, sep, path = value.partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise ValueError(f"lora_modules: expected name=path, got {value!r}")
+        modules.append((name.strip(), path.strip()))
+    return tuple(modules)

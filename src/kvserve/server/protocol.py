@@ -277,6 +277,8 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "kvserve"
     max_model_len: int
+    root: str | None = None  # vLLM's: a LoRA adapter's path (None for the base model)
+    parent: str | None = None  # vLLM's: a LoRA adapter's base model (None for the base model)
 
 
 class ModelList(BaseModel):

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
 from kvserve.events.publisher import KVEventPublisher
+from kvserve.lora.adapter import LoRAAdapter
 from kvserve.server.auth import ApiKeys, AuthError, Principal, authenticate, require_admin
 from kvserve.server.errors import ApiError, from_validation_error
 from kvserve.server.limits import ServerLimits
@@ -62,6 +63,7 @@ class ServerState:
     workers: ThreadPoolExecutor  # bounded: CPU-heavy input work, off the event loop
     served_model_names: tuple[str, ...] = ()  # every name requests may use; model_name is the first
     replica: ReplicaInfo = field(default_factory=ReplicaInfo)  # for a router: `GET /load`
+    lora_adapters: dict[str, LoRAAdapter] = field(default_factory=dict)  # served adapters by name (event loop)
 
     @property
     def model_names(self) -> tuple[str, ...]:

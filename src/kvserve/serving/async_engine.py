@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 from kvserve.engine.engine import LLMEngine
 from kvserve.engine.params import BeamSearchParams, SamplingParams
 from kvserve.engine.request import RequestOutput
+from kvserve.lora.adapter import LoRAAdapter
 from kvserve.prefix.namespace import Namespace
 
 logger = logging.getLogger(__name__)
@@ -45,6 +46,7 @@ class RequestSpec:
     params: SamplingParams | BeamSearchParams
     request_id: str
     namespace: Namespace = ()
+    lora: LoRAAdapter | None = None  # the adapter the request runs under (None: the base model)
 
 
 @dataclass(slots=True)
@@ -311,7 +313,7 @@ class AsyncEngine:
             raise ValueError("request ids within a group must be unique")
         requests = [
             self._engine.make_request(spec.prompt, spec.params, request_id=spec.request_id,
-                                      namespace=spec.namespace)
+                                      namespace=spec.namespace, lora=spec.lora)
             for spec in specs
         ]  # all validated before any is queued
         for request, sink in zip(requests, sinks, strict=True):
