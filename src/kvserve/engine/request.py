@@ -41,6 +41,7 @@ class FinishReason(enum.Enum):
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or max_model_len
     ABORT = "abort"
+    ERROR = "error"  # failed inside the engine; the output carries a generic message, the log the details
 
 
 @dataclass(slots=True)
@@ -106,6 +107,7 @@ class RequestOutput:
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
     outputs: list[CompletionOutput] | None = None
+    error: str | None = None  # the request failed inside the engine: a generic message naming its id
 
     @property
     def completions(self) -> list[CompletionOutput]:
@@ -148,6 +150,7 @@ class Request:
     detokenizer: DetokenizerState = field(default_factory=DetokenizerState)
     may_share_tail: bool = False  # forked: the partial tail block may be shared (copy it before writing)
     cumulative_logprob: float = 0.0  # kept when its group asks for it (parallel members, beams)
+    held_since_step: int = 0  # scheduler step at which it last got blocks (admission or fork): fair preemption
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

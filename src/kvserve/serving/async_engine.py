@@ -30,10 +30,20 @@ from kvserve.prefix.namespace import Namespace
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+ENGINE_DIED = "engine thread died after an internal error"
 
 
 class EngineDeadError(RuntimeError):
     """The engine thread has stopped (it crashed, or the engine is shutting down)."""
+
+
+class RequestFailedError(RuntimeError):
+    """One request failed inside the engine (it was aborted; everyone else goes on). The message is
+    generic and names the request id; the details are in the engine's log."""
+
+    def __init__(self, message: str, request_id: str) -> None:
+        super().__init__(message)
+        self.request_id = request_id
 
 
 @dataclass(slots=True)
@@ -94,6 +104,10 @@ class RequestGroup:
         if not self._open:
             raise StopAsyncIteration
         item = await self._queue.get()
+        if isinstance(item, RequestFailedError):
+            # Only that member ended: the others stay open, so leaving the group aborts them.
+            self._open.discard(self.request_ids.index(item.request_id))
+            raise item
         if isinstance(item, BaseException):
             self._open.clear()
             raise item
@@ -124,9 +138,13 @@ class RequestGroup:
 class AsyncEngine:
     """Runs an `LLMEngine` on its own thread; async methods are called from one event loop or more."""
 
-    def __init__(self, engine: LLMEngine) -> None:
-        """Take ownership of `engine`: after `start()` only the engine thread touches it."""
+    def __init__(self, engine: LLMEngine, on_death: Callable[[BaseException], None] | None = None) -> None:
+        """Take ownership of `engine`: after `start()` only the engine thread touches it.
+
+        `on_death(exc)` is called (on the engine thread) if the engine loop crashes: a server uses it to
+        exit non-zero, so a supervisor restarts it, instead of living on unable to serve."""
         self._engine = engine
+        self._on_death = on_death
         self.tokenizer = engine.tokenizer  # immutable after load; encode/decode are thread-safe
         self.info = EngineInfo(
             model_name=engine.model_name, max_model_len=engine.max_model_len,
@@ -248,7 +266,7 @@ class AsyncEngine:
         future: Future = Future()
         with self._cond:
             if self._error is not None:
-                raise EngineDeadError(f"engine thread died: {self._error!r}")
+                raise EngineDeadError(ENGINE_DIED)  # the details are in the log, not for callers
             if self._stop_mode is not None:
                 raise EngineDeadError("engine is shutting down")
             self._inbox.append(_Command(run, future, num_submissions))
@@ -267,6 +285,20 @@ class AsyncEngine:
             self._fail_everything(exc)
             return
         self._abort_everything()
+
+    def set_death_callback(self, on_death: Callable[[BaseException], None]) -> None:
+        """Install `on_death` (see `__init__`); called at once if the engine has already died."""
+        self._on_death = on_death
+        if self._error is not None:
+            self._report_death(self._error)
+
+    def _report_death(self, exc: BaseException) -> None:
+        if self._on_death is None:
+            return
+        try:
+            self._on_death(exc)
+        except Exception:  # noqa: BLE001 - the callback's failure must not hide the crash
+            logger.exception("engine death callback failed")
 
     def _run_once(self) -> bool:
         """Drain the inbox, then step once if there is work; False when the loop should end."""
@@ -329,8 +361,11 @@ class AsyncEngine:
         for output in outputs:
             request_id = output.request_id
             sink = self._sinks.pop(request_id) if output.finished else self._sinks.get(request_id)
-            if sink is not None:
-                batches.setdefault(sink.loop, []).append((sink.queue, (sink.index, _snapshot(output))))
+            if sink is None:
+                continue
+            item = (sink.index, _snapshot(output)) if output.error is None else (
+                RequestFailedError(output.error, request_id))
+            batches.setdefault(sink.loop, []).append((sink.queue, item))
         for loop, batch in batches.items():
             _call_soon(loop, _put_all, batch)
 
@@ -344,7 +379,8 @@ class AsyncEngine:
     def _fail_everything(self, exc: BaseException) -> None:
         with self._cond:
             self._error = exc
-        error = EngineDeadError(f"engine thread died: {exc!r}")
+        self._report_death(exc)  # first: whoever sees a failed stream may already find the server stopping
+        error = EngineDeadError(ENGINE_DIED)
         self._fail_commands(error)
         batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}
         for sink in self._sinks.values():
