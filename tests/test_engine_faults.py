@@ -10,7 +10,12 @@ stream and calls its death callback.
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import pytest
 
 import kvserve.engine.engine as engine_module
@@ -21,7 +26,9 @@ from kvserve.engine.failures import MAX_ALL_FAILED_STEPS, EngineLoopError
 from kvserve.engine.groups.beam_search import BeamGroup
 from kvserve.engine.groups.parallel import ParallelGroup
 from kvserve.engine.params import BeamSearchParams, SamplingParams
+from kvserve.server.launcher import free_port
 from kvserve.serving.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
+from test_server_support import chat_model_dir, wait_until_drained  # noqa: F401 - a fixture
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 BAD = "bad"
@@ -186,3 +193,93 @@ def test_async_engine_reports_request_error_and_engine_death(tiny_model_dir, pro
         asyncio.run(scenario())
     finally:
         async_engine.shutdown()
+
+
+# --- the same through a real server subprocess --------------------------------------------------
+
+POISON = [7, 7, 7, 7, 7]  # a prompt starting with these fails in the forward: one request's fault
+FATAL = [9, 9, 9, 9, 9]  # ... makes scheduling raise: the engine loop's fault
+FAULTY_SERVER = f"""
+import sys
+import kvserve.engine.model_runner as model_runner
+import kvserve.engine.scheduler as scheduler
+
+run, schedule = model_runner.ModelRunner.run, scheduler.Scheduler.schedule
+
+def faulty_run(self, scheduled):
+    if any(item.request.prompt_token_ids[:5] == {POISON} for item in scheduled):
+        raise RuntimeError("injected forward fault")
+    return run(self, scheduled)
+
+def faulty_schedule(self):
+    if any(request.prompt_token_ids[:5] == {FATAL} for request in self.waiting):
+        raise RuntimeError("injected scheduler fault")
+    return schedule(self)
+
+model_runner.ModelRunner.run, scheduler.Scheduler.schedule = faulty_run, faulty_schedule
+from kvserve.cli import main
+sys.exit(main(["serve", *sys.argv[1:]]))
+"""
+
+
+@pytest.fixture
+def faulty_server(tmp_path, chat_model_dir):  # noqa: F811 - the fixture imported above
+    script = tmp_path / "faulty_server.py"
+    script.write_text(FAULTY_SERVER)
+    port = free_port()
+    log = open(tmp_path / "server.log", "w")  # noqa: SIM115 - closed below
+    process = subprocess.Popen(
+        [sys.executable, str(script), "--model", str(chat_model_dir), "--num-blocks", "128",
+         "--host", "127.0.0.1", "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while not _healthy(url):
+            assert process.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.2)
+        yield url, process, tmp_path / "server.log"
+    finally:
+        if process.poll() is None:
+            process.terminate()
+            process.wait(30)
+        log.close()
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _complete(url: str, prompt: list[int], stream: bool = False) -> httpx.Response:
+    body = {"model": "tiny-chat", "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+            "stream": stream}
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+
+
+def test_server_answers_500_for_the_failed_request_and_exits_1_when_the_loop_dies(faulty_server):
+    url, process, log_path = faulty_server
+    good = [11, 12, 13, 14, 15, 16]
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(_complete, url, POISON + [20, 21]), pool.submit(_complete, url, good),
+                   pool.submit(_complete, url, POISON + [22], True), pool.submit(_complete, url, good[::-1])]
+        bad, ok, bad_stream, ok_reversed = (future.result() for future in futures)
+    assert bad.status_code == 500, bad.text
+    error = bad.json()["error"]
+    assert error["type"] == "internal_error"
+    assert error["message"].startswith("internal error while generating (request id ")
+    assert "injected" not in bad.text and "Traceback" not in bad.text  # details only in the log
+    assert bad_stream.status_code == 200 and '"type": "internal_error"' in bad_stream.text
+    assert bad_stream.text.rstrip().endswith("data: [DONE]")
+    assert ok.status_code == 200 and ok_reversed.status_code == 200
+    assert ok.json()["choices"][0]["text"] == _complete(url, good).json()["choices"][0]["text"]  # as alone
+    wait_until_drained(url)
+    assert _healthy(url)
+    assert "injected forward fault" in log_path.read_text()
+    # The engine loop itself fails: the request gets 503, the process exits 1 (a supervisor restarts it).
+    fatal = _complete(url, FATAL)
+    assert fatal.status_code == 503 and "injected" not in fatal.text
+    assert process.wait(60) == 1
+    assert "injected scheduler fault" in log_path.read_text()
