@@ -101,8 +101,9 @@ async def hostage(config: EngineConfig, num_short: int) -> list[object]:
         solo_total = (await timed_request(engine, [100, 250, 300, 400], SHORT, "solo-total"))[2]
         try:
             hog = asyncio.create_task(timed_request(engine, [100, 101, 102], HOSTAGE, "hog"))
-            await asyncio.sleep(0)
-            await asyncio.sleep(5.0)  # let its members fill the pool
+            deadline = time.monotonic() + 120
+            while not hog.done() and engine.stats()["num_preemptions"] == 0 and time.monotonic() < deadline:
+                await asyncio.sleep(0.2)  # until its members fill the pool and preempt each other
             if hog.done():
                 hog.result()  # raises the refusal
             latencies = [(await timed_request(engine, [100, 260 + i, 300, 400], SHORT, f"short-{i}"))[2]

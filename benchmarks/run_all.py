@@ -16,7 +16,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 ORDER = [
     "throughput", "memory_efficiency", "prefix_cache", "prefix_lookup", "parallel_memory",
-    "server_load", "serve_sweep", "side_channel",
+    "server_load", "serve_sweep", "side_channel", "fairness",
 ]
 HEADER = """# Benchmarks
 

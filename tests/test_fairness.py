@@ -122,16 +122,19 @@ def test_short_requests_finish_while_a_big_group_holds_the_pool(tiny_model_dir):
     assert_pool_drained(engine)
 
 
-def _seq(group_id: str, blocks: int, since: int) -> SimpleNamespace:
-    return SimpleNamespace(group_id=group_id, block_table=list(range(blocks)), held_since_step=since)
+def _seq(group_id: str, blocks: int, since: int, arrival: float = 1.0, member: int = 0) -> SimpleNamespace:
+    return SimpleNamespace(group_id=group_id, block_table=list(range(blocks)), held_since_step=since,
+                           request_id=f"{group_id}#{member}" if member else group_id,
+                           metrics=SimpleNamespace(arrival_time=arrival))
 
 
 def test_victims_are_the_largest_longest_holders():
+    oldest = _seq("p", 9, since=1, arrival=0.0)  # never a victim while others run: it always progresses
     old_big, new_small = _seq("a", 8, since=1), _seq("b", 2, since=9)
-    member_old, member_new = _seq("g", 4, since=2), _seq("g", 4, since=5)  # share their 4 blocks
-    ordered = order_by_pool_share([member_new, old_big, member_old, new_small], step=10)
-    # weights: b = 2 x 2, g = 4 blocks (shared, once) x 9, a = 8 x 10; the newest member of g after g's first
-    assert ordered == [new_small, member_old, member_new, old_big]
+    member_old, member_new = _seq("g", 4, since=2), _seq("g", 4, since=5, member=1)  # share their 4 blocks
+    ordered = order_by_pool_share([member_new, old_big, member_old, new_small, oldest], step=10)
+    # weights: b = 2 x 2, g = 4 blocks (shared, once) x 9, a = 8 x 10; g's newest member after its first
+    assert ordered == [oldest, new_small, member_old, member_new, old_big]
 
 
 def test_members_of_running_groups_queue_behind_newcomers():

@@ -37,9 +37,11 @@ def worst_case_blocks(num_prompt_tokens: int, max_tokens: int, num_sequences: in
 
 
 def default_block_cap(num_blocks: int, max_model_len: int, block_size: int) -> int:
-    """Half the pool, or one full-length sequence if that is more (never more than the pool): any one
-    sequence that fits the pool is admitted as before; a group may not take more than half of it."""
-    return min(num_blocks, max(num_blocks // 2, -(-max_model_len // block_size)))
+    """Half the pool, or one full-length sequence if that is more: any one sequence is admitted as
+    before (it must fit the pool, `_check_fits`); a group may need one full context's worth of blocks
+    or half the pool. On a pool smaller than one context a group may exceed the pool: its members then
+    take turns (fair preemption and admission keep it from holding the others hostage)."""
+    return max(num_blocks // 2, -(-max_model_len // block_size))
 
 
 def check_block_cap(

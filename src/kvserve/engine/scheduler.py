@@ -33,7 +33,10 @@ def order_by_pool_share(running: list[Request], step: int) -> list[Request]:
     A group (a plain request, or all the samples / beams of one) weighs the blocks it holds (each
     counted once, however many members share it) times the steps since it first got them; the heaviest
     group goes last, its newest member last of all. So a request that has held a large part of the pool
-    for long yields to newcomers, instead of the newest arrival always paying. Stable otherwise.
+    for long yields to newcomers, instead of the newest arrival always paying. One exception keeps the
+    system live: the oldest sequence (by arrival; a group's root before its forks) goes first, so it is
+    never preempted while anything else runs and always finishes (a lone sequence fits the pool) --
+    without it, whoever held longest would be preempted over and over and nothing might finish.
     """
     blocks: dict[str, set[int]] = {}
     since: dict[str, int] = {}
@@ -41,7 +44,12 @@ def order_by_pool_share(running: list[Request], step: int) -> list[Request]:
         blocks.setdefault(request.group_id, set()).update(request.block_table)
         since[request.group_id] = min(since.get(request.group_id, step), request.held_since_step)
     weight = {group_id: len(held) * (step - since[group_id] + 1) for group_id, held in blocks.items()}
-    return sorted(running, key=lambda r: (weight[r.group_id], r.held_since_step))
+    ordered = sorted(running, key=lambda r: (weight[r.group_id], r.held_since_step))
+    if ordered:  # progress: the oldest sequence goes first, so it is never a victim while others run
+        oldest = min(ordered, key=lambda r: (r.metrics.arrival_time, r.request_id != r.group_id, r.request_id))
+        ordered.remove(oldest)
+        ordered.insert(0, oldest)
+    return ordered
 
 
 def unserved_groups_first(waiting: deque[Request], running: list[Request]) -> deque[Request]:

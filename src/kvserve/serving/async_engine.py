@@ -27,23 +27,13 @@ from kvserve.engine.engine import LLMEngine
 from kvserve.engine.params import BeamSearchParams, SamplingParams
 from kvserve.engine.request import RequestOutput
 from kvserve.prefix.namespace import Namespace
+from kvserve.serving.streams import EngineDeadError, RequestFailedError, RequestGroup
+
+__all__ = ["AsyncEngine", "EngineDeadError", "EngineInfo", "RequestFailedError", "RequestGroup", "RequestSpec"]
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 ENGINE_DIED = "engine thread died after an internal error"
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread has stopped (it crashed, or the engine is shutting down)."""
-
-
-class RequestFailedError(RuntimeError):
-    """One request failed inside the engine (it was aborted; everyone else goes on). The message is
-    generic and names the request id; the details are in the engine's log."""
-
-    def __init__(self, message: str, request_id: str) -> None:
-        super().__init__(message)
-        self.request_id = request_id
 
 
 @dataclass(slots=True)
@@ -82,57 +72,6 @@ class _Command:
     run: Callable[[], Any]
     future: Future | None = None
     num_submissions: int = 0  # requests this command adds (counted as waiting until it runs)
-
-
-class RequestGroup:
-    """Async iterator of `(index, RequestOutput)` for a group of requests submitted together.
-
-    Outputs of all members arrive in one queue in engine order; iteration ends when every member
-    finished. Leaving the group early (`abort()`, or `async with` exit) aborts unfinished members.
-    """
-
-    def __init__(self, engine: AsyncEngine, request_ids: list[str], queue: asyncio.Queue) -> None:
-        self._engine = engine
-        self.request_ids = request_ids
-        self._queue = queue
-        self._open = set(range(len(request_ids)))
-
-    def __aiter__(self) -> RequestGroup:
-        return self
-
-    async def __anext__(self) -> tuple[int, RequestOutput]:
-        if not self._open:
-            raise StopAsyncIteration
-        item = await self._queue.get()
-        if isinstance(item, RequestFailedError):
-            # Only that member ended: the others stay open, so leaving the group aborts them.
-            self._open.discard(self.request_ids.index(item.request_id))
-            raise item
-        if isinstance(item, BaseException):
-            self._open.clear()
-            raise item
-        index, output = item
-        if output.finished:
-            self._open.discard(index)
-        return index, output
-
-    @property
-    def finished(self) -> bool:
-        return not self._open
-
-    def abort(self) -> int:
-        """Abort every member that has not finished (idempotent, non-blocking); returns how many."""
-        num_open = len(self._open)
-        if num_open:
-            self._engine.abort([self.request_ids[i] for i in sorted(self._open)])
-            self._open.clear()
-        return num_open
-
-    async def __aenter__(self) -> RequestGroup:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        self.abort()
 
 
 class AsyncEngine:
@@ -216,7 +155,7 @@ class AsyncEngine:
             # The caller went away while we waited: whatever got queued must not run unobserved.
             self.abort([spec.request_id for spec in specs])
             raise
-        return RequestGroup(self, [spec.request_id for spec in specs], queue)
+        return RequestGroup(self.abort, [spec.request_id for spec in specs], queue)
 
     async def generate(
         self, prompt_or_ids: str | list[int], params: SamplingParams, request_id: str,
