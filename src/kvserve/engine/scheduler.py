@@ -1,12 +1,13 @@
 """Scheduler: continuous batching with chunked prefill, preemption by recompute, fcfs | lpm order.
 
-Every step, running requests go first (one decode token each, or their next prefill chunk, at most
-`long_prefill_token_threshold` tokens while others wait or run), then waiting ones are admitted while the token budget,
-`max_num_seqs` and the pool allow. When a running request cannot get a block, the running sequence
-of the group holding the largest share of the pool (blocks x steps held, `order_by_pool_share`) is
-preempted: its blocks are released (full ones stay in the prefix cache) and it goes back to the front
-of the queue, to be recomputed. Admission is FCFS, except that members of a group that already runs
-wait behind requests whose group does not (`unserved_groups_first`).
+Every step, running requests go first (one decode token each, or their next prefill chunk: at most
+`long_prefill_token_threshold` tokens while others wait or run), then waiting ones are admitted while
+the token budget, `max_num_seqs` and the pool allow. When a running request cannot get a block, the
+running sequence of the group holding the largest share of the pool (blocks x steps held,
+`order_by_pool_share`; never the oldest sequence, so something always finishes) is preempted: its
+blocks are released (full ones stay in the prefix cache) and it goes back to the front of the queue,
+to be recomputed. Admission is FCFS, except that members of a group that already runs wait behind
+requests whose group does not (`unserved_groups_first`).
 
 A running request with nothing to compute is waiting for the rest of its group (a beam whose
 siblings have not computed their logits yet); it is skipped. If nothing at all could run, such
