@@ -143,3 +143,9 @@ def test_members_of_running_groups_queue_behind_newcomers():
     from collections import deque
     assert list(unserved_groups_first(deque([queued_member, newcomer, other]), running)) == [
         newcomer, other, queued_member]
+
+
+@pytest.mark.parametrize(("field", "value"), [("max_blocks_per_request", 0), ("long_prefill_token_threshold", -1)])
+def test_invalid_fairness_settings_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        EngineConfig(**{field: value})
