@@ -136,12 +136,15 @@ def main() -> None:
     parser.add_argument("--num-threads", type=int, default=None)
     args = parser.parse_args()
     base = {"model": args.model, "num_threads": args.num_threads}
-    long_rows = [asyncio.run(long_prefill(EngineConfig(**base, long_prefill_token_threshold=threshold),
-                                          args.long_tokens, args.delay))
-                 for threshold in (None, 0)]
-    hostage_rows = [asyncio.run(hostage(EngineConfig(**base, num_blocks=args.hostage_blocks,
-                                                     max_blocks_per_request=cap), args.num_short))
-                    for cap in (None, 100_000)]
+    long_rows, hostage_rows = [], []
+    for threshold in (None, 0):
+        config = EngineConfig(**base, long_prefill_token_threshold=threshold)
+        long_rows.append(asyncio.run(long_prefill(config, args.long_tokens, args.delay)))
+        print(long_rows[-1], flush=True)
+    for cap in (None, 100_000):
+        config = EngineConfig(**base, num_blocks=args.hostage_blocks, max_blocks_per_request=cap)
+        hostage_rows.append(asyncio.run(hostage(config, args.num_short)))
+        print(hostage_rows[-1], flush=True)
     table = (
         f"Short 4-token request sent {args.delay} s after a {args.long_tokens}-token prompt (ms):\n\n"
         + markdown_table(["engine", "solo TTFT", "step in flight", "TTFT beside", "2x solo + step",

@@ -52,7 +52,13 @@ def short_ttft_beside_long_prefill(model_dir, threshold: int) -> tuple[int, int]
     engine.add_request(LONG_PROMPT, SamplingParams(max_tokens=1), request_id="long")
     engine.step()  # the long prompt's first chunk is in flight when the short one arrives
     engine.add_request([5, 6, 7, 9], SHORT, request_id="short")
+    long_request = engine.groups["long"].root
+    computed = long_request.num_computed_tokens
     beside = steps_until_first_token(engine, "short")
+    if threshold:  # the short one's first step ran without a chunk of the long prompt; the next one has one
+        assert long_request.num_computed_tokens == computed
+        engine.step()
+        assert long_request.num_computed_tokens == computed + threshold
     while engine.has_unfinished_requests():
         engine.step()
     assert_pool_drained(engine)

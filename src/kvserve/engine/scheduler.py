@@ -116,6 +116,7 @@ class Scheduler:
         self.long_prefill_token_threshold = long_prefill_token_threshold  # 0: a chunk takes the budget
         self.num_steps = 0
         self._contended = False  # others wait or run beside a request this step (long prefills yield)
+        self._yielded_last_step = False  # running prefills sat out the last step for a newcomer
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -133,8 +134,10 @@ class Scheduler:
         self.running = order_by_pool_share(self.running, self.num_steps)
         self._contended = len(self.waiting) + len(self.running) > 1
         budget = self._schedule_running(output, self.max_num_batched_tokens)
+        num_running_before = len(output.scheduled)
         if not output.preempted:
             self._schedule_waiting(output, budget)
+        self._yield_to_newcomers(output, num_running_before)
         if not output.scheduled and self.waiting and self.running:
             self._unblock_waiting(output)
         output.blocks_to_copy = self.block_manager.take_pending_copies()
@@ -198,6 +201,19 @@ class Scheduler:
             self.running.append(request)
             output.scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
+
+    def _yield_to_newcomers(self, output: SchedulerOutput, num_running_before: int) -> None:
+        """In a step that admits a request for the first time, running prefill chunks sit out (they keep
+        their blocks), so the newcomer's first step costs what it would alone: its TTFT is its solo TTFT
+        plus the step in flight when it arrived. Never two steps in a row, so a long prefill gets a chunk
+        at least every other step however many newcomers arrive."""
+        fresh = any(item.request.metrics.first_token_time is None for item in output.scheduled[num_running_before:])
+        yielding = [item for item in output.scheduled[:num_running_before] if item.num_new_tokens > 1]
+        if not fresh or not yielding or self._yielded_last_step:
+            self._yielded_last_step = False
+            return
+        output.scheduled = [item for item in output.scheduled if item not in yielding]
+        self._yielded_last_step = True
 
     def _chunk(self, num_remaining: int, budget: int) -> int:
         """Tokens to compute for a request this step: what remains, within the budget; while other
