@@ -60,6 +60,17 @@ def test_preemption_keeps_outputs(tiny_model_dir, prompts, reference, prefix_cac
     assert_pool_drained(llm.engine)
 
 
+@pytest.mark.parametrize("threshold", [3, 8])
+@pytest.mark.parametrize("prefix_cache", ["radix", "off"])
+def test_long_prefill_threshold_and_tight_pool(tiny_model_dir, prompts, reference, prefix_cache, threshold):
+    """Issue 8: prefill chunks of at most `threshold` tokens beside others, fair preemption on 12 blocks."""
+    llm = make_llm(tiny_model_dir, num_blocks=12, prefix_cache=prefix_cache, long_prefill_token_threshold=threshold)
+    outputs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outputs] == reference
+    assert llm.stats()["num_preemptions"] > 0
+    assert_pool_drained(llm.engine)
+
+
 @pytest.mark.parametrize("block_size", [1, 2, 16, 64])
 def test_block_sizes(tiny_model_dir, prompts, reference, block_size):
     llm = make_llm(tiny_model_dir, block_size=block_size, num_blocks=4096 // block_size)

@@ -229,6 +229,7 @@ def test_multi_turn_conversation_matches_hf(tiny_model_dir, tiny_hf_model):
 def test_request_admitted_alongside_adopts_blocks_cached_meanwhile(llm, tiny_hf_model):
     engine = llm.engine
     engine.scheduler.max_num_batched_tokens = 116  # step 1: A's whole 100-token prompt, and 16 of B's
+    engine.scheduler.long_prefill_token_threshold = 0  # (no 64-token chunks beside each other)
     prompt = list(range(200, 300))
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     first = engine.make_request(prompt, params)

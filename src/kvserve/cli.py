@@ -44,6 +44,13 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                        help="token budget of one step (prefill chunks + decodes)")
     group.add_argument("--schedule-policy", default=defaults.schedule_policy, choices=SCHEDULE_POLICIES,
                        help="admission order: first come first served, or longest cached prefix first")
+    group.add_argument("--max-blocks-per-request", type=int, default=None,
+                       help="KV blocks one request may need at worst, all its n / best_of / beam sequences "
+                       "together; larger requests get 400 (default: half the pool, or one max-model-len "
+                       "sequence if that is more)")
+    group.add_argument("--long-prefill-token-threshold", type=int, default=None,
+                       help="most prompt tokens one request computes per step, so newcomers are not held "
+                       "behind a long prompt; 0: off (default: max(64, 4%% of max_model_len))")
     group.add_argument("--num-threads", type=int, default=None, help="torch CPU threads; None: torch's default")
     group.add_argument("--seed", type=int, default=defaults.seed, help="seed of unseeded random requests")
     group.add_argument("--eviction", default=defaults.eviction, choices=ONLINE_POLICIES,

@@ -62,6 +62,8 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     schedule_policy: str = "fcfs"
+    max_blocks_per_request: int | None = None  # None: max(half the pool, one max_model_len sequence)
+    long_prefill_token_threshold: int | None = None  # None: max(64, 4% of max_model_len); 0: off
     num_threads: int | None = None
     seed: int = 0
     eviction: str = DEFAULT_EVICTION  # prefix-cache eviction policy (prefix/eviction.py)
@@ -115,6 +117,12 @@ class EngineConfig:
             f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}",
         )
         _require(self.eviction in ONLINE_POLICIES, f"eviction must be one of {ONLINE_POLICIES}, got {self.eviction!r}")
+        if self.max_blocks_per_request is not None:
+            _require(self.max_blocks_per_request >= 1,
+                     f"max_blocks_per_request must be >= 1, got {self.max_blocks_per_request}")
+        if self.long_prefill_token_threshold is not None:
+            _require(self.long_prefill_token_threshold >= 0,
+                     f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
         if self.num_threads is not None:
             _require(self.num_threads >= 1, f"num_threads must be >= 1, got {self.num_threads}")
         _require(self.max_loras >= 1, f"max_loras must be >= 1, got {self.max_loras}")

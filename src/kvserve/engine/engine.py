@@ -13,6 +13,7 @@ cache and block-table checks (`Scheduler.check_invariants`).
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import random
 import time
@@ -22,13 +23,15 @@ import torch
 
 from kvserve.config import EngineConfig, default_kv_cache_memory
 from kvserve.engine.block_manager import BlockManager
+from kvserve.engine.failures import FailureStreak, StepFailures, failed_output
 from kvserve.engine.groups import Decision, Drop, Extend, Finish, Fork, Sample, SequenceGroup, make_group
 from kvserve.engine.kv_tiers import make_engine_tiers
+from kvserve.engine.limits import check_block_cap, default_long_prefill_threshold
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.params import BeamSearchParams, SamplingParams
-from kvserve.engine.request import FinishReason, Request, RequestOutput
+from kvserve.engine.request import FinishReason, Request, RequestOutput, TokenLogprob
 from kvserve.engine.sampler import add_cumulative_logprobs, sample
-from kvserve.engine.scheduler import Scheduler, SchedulerOutput
+from kvserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from kvserve.engine.structured import GrammarCompiler
 from kvserve.engine.tokens import append_sampled_token
 from kvserve.engine.validation import validate_prompt_ids, validate_token_params
@@ -43,6 +46,7 @@ from kvserve.prefix.factory import make_prefix_cache
 from kvserve.prefix.namespace import Namespace, with_adapter
 
 DEBUG_CHECKS_ENV = "KVSERVE_DEBUG_CHECKS"
+logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -69,8 +73,10 @@ class LLMEngine:
             config.prefix_cache, allocator, config.block_size, config.prefix_hash, config.eviction
         )
         self.block_manager = BlockManager(allocator, prefix_cache, config.block_size, config.prefix_hash)
+        self.long_prefill_token_threshold = self._resolve_long_prefill_threshold()
         self.scheduler = Scheduler(
-            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.schedule_policy
+            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.schedule_policy,
+            self.long_prefill_token_threshold,
         )
         self.lora = (
             LoRARegistry(
@@ -89,6 +95,7 @@ class LLMEngine:
         self.eos_token_ids = self._eos_token_ids()
         self._grammars: GrammarCompiler | None = None  # built on the first structured-output request
         self.finish_listeners: list[Callable[[Request], None]] = []  # e.g. the request log
+        self._failure_streak = FailureStreak()
 
     # --- set-up --------------------------------------------------------------------------------------
 
@@ -98,6 +105,11 @@ class LLMEngine:
         if wanted > limit:
             raise ValueError(f"max_model_len {wanted} exceeds the model's {limit} positions")
         return wanted
+
+    def _resolve_long_prefill_threshold(self) -> int:
+        if self.config.long_prefill_token_threshold is not None:
+            return self.config.long_prefill_token_threshold
+        return default_long_prefill_threshold(self.max_model_len)
 
     def _pool_shape(self) -> KVPoolShape:
         mc, config = self.model_config, self.config
@@ -132,6 +144,8 @@ class LLMEngine:
         prompt_ids = self._encode(prompt)
         validate_prompt_ids(prompt_ids, self.model_config.vocab_size)
         self._check_fits(len(prompt_ids), params.max_tokens)
+        check_block_cap(len(prompt_ids), params, self.block_manager, self.config.max_blocks_per_request,
+                        self.max_model_len)
         request_id = request_id if request_id is not None else f"req-{next(self._request_counter)}"
         if request_id in self.groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -245,7 +259,11 @@ class LLMEngine:
     # --- the step ------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduling step; returns outputs of the requests that produced a token."""
+        """Run one scheduling step; returns outputs of the requests that produced a token (or failed).
+
+        A request whose work raises is aborted with an error output (engine/failures.py); an exception
+        outside any request's work (scheduling, block copies, invariant checks) propagates: the engine
+        loop cannot go on."""
         scheduler_output = self.scheduler.schedule()
         outputs = self._run(scheduler_output) if scheduler_output.scheduled else []
         if self.debug_checks:
@@ -255,27 +273,68 @@ class LLMEngine:
     def _run(self, scheduler_output: SchedulerOutput) -> list[RequestOutput]:
         if scheduler_output.blocks_to_copy:
             self.runner.copy_blocks(scheduler_output.blocks_to_copy)
-        logits, sampling = self.runner.run(scheduler_output.scheduled)
+        failures = StepFailures()
+        logits, sampling = self._forward(scheduler_output.scheduled, failures)
         for item in scheduler_output.scheduled:
-            item.request.num_computed_tokens += item.num_new_tokens
-            self.block_manager.publish_full_blocks(item.request)
+            failures.guard(item.request.group_id, lambda item=item: self._advance(item))
         rows: dict[str, list[tuple[Request, int]]] = {}  # by group, in batch order
         for row, item in enumerate(sampling):
-            rows.setdefault(item.request.group_id, []).append((item.request, row))
+            if item.request.group_id not in failures:
+                rows.setdefault(item.request.group_id, []).append((item.request, row))
         groups = [self.groups[group_id] for group_id in rows]
-        decided = [(group, group.decide(rows[group.request_id], logits)) for group in groups]
-        self._apply(decided, logits)
-        return self._collect(groups)
+        decided = []
+        for group in groups:
+            decisions = failures.guard(group.request_id, lambda g=group: g.decide(rows[g.request_id], logits))
+            if decisions is not None:
+                decided.append((group, decisions))
+        self._apply(decided, logits, failures)
+        outputs = self._collect([g for g in groups if g.request_id not in failures], failures)
+        outputs += [self._fail_group(group_id) for group_id in failures.errors]
+        num_groups = len({item.request.group_id for item in scheduler_output.scheduled})
+        self._failure_streak.record(num_groups, len(failures.errors))
+        return outputs
 
-    def _apply(self, decided: list[tuple[SequenceGroup, list[Decision]]], logits: torch.Tensor) -> None:
-        """Apply the groups' decisions in groups/base.py's order: forks, tokens, drops, finishes."""
-        decisions = [decision for _, group_decisions in decided for decision in group_decisions]
+    def _forward(self, scheduled: list[ScheduledRequest], failures: StepFailures
+                 ) -> tuple[torch.Tensor, list[ScheduledRequest]]:
+        """The batched forward; if it raises, each group's part is run alone, and only the groups
+        whose own forward raises fail (K/V slots written twice get the same values)."""
+        try:
+            return self.runner.run(scheduled)
+        except Exception as exc:  # noqa: BLE001 - attributed below, group by group
+            by_group: dict[str, list[ScheduledRequest]] = {}
+            for item in scheduled:
+                by_group.setdefault(item.request.group_id, []).append(item)
+            if len(by_group) == 1:
+                failures.fail(next(iter(by_group)), exc)
+                return torch.empty(0), []
+            logger.warning("batched forward failed (%r); running its %d requests one by one", exc, len(by_group))
+        parts = [failures.guard(group_id, lambda items=items: self.runner.run(items))
+                 for group_id, items in by_group.items()]
+        parts = [part for part in parts if part is not None and part[1]]
+        if not parts:
+            return torch.empty(0), []
+        return torch.cat([logits for logits, _ in parts]), [item for _, items in parts for item in items]
+
+    def _advance(self, item: ScheduledRequest) -> None:
+        item.request.num_computed_tokens += item.num_new_tokens
+        self.block_manager.publish_full_blocks(item.request)
+
+    def _apply(self, decided: list[tuple[SequenceGroup, list[Decision]]], logits: torch.Tensor,
+               failures: StepFailures) -> None:
+        """Apply the groups' decisions in groups/base.py's order: forks, tokens, drops, finishes; a group
+        whose decisions raise fails alone."""
+        for group, decisions in decided:
+            failures.guard(group.request_id, lambda g=group, d=decisions: self._apply_forks(d))
+        self._sample(decided, logits, failures)
+        for group, decisions in decided:
+            failures.guard(group.request_id, lambda g=group, d=decisions: self._apply_rest(g, d))
+
+    def _apply_forks(self, decisions: list[Decision]) -> None:
         for decision in decisions:
             if isinstance(decision, Fork):
                 self.scheduler.add_fork(decision.parent, decision.child)
-        samples = [decision for decision in decisions if isinstance(decision, Sample)]
-        if samples:
-            self._sample(samples, logits)
+
+    def _apply_rest(self, group: SequenceGroup, decisions: list[Decision]) -> None:
         for decision in decisions:
             if isinstance(decision, Extend):
                 decision.member.append_token(decision.token_id)
@@ -283,14 +342,34 @@ class LLMEngine:
         for decision in decisions:
             if isinstance(decision, Drop):
                 self.scheduler.finish(decision.member)
-        for group, group_decisions in decided:
-            if any(isinstance(decision, Finish) for decision in group_decisions):
-                for sequence in group.sequences():
-                    if not sequence.is_finished:
-                        self.scheduler.finish(sequence)
+        if any(isinstance(decision, Finish) for decision in decisions):
+            for sequence in group.sequences():
+                if not sequence.is_finished:
+                    self.scheduler.finish(sequence)
 
-    def _sample(self, samples: list[Sample], logits: torch.Tensor) -> None:
-        """The one sampling path: every sampled token of the step, one `sample()` call."""
+    def _sample(self, decided: list[tuple[SequenceGroup, list[Decision]]], logits: torch.Tensor,
+                failures: StepFailures) -> None:
+        """The one sampling path: every sampled token of the step from one `sample()` call (group by
+        group if that raises), then appended and stop-checked member by member."""
+        samples = [d for group, decisions in decided if group.request_id not in failures
+                   for d in decisions if isinstance(d, Sample)]
+        if not samples:
+            return
+        try:
+            drawn = self._draw(samples, logits)
+        except Exception as exc:  # noqa: BLE001 - attributed below, group by group
+            logger.warning("batched sampling failed (%r); sampling group by group", exc)
+            drawn = []
+            by_group: dict[str, list[Sample]] = {}
+            for decision in samples:
+                by_group.setdefault(decision.member.group_id, []).append(decision)
+            for group_id, group_samples in by_group.items():
+                drawn += failures.guard(group_id, lambda s=group_samples: self._draw(s, logits)) or []
+        now = time.monotonic()
+        for member, token_id, logprob in drawn:
+            failures.guard(member.group_id, lambda m=member, t=token_id, lp=logprob: self._append(m, t, lp, now))
+
+    def _draw(self, samples: list[Sample], logits: torch.Tensor) -> list[tuple[Request, int, TokenLogprob | None]]:
         rows = [decision.row for decision in samples]
         if rows != list(range(len(logits))):
             logits = logits[rows]
@@ -298,21 +377,35 @@ class LLMEngine:
         token_ids, logprobs = sample(logits, members)
         tracked = [i for i, decision in enumerate(samples) if decision.track_logprob]
         add_cumulative_logprobs(logits, members, token_ids, tracked)
-        now = time.monotonic()
-        for member, token_id, logprob in zip(members, token_ids, logprobs, strict=True):
-            reason = append_sampled_token(member, token_id, logprob, now, self.tokenizer, self.max_model_len)
-            if reason is not None:
-                self._finish(member, reason)
+        return list(zip(members, token_ids, logprobs, strict=True))
 
-    def _collect(self, groups: list[SequenceGroup]) -> list[RequestOutput]:
+    def _append(self, member: Request, token_id: int, logprob: TokenLogprob | None, now: float) -> None:
+        reason = append_sampled_token(member, token_id, logprob, now, self.tokenizer, self.max_model_len)
+        if reason is not None:
+            self._finish(member, reason)
+
+    def _collect(self, groups: list[SequenceGroup], failures: StepFailures) -> list[RequestOutput]:
         outputs = []
         for group in groups:
-            output = group.output()
+            output = failures.guard(group.request_id, group.output)
+            if group.request_id in failures:
+                continue
             if group.finished:
                 self._close(group)
             if output is not None:
                 outputs.append(output)
         return outputs
+
+    def _fail_group(self, group_id: str) -> RequestOutput:
+        """Abort every sequence of a failed group (its blocks come back) and close it with an error."""
+        group = self.groups[group_id]
+        members = {id(s): s for s in [*group.sequences(), *self.scheduler.sequences_of(group_id)]}
+        for sequence in members.values():
+            if not sequence.is_finished:
+                self._finish(sequence, FinishReason.ERROR)
+        output = failed_output(group.root)
+        self._close(group)
+        return output
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
         request.finish_reason = reason

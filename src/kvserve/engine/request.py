@@ -47,6 +47,7 @@ class FinishReason(enum.Enum):
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or max_model_len
     ABORT = "abort"
+    ERROR = "error"  # failed inside the engine; the output carries a generic message, the log the details
 
 
 @dataclass(slots=True)
@@ -160,6 +161,7 @@ class RequestOutput:
     delta_token_ids: list[int] = field(default_factory=list)
     outputs: list[CompletionOutput] | None = None  # None given: one completion from the top-level fields
     prompt_logprobs: None = None  # vLLM's field; kvserve refuses prompt_logprobs
+    error: str | None = None  # the request failed inside the engine: a generic message naming its id
 
     def __post_init__(self) -> None:
         if self.outputs is None:
@@ -217,6 +219,7 @@ class Request:
     stop_reason: str | int | None = None  # the stop string or stop token id that finished it
     grammar: Any = None  # a structured-output matcher (engine/structured.py) when params ask for one
     lora: LoRAAdapter | None = None  # the adapter it runs under (its id is also in `namespace`)
+    held_since_step: int = 0  # scheduler step at which it last got blocks (admission or fork): fair preemption
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

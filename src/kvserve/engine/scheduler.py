@@ -1,9 +1,13 @@
 """Scheduler: continuous batching with chunked prefill, preemption by recompute, fcfs | lpm order.
 
-Every step, running requests go first (one decode token each, or their next prefill chunk), then
-waiting ones are admitted while the token budget, `max_num_seqs` and the pool allow. When a running
-request cannot get a block, the newest running request is preempted: its blocks are released (full
-ones stay in the prefix cache) and it goes back to the front of the queue, to be recomputed.
+Every step, running requests go first (one decode token each, or their next prefill chunk: at most
+`long_prefill_token_threshold` tokens while others wait or run), then waiting ones are admitted while
+the token budget, `max_num_seqs` and the pool allow. When a running request cannot get a block, the
+running sequence of the group holding the largest share of the pool (blocks x steps held,
+`order_by_pool_share`; never the oldest sequence, so something always finishes) is preempted: its
+blocks are released (full ones stay in the prefix cache) and it goes back to the front of the queue,
+to be recomputed. Admission is FCFS, except that members of a group that already runs wait behind
+requests whose group does not (`unserved_groups_first`).
 
 A running request with nothing to compute is waiting for the rest of its group (a beam whose
 siblings have not computed their logits yet); it is skipped. If nothing at all could run, such
@@ -30,6 +34,41 @@ if TYPE_CHECKING:
 LPM_MAX_WAITING = 128  # beyond this many waiting requests, lpm's per-step matching costs too much
 PROTECT_WAITING = 4  # head-of-queue requests whose cached prefixes are refreshed before running ones grow
 IDLE_LOAD_WAIT_S = 0.01  # nothing to run but loads in flight: wait this long for one before returning
+
+
+def order_by_pool_share(running: list[Request], step: int) -> list[Request]:
+    """Running sequences, the most preemptible last (the scheduler preempts from the end).
+
+    A group (a plain request, or all the samples / beams of one) weighs the blocks it holds (each
+    counted once, however many members share it) times the steps since it first got them; the heaviest
+    group goes last, its newest member last of all. So a request that has held a large part of the pool
+    for long yields to newcomers, instead of the newest arrival always paying. One exception keeps the
+    system live: the oldest sequence (by arrival; a group's root before its forks) goes first, so it is
+    never preempted while anything else runs and always finishes (a lone sequence fits the pool) --
+    without it, whoever held longest would be preempted over and over and nothing might finish.
+    """
+    blocks: dict[str, set[int]] = {}
+    since: dict[str, int] = {}
+    for request in running:
+        blocks.setdefault(request.group_id, set()).update(request.block_table)
+        since[request.group_id] = min(since.get(request.group_id, step), request.held_since_step)
+    weight = {group_id: len(held) * (step - since[group_id] + 1) for group_id, held in blocks.items()}
+    ordered = sorted(running, key=lambda r: (weight[r.group_id], r.held_since_step))
+    if ordered:  # progress: the oldest sequence goes first, so it is never a victim while others run
+        oldest = min(ordered, key=lambda r: (r.metrics.arrival_time, r.request_id != r.group_id, r.request_id))
+        ordered.remove(oldest)
+        ordered.insert(0, oldest)
+    return ordered
+
+
+def unserved_groups_first(waiting: deque[Request], running: list[Request]) -> deque[Request]:
+    """The queue with requests whose group has no running sequence first (FCFS among them), then the
+    members of groups already running: one group of n samples cannot keep newcomers out by
+    re-admitting its own preempted members ahead of them."""
+    served = {request.group_id for request in running}
+    if not any(request.group_id in served for request in waiting):
+        return waiting
+    return deque([r for r in waiting if r.group_id not in served] + [r for r in waiting if r.group_id in served])
 
 
 @dataclass(slots=True)
@@ -79,12 +118,16 @@ class PrefixCacheCounters:
 class Scheduler:
     def __init__(
         self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-        policy: str = "fcfs",
+        policy: str = "fcfs", long_prefill_token_threshold: int = 0,
     ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.policy = policy
+        self.long_prefill_token_threshold = long_prefill_token_threshold  # 0: a chunk takes the budget
+        self.num_steps = 0
+        self._contended = False  # others wait or run beside a request this step (long prefills yield)
+        self._yielded_last_step = False  # running prefills sat out the last step for a newcomer
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -98,13 +141,18 @@ class Scheduler:
         return bool(self.waiting or self.running or (self.tiers is not None and self.tiers.loading))
 
     def schedule(self) -> SchedulerOutput:
+        self.num_steps += 1
         output = SchedulerOutput()
-        self._protect_waiting()
         if self.tiers is not None:
             self._requeue_loaded()
+        self.running = order_by_pool_share(self.running, self.num_steps)
+        self._contended = len(self.waiting) + len(self.running) > 1
+        self._protect_waiting()
         budget = self._schedule_running(output, self.max_num_batched_tokens)
+        num_running_before = len(output.scheduled)
         if not output.preempted:
             self._schedule_waiting(output, budget)
+        self._yield_to_newcomers(output, num_running_before)
         if not output.scheduled and self.waiting and self.running:
             self._unblock_waiting(output)
         output.blocks_to_copy = self.block_manager.take_pending_copies()
@@ -127,7 +175,7 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             self._adopt_cached_continuation(request)
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
             if num_new == 0:  # holding its logits until the rest of its group has theirs
                 index += 1
                 continue
@@ -149,6 +197,7 @@ class Scheduler:
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
         if self.policy == "lpm":
             self._order_waiting_by_longest_prefix()
+        self.waiting = unserved_groups_first(self.waiting, self.running)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             matched = self.block_manager.match_prefix(request)
@@ -158,7 +207,7 @@ class Scheduler:
                     self.waiting.popleft()
                     continue
             num_computed = len(matched) * self.block_manager.block_size
-            num_new = min(request.num_tokens - num_computed, budget)
+            num_new = self._chunk(request.num_tokens - num_computed, budget)
             if not self.block_manager.can_admit(request, matched, num_new):
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
@@ -166,6 +215,7 @@ class Scheduler:
             self.block_manager.admit(request, matched)
             self.block_manager.grow(request, num_new)
             request.status = RequestStatus.RUNNING
+            request.held_since_step = self.num_steps
             if request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = time.monotonic()
             self.running.append(request)
@@ -178,6 +228,28 @@ class Scheduler:
         blocks first (with the cache off, a match is empty and costs nothing)."""
         for request in itertools.islice(self.waiting, PROTECT_WAITING):
             self.block_manager.match_prefix(request)
+
+    def _yield_to_newcomers(self, output: SchedulerOutput, num_running_before: int) -> None:
+        """In a step that admits a request for the first time, running prefill chunks sit out (they keep
+        their blocks), so the newcomer's first step costs what it would alone: its TTFT is its solo TTFT
+        plus the step in flight when it arrived. Never two steps in a row, so a long prefill gets a chunk
+        at least every other step however many newcomers arrive."""
+        fresh = any(item.request.metrics.first_token_time is None for item in output.scheduled[num_running_before:])
+        yielding = [item for item in output.scheduled[:num_running_before] if item.num_new_tokens > 1]
+        if not fresh or not yielding or self._yielded_last_step:
+            self._yielded_last_step = False
+            return
+        output.scheduled = [item for item in output.scheduled if item not in yielding]
+        self._yielded_last_step = True
+
+    def _chunk(self, num_remaining: int, budget: int) -> int:
+        """Tokens to compute for a request this step: what remains, within the budget; while other
+        requests wait or run beside it, a prefill chunk of at most `long_prefill_token_threshold` (vLLM's
+        knob), so a long prompt never takes a whole step from the others: a newcomer's first step costs
+        little more than it would alone. Alone, a request takes the whole budget as before."""
+        num_new = min(num_remaining, budget)
+        threshold = self.long_prefill_token_threshold
+        return threshold if self._contended and 0 < threshold < num_new else num_new
 
     def _adopt_cached_continuation(self, request: Request) -> None:
         adopted = self.block_manager.adopt_cached_continuation(request)
@@ -243,11 +315,16 @@ class Scheduler:
         if parent.status is RequestStatus.RUNNING and len(self.running) < self.max_num_seqs:
             self.block_manager.fork(parent, child)
             child.status = RequestStatus.RUNNING
+            child.held_since_step = self.num_steps
             self.running.append(child)
             return
         child.status = RequestStatus.WAITING
         index = self.waiting.index(parent) + 1 if parent.status is RequestStatus.WAITING else 0
         self.waiting.insert(index, child)
+
+    def sequences_of(self, group_id: str) -> list[Request]:
+        """Every queued or running sequence of one group (read only: the engine aborts a failed group)."""
+        return [r for r in (*self.running, *self.waiting) if r.group_id == group_id]
 
     def check_invariants(self) -> None:
         """Pool, cache and block-table checks (the engine runs them after every step under

@@ -120,7 +120,8 @@ def run_server(
     kv_events_replay_endpoint: str | None = None, request_log: str | None = None,
 ) -> None:
     """Load the model and serve until SIGTERM/SIGINT; then stop accepting, let in-flight requests
-    finish for up to `shutdown_timeout` seconds, abort the rest, and return (exit status 0).
+    finish for up to `shutdown_timeout` seconds, abort the rest, and return (exit status 0). If the
+    engine loop dies, shut down the same way and exit with status 1.
 
     With `kv_events_endpoint`, KV events are published there (vLLM's format; the first batch is an
     AllBlocksCleared: a fresh process holds nothing). With `request_log`, one Mooncake-format line per
@@ -159,10 +160,14 @@ def run_server(
                 http=guarded_protocol(limits.max_connections, limits.header_timeout_s),
                 timeout_keep_alive=limits.keep_alive_s,
             ))
+            engine.set_death_callback(server.engine_died)
             signals.serving = True
             server.run()
         finally:
             engine.shutdown(drain=False)
+        if server.engine_error is not None:
+            logger.critical("kvserve: exiting with status 1: the engine loop died (%r)", server.engine_error)
+            raise SystemExit(1)  # so a supervisor restarts the process instead of a 503 zombie living on
 
 
 def _configure_logging(level: str) -> None:
@@ -201,6 +206,13 @@ class _GracefulServer(uvicorn.Server):
         super().__init__(config)
         self._engine = engine
         self._grace = grace
+        self.engine_error: BaseException | None = None
+
+    def engine_died(self, exc: BaseException) -> None:
+        """On the engine thread, when its loop crashed: shut the server down (`/health` is 503 meanwhile)."""
+        logger.critical("kvserve: the engine loop died; shutting down")
+        self.engine_error = exc
+        self.should_exit = True  # uvicorn's main loop polls it
 
     async def shutdown(self, sockets: list | None = None) -> None:
         timer = asyncio.get_running_loop().call_later(self._grace, self._engine.stop, False)

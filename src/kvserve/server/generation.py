@@ -28,7 +28,13 @@ from kvserve.server.metrics import ServerMetrics
 from kvserve.server.protocol import Usage
 from kvserve.server.responses import ResponseContext, choices_of, usage_of
 from kvserve.server.state import ServerState
-from kvserve.serving.async_engine import AsyncEngine, EngineDeadError, RequestGroup, RequestSpec
+from kvserve.serving.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    RequestFailedError,
+    RequestGroup,
+    RequestSpec,
+)
 
 logger = logging.getLogger("uvicorn.error")  # alongside uvicorn's own lines
 SSE_DONE = "data: [DONE]\n\n"
@@ -82,6 +88,11 @@ def engine_unavailable(err: Exception) -> ApiError:
                     type_="server_error")
 
 
+def request_failed(err: RequestFailedError) -> ApiError:
+    """500 for a request that failed inside the engine (the others went on); the message is generic."""
+    return ApiError(500, str(err), code="internal_error", type_="internal_error")
+
+
 async def collect(group: RequestGroup, request: Request, metrics: ServerMetrics) -> dict[int, RequestOutput]:
     """Final output of every prompt; aborts the group if the client disconnects first."""
     collector = asyncio.ensure_future(_final_outputs(group, metrics))
@@ -100,6 +111,8 @@ async def collect(group: RequestGroup, request: Request, metrics: ServerMetrics)
         return collector.result()
     except EngineDeadError as err:
         raise engine_unavailable(err) from err
+    except RequestFailedError as err:
+        raise request_failed(err) from err
 
 
 async def _final_outputs(group: RequestGroup, metrics: ServerMetrics) -> dict[int, RequestOutput]:
@@ -147,6 +160,9 @@ async def sse_stream(
     except EngineDeadError as err:
         # Headers are out already: report in-band, as OpenAI does for mid-stream errors.
         yield f"data: {json.dumps(engine_unavailable(err).body())}\n\n"
+        yield SSE_DONE
+    except RequestFailedError as err:
+        yield f"data: {json.dumps(request_failed(err).body())}\n\n"
         yield SSE_DONE
     finally:
         num_aborted = group.abort()

@@ -28,13 +28,13 @@ from kvserve.engine.params import BeamSearchParams, SamplingParams
 from kvserve.engine.request import RequestOutput
 from kvserve.lora.adapter import LoRAAdapter
 from kvserve.prefix.namespace import Namespace
+from kvserve.serving.streams import EngineDeadError, RequestFailedError, RequestGroup
+
+__all__ = ["AsyncEngine", "EngineDeadError", "EngineInfo", "RequestFailedError", "RequestGroup", "RequestSpec"]
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread has stopped (it crashed, or the engine is shutting down)."""
+ENGINE_DIED = "engine thread died after an internal error"
 
 
 @dataclass(slots=True)
@@ -76,59 +76,16 @@ class _Command:
     num_submissions: int = 0  # requests this command adds (counted as waiting until it runs)
 
 
-class RequestGroup:
-    """Async iterator of `(index, RequestOutput)` for a group of requests submitted together.
-
-    Outputs of all members arrive in one queue in engine order; iteration ends when every member
-    finished. Leaving the group early (`abort()`, or `async with` exit) aborts unfinished members.
-    """
-
-    def __init__(self, engine: AsyncEngine, request_ids: list[str], queue: asyncio.Queue) -> None:
-        self._engine = engine
-        self.request_ids = request_ids
-        self._queue = queue
-        self._open = set(range(len(request_ids)))
-
-    def __aiter__(self) -> RequestGroup:
-        return self
-
-    async def __anext__(self) -> tuple[int, RequestOutput]:
-        if not self._open:
-            raise StopAsyncIteration
-        item = await self._queue.get()
-        if isinstance(item, BaseException):
-            self._open.clear()
-            raise item
-        index, output = item
-        if output.finished:
-            self._open.discard(index)
-        return index, output
-
-    @property
-    def finished(self) -> bool:
-        return not self._open
-
-    def abort(self) -> int:
-        """Abort every member that has not finished (idempotent, non-blocking); returns how many."""
-        num_open = len(self._open)
-        if num_open:
-            self._engine.abort([self.request_ids[i] for i in sorted(self._open)])
-            self._open.clear()
-        return num_open
-
-    async def __aenter__(self) -> RequestGroup:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        self.abort()
-
-
 class AsyncEngine:
     """Runs an `LLMEngine` on its own thread; async methods are called from one event loop or more."""
 
-    def __init__(self, engine: LLMEngine) -> None:
-        """Take ownership of `engine`: after `start()` only the engine thread touches it."""
+    def __init__(self, engine: LLMEngine, on_death: Callable[[BaseException], None] | None = None) -> None:
+        """Take ownership of `engine`: after `start()` only the engine thread touches it.
+
+        `on_death(exc)` is called (on the engine thread) if the engine loop crashes: a server uses it to
+        exit non-zero, so a supervisor restarts it, instead of living on unable to serve."""
         self._engine = engine
+        self._on_death = on_death
         self.tokenizer = engine.tokenizer  # immutable after load; encode/decode are thread-safe
         self.info = EngineInfo(
             model_name=engine.model_name, max_model_len=engine.max_model_len,
@@ -200,7 +157,7 @@ class AsyncEngine:
             # The caller went away while we waited: whatever got queued must not run unobserved.
             self.abort([spec.request_id for spec in specs])
             raise
-        return RequestGroup(self, [spec.request_id for spec in specs], queue)
+        return RequestGroup(self.abort, [spec.request_id for spec in specs], queue)
 
     async def generate(
         self, prompt_or_ids: str | list[int], params: SamplingParams, request_id: str,
@@ -250,7 +207,7 @@ class AsyncEngine:
         future: Future = Future()
         with self._cond:
             if self._error is not None:
-                raise EngineDeadError(f"engine thread died: {self._error!r}")
+                raise EngineDeadError(ENGINE_DIED)  # the details are in the log, not for callers
             if self._stop_mode is not None:
                 raise EngineDeadError("engine is shutting down")
             self._inbox.append(_Command(run, future, num_submissions))
@@ -269,6 +226,20 @@ class AsyncEngine:
             self._fail_everything(exc)
             return
         self._abort_everything()
+
+    def set_death_callback(self, on_death: Callable[[BaseException], None]) -> None:
+        """Install `on_death` (see `__init__`); called at once if the engine has already died."""
+        self._on_death = on_death
+        if self._error is not None:
+            self._report_death(self._error)
+
+    def _report_death(self, exc: BaseException) -> None:
+        if self._on_death is None:
+            return
+        try:
+            self._on_death(exc)
+        except Exception:  # noqa: BLE001 - the callback's failure must not hide the crash
+            logger.exception("engine death callback failed")
 
     def _run_once(self) -> bool:
         """Drain the inbox, then step once if there is work; False when the loop should end."""
@@ -331,8 +302,11 @@ class AsyncEngine:
         for output in outputs:
             request_id = output.request_id
             sink = self._sinks.pop(request_id) if output.finished else self._sinks.get(request_id)
-            if sink is not None:
-                batches.setdefault(sink.loop, []).append((sink.queue, (sink.index, _snapshot(output))))
+            if sink is None:
+                continue
+            item = (sink.index, _snapshot(output)) if output.error is None else (
+                RequestFailedError(output.error, request_id))
+            batches.setdefault(sink.loop, []).append((sink.queue, item))
         for loop, batch in batches.items():
             _call_soon(loop, _put_all, batch)
 
@@ -346,7 +320,8 @@ class AsyncEngine:
     def _fail_everything(self, exc: BaseException) -> None:
         with self._cond:
             self._error = exc
-        error = EngineDeadError(f"engine thread died: {exc!r}")
+        self._report_death(exc)  # first: whoever sees a failed stream may already find the server stopping
+        error = EngineDeadError(ENGINE_DIED)
         self._fail_commands(error)
         batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}
         for sink in self._sinks.values():
