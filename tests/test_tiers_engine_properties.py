@@ -40,7 +40,7 @@ def test_random_operations_with_tiers_keep_pool_consistent(engine, ops, seed):
     ids: list[str] = []
     for op in ops:
         if op[0] == "add":
-            _, length, max_tokens, shared, salt = op
+            _, length, max_tokens, shared, salt, *_ = op  # (the pool test also draws an adapter)
             prompt = (SHARED_PREFIX + [seed % 7 + 60] * length) if shared else [(seed % 5 + i) % 500 + 3
                                                                                  for i in range(length)]
             prompt = prompt[: 150 - max_tokens]

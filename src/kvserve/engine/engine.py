@@ -21,24 +21,26 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kvserve.config import EngineConfig, default_kv_cache_memory
+from kvserve.config import EngineConfig
 from kvserve.engine.block_manager import BlockManager
 from kvserve.engine.failures import FailureStreak, StepFailures, failed_output
 from kvserve.engine.groups import Decision, Drop, Extend, Finish, Fork, Sample, SequenceGroup, make_group
 from kvserve.engine.kv_tiers import make_engine_tiers
-from kvserve.engine.limits import check_block_cap, default_long_prefill_threshold
+from kvserve.engine.limits import check_block_cap
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.params import BeamSearchParams, SamplingParams
 from kvserve.engine.request import FinishReason, Request, RequestOutput, TokenLogprob
 from kvserve.engine.sampler import add_cumulative_logprobs, sample
 from kvserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from kvserve.engine.setup import eos_token_ids, pool_shape, resolve_long_prefill_threshold, resolve_max_model_len
+from kvserve.engine.stats import engine_stats
 from kvserve.engine.structured import GrammarCompiler
 from kvserve.engine.tokens import append_sampled_token
-from kvserve.engine.validation import validate_prompt_ids, validate_token_params
+from kvserve.engine.validation import check_fits, encode_prompt, validate_prompt_ids, validate_token_params
 from kvserve.kernels.ops import Kernels
 from kvserve.kv.block_allocator import BlockAllocator
-from kvserve.kv.pool import KVPool, KVPoolShape, num_blocks_for_memory
-from kvserve.lora.adapter import LoRAAdapter, LoRARequest, load_adapter
+from kvserve.kv.pool import KVPool
+from kvserve.lora.adapter import LoRAAdapter, LoRARequest
 from kvserve.lora.registry import LoRARegistry
 from kvserve.model.llama import LlamaModel
 from kvserve.model.registry import load_model
@@ -66,24 +68,21 @@ class LLMEngine:
         tensor_shapes = {name: tuple(tensor.shape) for name, tensor in loaded.weights.items()}
         weights_path = loaded.path
         del loaded
-        self.max_model_len = self._resolve_max_model_len()
-        self.kv_pool = KVPool(self._pool_shape(), self.model.dtype, self.model.device)
+        self.max_model_len = resolve_max_model_len(config, self.model_config)
+        self.kv_pool = KVPool(pool_shape(config, self.model_config, self.model.dtype), self.model.dtype,
+                              self.model.device)
         allocator = BlockAllocator(self.kv_pool.num_blocks)
         prefix_cache = make_prefix_cache(
             config.prefix_cache, allocator, config.block_size, config.prefix_hash, config.eviction
         )
         self.block_manager = BlockManager(allocator, prefix_cache, config.block_size, config.prefix_hash)
-        self.long_prefill_token_threshold = self._resolve_long_prefill_threshold()
+        self.long_prefill_token_threshold = resolve_long_prefill_threshold(config, self.max_model_len)
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.schedule_policy,
             self.long_prefill_token_threshold,
         )
-        self.lora = (
-            LoRARegistry(
-                self.model_config, config.max_loras, config.max_lora_rank, self.model.dtype, self.model.device
-            )
-            if config.enable_lora else None
-        )
+        self.lora = LoRARegistry(self.model_config, config.max_loras, config.max_lora_rank, self.model.dtype,
+                                 self.model.device) if config.enable_lora else None
         self.runner = ModelRunner(self.model, self.kv_pool, self.lora)
         self.tiers = make_engine_tiers(config, self.model_config, tensor_shapes, weights_path, self.block_manager,
                                        self.kv_pool.tensor)
@@ -92,38 +91,10 @@ class LLMEngine:
         self.debug_checks = os.environ.get(DEBUG_CHECKS_ENV, "0") not in ("", "0")
         self._seed_rng = random.Random(config.seed)
         self._request_counter = itertools.count()
-        self.eos_token_ids = self._eos_token_ids()
+        self.eos_token_ids = eos_token_ids(self.tokenizer, self.model_config)
         self._grammars: GrammarCompiler | None = None  # built on the first structured-output request
         self.finish_listeners: list[Callable[[Request], None]] = []  # e.g. the request log
         self._failure_streak = FailureStreak()
-
-    # --- set-up --------------------------------------------------------------------------------------
-
-    def _resolve_max_model_len(self) -> int:
-        limit = self.model_config.max_position_embeddings
-        wanted = self.config.max_model_len or limit
-        if wanted > limit:
-            raise ValueError(f"max_model_len {wanted} exceeds the model's {limit} positions")
-        return wanted
-
-    def _resolve_long_prefill_threshold(self) -> int:
-        if self.config.long_prefill_token_threshold is not None:
-            return self.config.long_prefill_token_threshold
-        return default_long_prefill_threshold(self.max_model_len)
-
-    def _pool_shape(self) -> KVPoolShape:
-        mc, config = self.model_config, self.config
-        num_blocks = config.num_blocks or num_blocks_for_memory(
-            int(config.kv_cache_memory or default_kv_cache_memory()), mc.num_layers, config.block_size,
-            mc.num_kv_heads, mc.head_dim, self.model.dtype,
-        )
-        return KVPoolShape(mc.num_layers, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim)
-
-    def _eos_token_ids(self) -> frozenset[int]:
-        if self.tokenizer is not None:
-            return frozenset(self.tokenizer.stop_token_ids)
-        eos = self.model_config.eos_token_id
-        return frozenset() if eos is None else frozenset([eos])
 
     # --- requests ------------------------------------------------------------------------------------
 
@@ -141,9 +112,10 @@ class LLMEngine:
             if self.lora is None:
                 raise ValueError("LoRA adapters are not enabled on this engine (enable_lora)")
             namespace = with_adapter(namespace, lora.adapter_id)
-        prompt_ids = self._encode(prompt)
+        prompt_ids = encode_prompt(self.tokenizer, prompt)
         validate_prompt_ids(prompt_ids, self.model_config.vocab_size)
-        self._check_fits(len(prompt_ids), params.max_tokens)
+        check_fits(len(prompt_ids), params.max_tokens, self.max_model_len, self.block_manager.block_size,
+                   self.block_manager.num_blocks)
         check_block_cap(len(prompt_ids), params, self.block_manager, self.config.max_blocks_per_request,
                         self.max_model_len)
         request_id = request_id if request_id is not None else f"req-{next(self._request_counter)}"
@@ -174,13 +146,7 @@ class LLMEngine:
 
     def load_lora(self, name: str, path: str) -> LoRAAdapter:
         """Load and register an adapter under `name`; ValueError naming the problem, nothing registered."""
-        if self.lora is None:
-            raise ValueError("LoRA adapters are not enabled on this engine (enable_lora)")
-        if self.lora.get(name) is not None:
-            raise ValueError(f"LoRA adapter {name!r} is already loaded")
-        adapter = load_adapter(name, path, self.model_config, self.config.max_lora_rank)
-        self.lora.add(adapter)
-        return adapter
+        return self._loras().load(name, path)
 
     def unload_lora(self, name: str) -> bool:
         """Forget an adapter's name (requests already running under it finish under it)."""
@@ -188,36 +154,12 @@ class LLMEngine:
 
     def resolve_lora(self, lora_request: LoRARequest | None) -> LoRAAdapter | None:
         """The adapter of a `LoRARequest`, loading it from `lora_path` the first time its name is seen."""
-        if lora_request is None:
-            return None
-        if self.lora is not None:
-            adapter = self.lora.get(lora_request.lora_name)
-            if adapter is not None:
-                return adapter
-        return self.load_lora(lora_request.lora_name, lora_request.lora_path)
+        return None if lora_request is None else self._loras().resolve(lora_request)
 
-    def _encode(self, prompt: str | Sequence[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: pass the prompt as token ids")
-            if not prompt:
-                raise ValueError("prompt is empty")
-            return self.tokenizer.encode(prompt)
-        return list(prompt)
-
-    def _check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        total = num_prompt_tokens + max_tokens
-        if total > self.max_model_len:
-            raise ValueError(
-                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} exceeds "
-                f"max_model_len ({self.max_model_len})"
-            )
-        num_blocks_needed = self.block_manager.blocks_for_tokens(total)
-        if num_blocks_needed > self.block_manager.num_blocks:
-            raise ValueError(
-                f"request needs {num_blocks_needed} KV blocks but the whole pool has "
-                f"{self.block_manager.num_blocks}; lower max_tokens or raise --kv-cache-memory"
-            )
+    def _loras(self) -> LoRARegistry:
+        if self.lora is None:
+            raise ValueError("LoRA adapters are not enabled on this engine (enable_lora)")
+        return self.lora
 
     def add(self, request: Request) -> str:
         """Queue a request built by `make_request`."""
@@ -421,34 +363,8 @@ class LLMEngine:
     # --- introspection -------------------------------------------------------------------------------
 
     def stats(self) -> dict[str, float | int]:
-        """Pool, scheduler and prefix-cache counters (see README for each field)."""
-        manager = self.block_manager
-        cache = manager.prefix_cache
-        counters = self.scheduler.counters
-        num_blocks = manager.num_blocks
-        used = manager.num_used_blocks()
-        return {
-            "num_blocks": num_blocks,
-            "block_size": manager.block_size,
-            "free_blocks": manager.allocator.num_free,
-            "cached_blocks": cache.num_evictable_blocks,
-            "used_blocks": used,
-            "registered_blocks": cache.num_cached_blocks,
-            "peak_used_blocks": manager.peak_used_blocks,
-            "kv_cache_usage": used / num_blocks,
-            "num_preemptions": self.scheduler.num_preemptions,
-            "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
-            "prefix_cache_queries": counters.queries,
-            "prefix_cache_hits": counters.hits,
-            "prefix_cache_hit_rate": counters.recent_hit_rate(),
-            "prefix_cache_preempted_queries": counters.preempted_queries,
-            "prefix_cache_preempted_hits": counters.preempted_hits,
-            "evictions": cache.num_evictions,
-            **{f"prefix_cache_hits_{source}": tokens for source, tokens in counters.hits_by_source.items()},
-            "num_loading": len(self.tiers.loading) if self.tiers is not None else 0,
-            "tiers": self.tiers.stats() if self.tiers is not None else {},
-        }
+        """Pool, scheduler, prefix-cache and tier counters (see README for each field)."""
+        return engine_stats(self.block_manager, self.scheduler, self.tiers)
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block (the device's; the lower tiers keep theirs and are not filled with

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.lora.adapter import LoRAAdapter, module_shapes
+from kvserve.lora.adapter import LoRAAdapter, LoRARequest, load_adapter, module_shapes
 from kvserve.model.config import ModelConfig
 
 FUSED_PROJECTIONS: dict[str, tuple[str, ...]] = {
@@ -85,6 +85,19 @@ class LoRARegistry:
                 f"LoRA adapter {adapter.name!r} has rank {adapter.rank}, over --max-lora-rank {self.max_rank}"
             )
         self.adapters[adapter.name] = adapter
+
+    def load(self, name: str, path: str) -> LoRAAdapter:
+        """Load a PEFT adapter from `path` and register it under `name`; ValueError naming the problem,
+        nothing registered."""
+        if name in self.adapters:
+            raise ValueError(f"LoRA adapter {name!r} is already loaded")
+        adapter = load_adapter(name, path, self.config, self.max_rank)
+        self.add(adapter)
+        return adapter
+
+    def resolve(self, lora_request: LoRARequest) -> LoRAAdapter:
+        """The adapter a `LoRARequest` names, loaded from its `lora_path` the first time the name is seen."""
+        return self.adapters.get(lora_request.lora_name) or self.load(lora_request.lora_name, lora_request.lora_path)
 
     def remove(self, name: str) -> bool:
         """Forget the name (running requests keep their adapter); its slot is reused when needed."""
