@@ -94,6 +94,9 @@ async def run_load(base_url: str, model: str, args) -> tuple[Results, float]:
 
 
 def metric(text: str, name: str) -> float:
+    """One sample of /metrics text, e.g. `kvserve_kv_cache_blocks{state="used"}`; the `model_name` label
+    every series carries is left out of `name`."""
+    text = re.sub(r'model_name="[^"]*",?', "", text).replace("{}", "").replace(",}", "}")
     return float(re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE).group(1))
 
 
