@@ -267,7 +267,7 @@ def vma_limit_row() -> str:
             pool.free(other)
             pool.free(seq)
         except OSError as err:  # at the limit even a free fails (unmapping part of a range splits it): close
-            outcome = f"ENOMEM after {seq.num_blocks} blocks ({2 * seq.num_blocks} mappings)"
+            outcome = f"{os.strerror(err.errno)} after {seq.num_blocks} blocks ({2 * seq.num_blocks} mappings)"
     return (f"Mapping limit: vm.max_map_count = {limit}; a 1-layer sequence growing block by block beside "
             f"another (scattered blocks, one mapping each for K and V): {outcome}. The default model needs "
             f"{2 * LAYERS} mappings per scattered block, so one process holds at most ~{limit // (2 * LAYERS):,} "
