@@ -306,7 +306,8 @@ def main() -> None:
 NOTES = """Shared, noisy 2-core machine (8 jobs at once): medians, compare within a row. `nan`: not run at that
 size (the torch reference gathers and expands the whole context; SDPA loops over sequences in Python).
 VMM first pass / steady: the first native pass over freshly mapped ranges (page-table fill on first
-touch; the pages were already committed through the flat pool), per layer, over a steady-state layer. Analysis: docs/vmm.md."""
+touch; the pages were already committed through the flat pool), per layer, over a steady-state layer.
+Analysis: docs/vmm.md."""
 
 
 if __name__ == "__main__":
