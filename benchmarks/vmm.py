@@ -116,7 +116,7 @@ def _measure(
         times.append(time.perf_counter() - start)
         calls.append(pool.mapper.counts.total - before)
         undo()
-    return statistics.median(times) * 1e6, statistics.median(calls)
+    return statistics.median(times) * 1e6, int(statistics.median(calls))
 
 
 def _table_grow_us(repeats: int) -> float:
@@ -303,8 +303,10 @@ def main() -> None:
                  NOTES)
 
 
-NOTES = """Shared, noisy 2-core machine (8 jobs at once): medians, compare within a row. `nan`: not run at that
-size (the torch reference gathers and expands the whole context; SDPA loops over sequences in Python).
+NOTES = """Shared, noisy 2-core machine (8 jobs at once; the committed run had a load average above 20, so it ran
+with OMP_NUM_THREADS=1 and absolute times are inflated several-fold): medians, compare within a row.
+`nan`: not run at that size (the torch reference gathers and expands the whole context;
+SDPA loops over sequences in Python).
 VMM first pass / steady: the first native pass over freshly mapped ranges (page-table fill on first
 touch; the pages were already committed through the flat pool), per layer, over a steady-state layer.
 Analysis: docs/vmm.md."""
