@@ -168,13 +168,15 @@ def served_per_worker(router_url: str, urls: list[str]) -> list[int]:
 def compare_policies(cluster: Cluster, single: str, model: str, args: argparse.Namespace) -> list[list[object]]:
     rows: list[list[object]] = []
     for name, workload in WORKLOADS.items():
+        if name not in args.workloads:
+            continue
         reset_caches([single])
         started = time.perf_counter()
         stats = asyncio.run(workload(single, model, args))
         rows.append(_row(name, 1, f"one worker (direct, {args.single_threads} threads)", stats, [len(stats.ttfts)],
                          time.perf_counter() - started))
         print(rows[-1], flush=True)
-        for num_workers in sorted({min(2, args.max_workers), args.max_workers}):
+        for num_workers in sorted({min(2, args.max_workers), args.max_workers} & set(args.worker_counts)):
             urls = cluster.urls[:num_workers]
             for policy in POLICIES:
                 reset_caches(urls)
@@ -211,6 +213,16 @@ def targets(rows: list[list[object]]) -> str:
     return ("**Targets** (hit rate within 5 points of one worker's; TTFT p90 at least 2× round_robin's; no worker "
             "above 60% of the requests at 2 workers). Met: " + ("; ".join(met) or "none") + ". **Not met**: "
             + ("; ".join(missed) or "none") + ".")
+
+
+def merge_rows(saved: Path, rows: list[list[object]], sizes: str, command: str) -> tuple[list[list[object]], str]:
+    """A partial re-run: its rows replace the same (workload, workers, policy) rows of the last full run."""
+    previous = json.loads(saved.read_text())
+    if previous.get("sizes") != sizes:
+        raise SystemExit("a partial re-run must use the sizes of the run it amends (see results/router.json)")
+    fresh = {tuple(row[:3]): row for row in rows}
+    merged = [fresh.pop(tuple(row[:3]), row) for row in previous["rows"]] + list(fresh.values())
+    return merged, f"{previous['command']}` then `{command}"
 
 
 def sizes_note(args: argparse.Namespace) -> str:
@@ -335,6 +347,11 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=2)
     parser.add_argument("--tree-tokens", type=int, default=100_000)
     parser.add_argument("--overhead-requests", type=int, default=40)
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS),
+                        help="re-measure only these workloads ...")
+    parser.add_argument("--worker-counts", nargs="+", type=int, default=[2, 4],
+                        help="... at these cluster sizes: with either flag narrowed, the new rows replace their "
+                             "twins in the last run's results/router.json (same sizes required)")
     parser.add_argument("--reuse-policies", action="store_true",
                         help="take the policy table from the last run's results/router.json (re-measure the rest)")
     parser.add_argument("--token-range", type=int, nargs=2, default=TOKEN_RANGE, help="prompt ids: [low, high)")
@@ -357,15 +374,18 @@ def main() -> None:
             rows, sizes = previous["rows"], previous["sizes"]
         else:
             rows, sizes = compare_policies(cluster, single.urls[0], model, args), sizes_note(args)
-            saved.write_text(json.dumps({"command": command_line(), "rows": rows, "sizes": sizes}))
+            command = command_line()
+            if set(args.workloads) != set(WORKLOADS) or not {2, args.max_workers} <= set(args.worker_counts):
+                rows, command = merge_rows(saved, rows, sizes, command)
+            saved.write_text(json.dumps({"command": command, "rows": rows, "sizes": sizes}))
 
     table = markdown_table(["workload", "workers", "policy", "hit rate", "TTFT p50 ms", "TTFT p90 ms",
                             "requests per worker", "errors", "wall s"], rows)
     decision_table = markdown_table(["policy", "workers", "tokens indexed per worker", "prompt tokens",
                                      "decision p50 µs", "decision p99 µs"], decisions)
     overhead_table = markdown_table(["path", "requests", "TTFT p50 ms", "TTFT p90 ms"], overhead)
-    earlier = json.loads((RESULTS / "router.json").read_text())["command"] if args.reuse_policies else ""
-    policy_source = f"Policy table from an earlier run: `{earlier}`\n\n" if earlier else ""
+    table_command = json.loads((RESULTS / "router.json").read_text())["command"]
+    policy_source = f"Policy table from: `{table_command}`\n\n" if table_command != command_line() else ""
     notes = policy_source + sizes + "\n\n" + targets(rows) + (
         "\n\n**Router decision latency** (in process, no HTTP):\n\n"
         f"{decision_table}\n\n**Proxied vs direct TTFT** (unique 4-token prompts, 1 output token, alternating "
