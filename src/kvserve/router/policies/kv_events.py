@@ -9,9 +9,11 @@ worker's longest run of leading cached blocks in the exact index, and scores
 where load is `Worker.load_score` (the requests this router has outstanding there, or the polled
 running + waiting when higher: known at once, not a poll later). SGLang's imbalance guard comes first
 (max − min load above `balance_abs` and max above `balance_rel` × min → the least loaded). With the
-defaults (weight 1, scale 4) a 95%-cached conversation stays on its worker until that worker has about
-four requests more than the idle one, while a hot document pinned to one busy worker is copied to the
-other (reason `rebalance`) once the gap is wide: then both hold it and load alone splits it.
+defaults (guard at 2 requests apart, weight 1, scale 4) the guard is what copies a hot document from a
+busy worker to an idle one (then both hold it and load splits it); the load term weighs workers that
+hold different amounts of a prompt: loads 2 / 0 cost the busier one 0.5, so a conversation whose
+history is short next to a prefix both workers hold (a shared system prompt) moves to the idler worker
+(reason `rebalance`), while one mostly cached only where it is stays.
 
 Blocks the router sent a worker moments ago count as cached there until its events report them
 (`PendingBlocks`), so a burst for one hot prefix is not spread before the first prefill finishes.
