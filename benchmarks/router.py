@@ -1,20 +1,30 @@
 """Router policies compared over real workers, and the router's own overhead.
 
-Starts --max-workers `python -m kvserve.server` workers (KV events on), then for each workload runs:
-one worker alone (direct, no router), and 2 and 4 workers behind the router with each policy
+Starts --max-workers `python -m kvserve.server` workers (KV events on, 1 torch thread each) and one more
+worker with --single-threads threads, then for each workload runs: that one worker alone (direct, no
+router: the same cores as the cluster, one cache), and 2 and 4 workers behind the router with each policy
 (round_robin, least_load, cache_aware, kv_events). Every run starts from empty caches. Workloads
 (token-id prompts, so no tokenizer is involved):
 
-- chat: --users users × --turns turns, concurrently; each user has a private system prompt, and each
-  turn resends the whole conversation (the previous prompt, a simulated reply, a new question);
-- rag:  --queries questions, --concurrency at a time, each prefixed by one of --docs shared documents.
+- chat: --users users × --turns turns. Every user's conversation starts with the app's system prompt
+  (--system tokens, shared by all users; --private-system gives each user their own), and each turn
+  resends the whole conversation: the previous prompt, the assistant's reply (--reply tokens, carried
+  into the history, as a client does; the benchmark's own output is --max-tokens) and a new question
+  (--user tokens). Users start spread over --ramp seconds and think --think seconds on average
+  (exponential) between turns;
+- rag:  --queries questions (--user tokens), each after one of --docs shared documents (--doc-len tokens).
+
+Offered load is bounded: at most --concurrency requests are in flight at once in either workload, so a
+policy that makes the workers do more prefill work shows up as longer TTFTs, not as an ever-growing queue.
 
 Reported per run: prefix-cache hit rate (cached / prompt tokens, as the workers report them), TTFT p50
-and p90 (client side, streaming), and the requests each worker served. Then the router alone: one
-routing decision (cache_aware tree lookup + insert; kv_events hashing + index lookup) with 100k tokens
-in each of 4 workers' indexes, p50/p99; and TTFT of the same small requests direct vs. through the router.
+and p90 (client side, streaming), and the requests each worker served; then which of the issue's targets
+are met. Then the router alone: one routing decision (cache_aware tree lookup + insert; kv_events hashing
++ index lookup) with 100k tokens in each of 4 workers' indexes, p50/p99; and TTFT of the same small
+requests direct vs. through the router.
 
-    python benchmarks/router.py            # reduced sizes (see the notes in the result file)
+    python benchmarks/router.py                                   # full sizes (about 10 min idle)
+    python benchmarks/router.py --system 256 --reply 32 --doc-len 512   # reduced
 """
 
 from __future__ import annotations
@@ -94,15 +104,22 @@ def random_ids(rng: random.Random, count: int) -> list[int]:
 
 async def chat_workload(url: str, model: str, args: argparse.Namespace) -> RunStats:
     stats, rng = RunStats(), random.Random(1)
-    users = [(random_ids(rng, args.system), [random_ids(rng, args.user) for _ in range(args.turns)],
-              [random_ids(rng, args.reply) for _ in range(args.turns)]) for _ in range(args.users)]
+    shared = random_ids(rng, args.system)
+    users = [(list(shared) if not args.private_system else random_ids(rng, args.system),
+              [random_ids(rng, args.user) for _ in range(args.turns)],
+              [random_ids(rng, args.reply) for _ in range(args.turns)],
+              [rng.uniform(0, args.ramp)] + [rng.expovariate(1 / args.think) for _ in range(args.turns - 1)])
+             for _ in range(args.users)]
+    gate = asyncio.Semaphore(args.concurrency)
 
     async def user(client: httpx.AsyncClient, system: list[int], questions: list[list[int]],
-                   replies: list[list[int]]) -> None:
+                   replies: list[list[int]], pauses: list[float]) -> None:
         history = list(system)
-        for question, reply in zip(questions, replies, strict=True):
+        for question, reply, pause in zip(questions, replies, pauses, strict=True):
+            await asyncio.sleep(pause)
             prompt = history + question
-            await one_request(client, url, model, prompt, args.max_tokens, stats)
+            async with gate:
+                await one_request(client, url, model, prompt, args.max_tokens, stats)
             history = prompt + reply
 
     async with httpx.AsyncClient(timeout=600) as client:
@@ -148,14 +165,18 @@ def served_per_worker(router_url: str, urls: list[str]) -> list[int]:
     return [counts[url] for url in urls]
 
 
-def compare_policies(cluster: Cluster, model: str, args: argparse.Namespace) -> list[list[object]]:
+def compare_policies(cluster: Cluster, single: str, model: str, args: argparse.Namespace) -> list[list[object]]:
     rows: list[list[object]] = []
     for name, workload in WORKLOADS.items():
-        reset_caches(cluster.urls[:1])
+        if name not in args.workloads:
+            continue
+        reset_caches([single])
         started = time.perf_counter()
-        stats = asyncio.run(workload(cluster.urls[0], model, args))
-        rows.append(_row(name, 1, "one worker (direct)", stats, [len(stats.ttfts)], time.perf_counter() - started))
-        for num_workers in sorted({min(2, args.max_workers), args.max_workers}):
+        stats = asyncio.run(workload(single, model, args))
+        rows.append(_row(name, 1, f"one worker (direct, {args.single_threads} threads)", stats, [len(stats.ttfts)],
+                         time.perf_counter() - started))
+        print(rows[-1], flush=True)
+        for num_workers in sorted({min(2, args.max_workers), args.max_workers} & set(args.worker_counts)):
             urls = cluster.urls[:num_workers]
             for policy in POLICIES:
                 reset_caches(urls)
@@ -169,6 +190,53 @@ def compare_policies(cluster: Cluster, model: str, args: argparse.Namespace) -> 
                     rows.append(_row(name, num_workers, policy, stats, served_per_worker(router.url, urls), elapsed))
                 print(rows[-1], flush=True)
     return rows
+
+
+def targets(rows: list[list[object]]) -> str:
+    """The issue's targets, checked against the policy table: a plain list of what is met and what is not."""
+    by = {(row[0], row[1], row[2]): row for row in rows}
+    met, missed = [], []
+    for (workload, workers, policy), row in sorted(by.items()):
+        if policy not in ("cache_aware", "kv_events"):
+            continue
+        where = f"{workload}@{workers} {policy}"
+        single = next(r for (w, n, _), r in by.items() if w == workload and n == 1)
+        rr = by[(workload, workers, "round_robin")]
+        hit, single_hit = float(str(row[3]).rstrip("%")), float(str(single[3]).rstrip("%"))
+        (met if hit >= single_hit - 5 else missed).append(f"{where}: hit rate {row[3]} vs one worker {single[3]}")
+        ratio = float(rr[5]) / max(float(row[5]), 1e-9)
+        (met if ratio >= 2 else missed).append(f"{where}: TTFT p90 {ratio:.1f}× better than round_robin")
+        if workers == 2:
+            served = [int(x) for x in str(row[6]).split(" / ")]
+            share = max(served) / max(sum(served), 1)
+            (met if share <= 0.6 else missed).append(f"{where}: busiest worker {100 * share:.0f}% of requests")
+    return ("**Targets** (hit rate within 5 points of one worker's; TTFT p90 at least 2× round_robin's; no worker "
+            "above 60% of the requests at 2 workers). Met: " + ("; ".join(met) or "none") + ". **Not met**: "
+            + ("; ".join(missed) or "none") + ".")
+
+
+def merge_rows(saved: Path, rows: list[list[object]], sizes: str, command: str) -> tuple[list[list[object]], str]:
+    """A partial re-run: its rows replace the same (workload, workers, policy) rows of the last full run."""
+    previous = json.loads(saved.read_text())
+    if previous.get("sizes") != sizes:
+        raise SystemExit("a partial re-run must use the sizes of the run it amends (see results/router.json)")
+    fresh = {tuple(row[:3]): row for row in rows}
+    merged = [fresh.pop(tuple(row[:3]), row) for row in previous["rows"]] + list(fresh.values())
+    return merged, f"{previous['command']}` then `{command}"
+
+
+def sizes_note(args: argparse.Namespace) -> str:
+    system = "a private system prompt per user" if args.private_system else "one system prompt shared by all users"
+    return (
+        f"Sizes: chat {args.users} users × {args.turns} turns ({system} of {args.system} tokens, questions of "
+        f"{args.user}, replies of {args.reply} carried into the history; users start within {args.ramp:g} s and "
+        f"think {args.think:g} s on average between turns); RAG {args.queries} questions of {args.user} tokens over "
+        f"{args.docs} shared documents of {args.doc_len} tokens; at most {args.concurrency} requests in flight; "
+        f"{args.max_tokens} output tokens per request; {args.num_blocks} KV blocks and 1 torch thread per cluster "
+        f"worker, {args.single_threads} threads for the single worker; model {args.model}. All workers share the "
+        "same 2 cores, so more workers add no compute here: TTFT differences come from cache hits and queueing, "
+        "not from parallel hardware."
+    )
 
 
 def _wait_for_streams(router: RouterThread, count: int) -> None:
@@ -260,19 +328,30 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--max-workers", type=int, default=4)
-    parser.add_argument("--num-blocks", type=int, default=512, help="KV blocks per worker (16 tokens each)")
+    parser.add_argument("--num-blocks", type=int, default=1024,
+                        help="KV blocks per worker (16 tokens each: room for every conversation, no eviction)")
+    parser.add_argument("--single-threads", type=int, default=2,
+                        help="torch threads of the single worker (the cluster's workers have 1 each)")
     parser.add_argument("--users", type=int, default=16)
     parser.add_argument("--turns", type=int, default=6)
-    parser.add_argument("--system", type=int, default=48, help="tokens of each user's system prompt")
-    parser.add_argument("--user", type=int, default=16, help="tokens per question")
-    parser.add_argument("--reply", type=int, default=8, help="tokens per (simulated) assistant reply")
+    parser.add_argument("--system", type=int, default=384, help="tokens of the system prompt")
+    parser.add_argument("--private-system", action="store_true", help="a different system prompt per user")
+    parser.add_argument("--user", type=int, default=24, help="tokens per question")
+    parser.add_argument("--reply", type=int, default=48, help="tokens per assistant reply carried into the history")
+    parser.add_argument("--think", type=float, default=1.0, help="mean seconds a user thinks between turns")
+    parser.add_argument("--ramp", type=float, default=4.0, help="users start within this many seconds")
     parser.add_argument("--docs", type=int, default=4)
-    parser.add_argument("--doc-len", type=int, default=192)
+    parser.add_argument("--doc-len", type=int, default=1024)
     parser.add_argument("--queries", type=int, default=32)
-    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--concurrency", type=int, default=4, help="requests in flight at most (both workloads)")
     parser.add_argument("--max-tokens", type=int, default=2)
     parser.add_argument("--tree-tokens", type=int, default=100_000)
     parser.add_argument("--overhead-requests", type=int, default=40)
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS),
+                        help="re-measure only these workloads ...")
+    parser.add_argument("--worker-counts", nargs="+", type=int, default=[2, 4],
+                        help="... at these cluster sizes: with either flag narrowed, the new rows replace their "
+                             "twins in the last run's results/router.json (same sizes required)")
     parser.add_argument("--reuse-policies", action="store_true",
                         help="take the policy table from the last run's results/router.json (re-measure the rest)")
     parser.add_argument("--token-range", type=int, nargs=2, default=TOKEN_RANGE, help="prompt ids: [low, high)")
@@ -282,31 +361,33 @@ def main() -> None:
     decisions = decision_latency(args.tree_tokens)
     print(decisions, flush=True)
     argv = ["--model", args.model, "--num-blocks", str(args.num_blocks), "--num-threads", "1"]
-    with Cluster.start_args(argv, args.max_workers, kv_events=True) as cluster:
+    single_argv = ["--model", args.model, "--num-blocks", str(args.num_blocks), "--num-threads",
+                   str(args.single_threads)]
+    with Cluster.start_args(argv, args.max_workers, kv_events=True) as cluster, \
+            Cluster.start_args(single_argv, 1) as single:
         model = httpx.get(f"{cluster.urls[0]}/v1/models").json()["data"][0]["id"]
         overhead = proxy_overhead(cluster, model, args.overhead_requests)
         print(overhead, flush=True)
         saved = RESULTS / "router.json"
         if args.reuse_policies:
-            rows = json.loads(saved.read_text())["rows"]
+            previous = json.loads(saved.read_text())
+            rows, sizes = previous["rows"], previous["sizes"]
         else:
-            rows = compare_policies(cluster, model, args)
-            saved.write_text(json.dumps({"command": command_line(), "rows": rows}))
+            rows, sizes = compare_policies(cluster, single.urls[0], model, args), sizes_note(args)
+            command = command_line()
+            if set(args.workloads) != set(WORKLOADS) or not {2, args.max_workers} <= set(args.worker_counts):
+                rows, command = merge_rows(saved, rows, sizes, command)
+            saved.write_text(json.dumps({"command": command, "rows": rows, "sizes": sizes}))
 
     table = markdown_table(["workload", "workers", "policy", "hit rate", "TTFT p50 ms", "TTFT p90 ms",
                             "requests per worker", "errors", "wall s"], rows)
     decision_table = markdown_table(["policy", "workers", "tokens indexed per worker", "prompt tokens",
                                      "decision p50 µs", "decision p99 µs"], decisions)
     overhead_table = markdown_table(["path", "requests", "TTFT p50 ms", "TTFT p90 ms"], overhead)
-    earlier = json.loads((RESULTS / "router.json").read_text())["command"] if args.reuse_policies else ""
-    policy_source = f"Policy table from an earlier run: `{earlier}`\n\n" if earlier else ""
-    notes = policy_source + (
-        f"Sizes: chat {args.users} users × {args.turns} turns (system {args.system}, question {args.user}, "
-        f"simulated reply {args.reply} tokens); RAG {args.queries} questions over {args.docs} shared documents of "
-        f"{args.doc_len} tokens, {args.concurrency} at a time; {args.max_tokens} output tokens per request; "
-        f"{args.num_blocks} KV blocks and 1 torch thread per worker; model {args.model}. All workers share the "
-        "same 2 cores, so more workers add no compute here: TTFT differences come from cache hits and queueing, "
-        "not from parallel hardware.\n\n**Router decision latency** (in process, no HTTP):\n\n"
+    table_command = json.loads((RESULTS / "router.json").read_text())["command"]
+    policy_source = f"Policy table from: `{table_command}`\n\n" if table_command != command_line() else ""
+    notes = policy_source + sizes + "\n\n" + targets(rows) + (
+        "\n\n**Router decision latency** (in process, no HTTP):\n\n"
         f"{decision_table}\n\n**Proxied vs direct TTFT** (unique 4-token prompts, 1 output token, alternating "
         "direct / router):\n\n"
         f"{overhead_table}"

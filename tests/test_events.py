@@ -92,7 +92,8 @@ async def _publisher_to_index() -> None:
         publisher.publish([BlockStored(hashes[2:], hashes[1], tokens[8:], 4)])
         await wait_until(lambda: stream.stats.last_seq == 2)
         assert index.longest_runs(hashes, ["w0"]) == {"w0": 4}
-        assert stream.stats.replayed == 2 and handler.resets == 0
+        # 2 from the replay; 3 when a loaded machine connected the SUB only after the third was published
+        assert stream.stats.replayed in (2, 3) and handler.resets == 0
         publisher.publish([BlockRemoved([hashes[1]])])
         await wait_until(lambda: stream.stats.last_seq == 3)
         assert index.longest_runs(hashes, ["w0"]) == {"w0": 1}

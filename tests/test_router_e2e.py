@@ -162,11 +162,15 @@ def _aborts(url: str) -> float:
 
 
 def test_router_health_and_metrics(router, workers):
-    health = httpx.get(router.url + "/health").json()
+    health = httpx.get(router.url + "/health").json()  # open: load balancers probe it without a key
     assert health["status"] == "ok" and all(health["workers"].values()) and len(health["workers"]) == 2
     assert metric(router.url, "kvserve_router_worker_healthy") == 2
     assert metric(router.url, "kvserve_router_decisions_total", {"policy": "cache_aware"}) > 0
     assert metric(router.url, "kvserve_router_routing_seconds_count") > 0
+    # With --api-keys the router's /metrics is admin-only, as the workers' is (it shows their traffic).
+    assert httpx.get(router.url + "/metrics").status_code == 401
+    assert httpx.get(router.url + "/metrics", headers=ALICE).status_code == 403
+    assert httpx.get(router.url + "/metrics", headers=OPS).status_code == 200
     models = httpx.get(router.url + "/v1/models", headers=ALICE).json()
     assert [m["id"] for m in models["data"]] == [MODEL]
     assert httpx.post(router.url + "/v1/completions", json={"model": MODEL, "prompt": [1]},

@@ -210,14 +210,17 @@ def test_kv_events_policy_follows_the_index_within_the_tenant():
 
 
 def test_kv_events_policy_weighs_load_against_cached_blocks():
-    policy, pool = KvEventsPolicy(load_weight=0.5), workers(2, block_size=4)
+    policy, pool = KvEventsPolicy(load_weight=1.0, balance_abs=8, load_scale=4), workers(2, block_size=4)
     tokens = list(range(16))
     hashes = block_hashes(tokens, 4, ALICE, "sha256")
     policy.index.store(pool[0].url, hashes[:1])  # a quarter of the prompt cached on w0
-    pool[0].in_flight = 4  # and w0 is the busy one: 0.25 − 0.5 < 0 − 0
-    assert policy.choose(key(tokens), pool).worker is pool[1]
+    pool[0].in_flight = 2  # and w0 is the busier one: 0.25 − 1 × 2 / max(2, 4) < 0 − 0
+    decision = policy.choose(key(tokens), pool)
+    assert decision.worker is pool[1] and decision.reason == "rebalance"
     policy.index.store(pool[0].url, hashes)  # the whole prompt: 1 − 0.5 > 0
     assert policy.choose(key(tokens), pool).worker is pool[0]
+    pool[0].in_flight = 3  # 3 − 0 > balance_abs 2: SGLang's guard, before any score
+    assert KvEventsPolicy(balance_abs=2).choose(key(tokens), pool).reason == "imbalance"
 
 
 def test_kv_events_policy_counts_what_it_just_sent_until_the_worker_reports():
@@ -311,3 +314,24 @@ def test_router_and_cluster_commands_parse():
     assert serve.kv_events_endpoint == "tcp://*:5557"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["router", "--policy", "kv_events"])  # --worker is required
+
+
+@pytest.mark.parametrize(("open_metrics", "anonymous"), [(False, 401), (True, 200)])
+def test_router_metrics_need_an_admin_key_unless_opened(tmp_path, open_metrics, anonymous):
+    from fastapi.testclient import TestClient
+
+    from kvserve.cli import build_parser
+    from kvserve.router.cli import router_config
+    from kvserve.router.serve import build_router
+
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"keys": {"sk-a": "alice", "sk-ops": {"tenant": "ops", "admin": True}}}))
+    argv = ["router", "--worker", "http://127.0.0.1:9", "--api-keys", str(keys)]
+    args = build_parser().parse_args(argv + (["--open-metrics"] if open_metrics else []))
+    client = TestClient(build_router(router_config(args, args.workers)))  # no lifespan: no worker polls
+    assert client.get("/metrics").status_code == anonymous
+    assert client.get("/metrics", headers={"Authorization": "Bearer sk-a"}).status_code == (200 if open_metrics
+                                                                                           else 403)
+    admin = client.get("/metrics", headers={"Authorization": "Bearer sk-ops"})
+    assert admin.status_code == 200 and "kvserve_router_worker_healthy" in admin.text
+    assert client.get("/health").status_code == 503  # open either way (no worker joined: 503, not 401)

@@ -9,6 +9,7 @@ from pathlib import Path
 import httpx
 
 KEYS = {"keys": {"sk-alice": "alice", "sk-bob": "bob", "sk-ops": {"tenant": "ops", "admin": True}}}
+ADMIN = {"Authorization": "Bearer sk-ops"}  # /metrics and /load are admin-only where keys are on
 
 
 def write_keys(directory: Path) -> Path:
@@ -18,8 +19,10 @@ def write_keys(directory: Path) -> Path:
 
 
 def metric(url: str, name: str, labels: dict[str, str] | None = None, headers: dict | None = None) -> float:
-    """Sum of the samples of `name` whose labels include `labels` (0 when absent)."""
-    text = httpx.get(f"{url}/metrics", headers=headers, timeout=10).text
+    """Sum of the samples of `name` whose labels include `labels` (0 when absent); asks as the admin."""
+    response = httpx.get(f"{url}/metrics", headers=ADMIN if headers is None else headers, timeout=10)
+    response.raise_for_status()
+    text = response.text
     total = 0.0
     for line in text.splitlines():
         if line.startswith("#") or not line.startswith(name):

@@ -3,7 +3,8 @@
     POST /v1/chat/completions, /v1/completions   keyed (tokens + tenant namespace), routed, proxied
     GET  /v1/models                               proxied to any healthy worker
     GET  /health                                  200 while at least one worker is in the pool
-    GET  /metrics                                 the router's own Prometheus metrics
+    GET  /metrics                                 the router's own Prometheus metrics (with API keys:
+                                                  admin keys only, as on the workers; `--open-metrics` opens it)
 
 Retries: a request goes to at most `max_attempts` different workers; a worker that fails before any
 byte reached the caller leaves the pool (it rejoins when its polls succeed) and the request moves on.
@@ -36,6 +37,7 @@ from kvserve.router.proxy import (
     forward_headers,
 )
 from kvserve.router.workers import Worker, WorkerPool
+from kvserve.server.auth import ApiKeys, AuthError, authenticate, require_admin
 
 MAX_BODY_BYTES = 16 * 1024 * 1024  # the workers' own limit
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -51,6 +53,7 @@ class Router:
     client: httpx.AsyncClient
     metrics: RouterMetrics
     max_attempts: int = 3
+    metrics_keys: ApiKeys | None = None  # /metrics needs an admin key from these (None: open)
     fallbacks: FallbackLog = field(init=False)
 
     def __post_init__(self) -> None:
@@ -185,7 +188,13 @@ def build_router_app(router: Router) -> FastAPI:
                              "workers": workers}, status_code=status)
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        if router.metrics_keys is not None:  # per-worker load and decisions reveal other tenants' traffic
+            try:
+                require_admin(authenticate(request.headers.get("authorization"), router.metrics_keys))
+            except AuthError as err:
+                code = "forbidden" if err.status == 403 else "invalid_api_key"
+                return error_response(err.status, str(err), code)
         return Response(router.metrics.render(), media_type=PROMETHEUS_CONTENT_TYPE)
 
     return app

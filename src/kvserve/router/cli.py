@@ -42,7 +42,10 @@ def _add_common_flags(parser: argparse.ArgumentParser, port: int) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=port)
     parser.add_argument("--api-keys", default=None,
-                        help="the workers' API key file: tenants → namespaces; its first admin key polls /load")
+                        help="the workers' API key file: tenants → namespaces; its first admin key polls /load; "
+                             "the router's /metrics then needs an admin key, as the workers' does")
+    parser.add_argument("--open-metrics", action="store_true",
+                        help="serve the router's /metrics without a key even with --api-keys")
     group = parser.add_argument_group("routing")
     group.add_argument("--policy", default="cache_aware", choices=POLICY_NAMES)
     group.add_argument("--poll-interval", type=float, default=1.0, help="seconds between /load polls")
@@ -52,6 +55,8 @@ def _add_common_flags(parser: argparse.ArgumentParser, port: int) -> None:
     group.add_argument("--cache-threshold", type=float, default=defaults.CACHE_THRESHOLD)
     group.add_argument("--tree-budget", type=int, default=defaults.TREE_BUDGET, help="tokens per worker tree")
     group.add_argument("--load-weight", type=float, default=defaults.LOAD_WEIGHT, help="kv_events load weight")
+    group.add_argument("--load-scale", type=int, default=defaults.LOAD_SCALE,
+                       help="kv_events: a load gap of this many requests counts in full against cached blocks")
     group.add_argument("--pd-min-prompt", type=int, default=defaults.PD_MIN_PROMPT,
                        help="pd: prompts shorter than this (tokens) skip the prefill workers")
 
@@ -61,7 +66,8 @@ def router_config(args: argparse.Namespace, workers: list[str]) -> RouterConfig:
         workers=workers, policy=args.policy, host=args.host, port=args.port, model=args.model,
         api_keys=args.api_keys, poll_interval=args.poll_interval, max_attempts=args.max_attempts,
         balance_abs=args.balance_abs, balance_rel=args.balance_rel, cache_threshold=args.cache_threshold,
-        tree_budget=args.tree_budget, load_weight=args.load_weight, pd_min_prompt=args.pd_min_prompt,
+        tree_budget=args.tree_budget, load_weight=args.load_weight, load_scale=args.load_scale,
+        pd_min_prompt=args.pd_min_prompt, open_metrics=args.open_metrics,
     )
 
 

@@ -37,7 +37,8 @@ def build_router(config: RouterConfig) -> FastAPI:
     client = httpx.AsyncClient(timeout=CLIENT_TIMEOUT, limits=CLIENT_LIMITS)
     pool = WorkerPool(config.workers, client, config.poll_interval, poll_headers=_admin_headers(config.api_keys))
     router = Router(pool=pool, policy=build_policy(config), keyer=RequestKeyer(tokenizer, api_keys), client=client,
-                    metrics=RouterMetrics(lambda: pool.workers), max_attempts=config.max_attempts)
+                    metrics=RouterMetrics(lambda: pool.workers), max_attempts=config.max_attempts,
+                    metrics_keys=None if config.open_metrics else api_keys)
     return build_router_app(router)
 
 
@@ -47,7 +48,7 @@ def build_policy(config: RouterConfig) -> Policy:
     if config.policy == "least_load":
         return LeastLoadPolicy()
     if config.policy == "kv_events":
-        return KvEventsPolicy(config.load_weight, config.balance_abs, config.balance_rel)
+        return KvEventsPolicy(config.load_weight, config.balance_abs, config.balance_rel, config.load_scale)
     settings = CacheAwareSettings(config.balance_abs, config.balance_rel, config.cache_threshold, config.tree_budget)
     if config.policy == "pd":
         return PdPolicy(settings, config.pd_min_prompt)

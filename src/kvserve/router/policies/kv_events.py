@@ -4,12 +4,21 @@ Per request the router recomputes the prompt's chained block hashes (`prefix/has
 request's namespace and the workers' block size and hash function, learned from `/load`), finds each
 worker's longest run of leading cached blocks in the exact index, and scores
 
-    score = cached fraction of the prompt − load_weight × load / max load
+    score = cached fraction of the prompt − load_weight × (load − least load) / max(max load, load_scale)
 
-(the imbalance guard of cache_aware comes first). Blocks the router sent a worker moments ago count as
-cached there until its events report them (`PendingBlocks`), so a burst for one hot prefix is not
-spread before the first prefill finishes. Without usable tokens (no tokenizer, bad body) or
-before a worker has said how it hashes, it routes by load.
+where load is `Worker.load_score` (the requests this router has outstanding there, or the polled
+running + waiting when higher: known at once, not a poll later). SGLang's imbalance guard comes first
+(max − min load above `balance_abs` and max above `balance_rel` × min → the least loaded). With the
+defaults (guard at 2 requests apart, weight 1, scale 4) the guard is what copies a hot document from a
+busy worker to an idle one (then both hold it and load splits it); the load term weighs workers that
+hold different amounts of a prompt: loads 2 / 0 cost the busier one 0.5, so a conversation whose
+history is short next to a prefix both workers hold (a shared system prompt) moves to the idler worker
+(reason `rebalance`), while one mostly cached only where it is stays.
+
+Blocks the router sent a worker moments ago count as cached there until its events report them
+(`PendingBlocks`), so a burst for one hot prefix is not spread before the first prefill finishes.
+Without usable tokens (no tokenizer, bad body) or before a worker has said how it hashes, it routes
+by load.
 
 The policy owns one event subscription per healthy worker that publishes events (its `/load` names
 the endpoint); a (re)joining worker starts from an empty index entry and a fresh stream.
@@ -24,10 +33,10 @@ from urllib.parse import urlsplit
 
 from kvserve.events.subscriber import EventStream
 from kvserve.prefix.hashing import block_hashes
-from kvserve.router.config import BALANCE_ABS, BALANCE_REL, LOAD_WEIGHT
+from kvserve.router.config import BALANCE_ABS, BALANCE_REL, LOAD_SCALE, LOAD_WEIGHT
 from kvserve.router.index import BlockIndex, PendingBlocks, WorkerEvents
 from kvserve.router.keys import RouteKey
-from kvserve.router.policies.base import Decision, LoadTieBreaker, Policy, is_imbalanced
+from kvserve.router.policies.base import Decision, LoadTieBreaker, Policy, is_imbalanced, load_penalties
 from kvserve.router.workers import Worker
 
 logger = logging.getLogger("kvserve.router")
@@ -38,13 +47,16 @@ class KvEventsPolicy(Policy):
     name = "kv_events"
 
     def __init__(self, load_weight: float = LOAD_WEIGHT, balance_abs: int = BALANCE_ABS,
-                 balance_rel: float = BALANCE_REL) -> None:
+                 balance_rel: float = BALANCE_REL, load_scale: int = LOAD_SCALE) -> None:
+        if load_weight < 0 or load_scale < 1:
+            raise ValueError(f"load_weight must be >= 0 and load_scale >= 1, got {load_weight}, {load_scale}")
         self.index = BlockIndex()
         self.pending = PendingBlocks(PENDING_TTL_S)
         self._last_hashes: tuple[RouteKey, dict[Worker, list[bytes]]] | None = None
         self.load_weight = load_weight
         self.balance_abs = balance_abs
         self.balance_rel = balance_rel
+        self.load_scale = load_scale
         self._ties = LoadTieBreaker()
         self.streams: dict[Worker, EventStream] = {}
         self._tasks: dict[Worker, asyncio.Task] = {}
@@ -57,13 +69,16 @@ class KvEventsPolicy(Policy):
         runs = self.cached_tokens(key, workers)
         if not runs or max(runs.values()) == 0:
             return Decision(self._ties.least_loaded(workers), "unkeyed" if not runs else "least_load")
-        max_load = max(max(worker.load_score for worker in workers), 1)
         assert key.tokens is not None
-        scores = {worker: runs[worker] / len(key.tokens) - self.load_weight * worker.load_score / max_load
-                  for worker in workers}
+        penalties = load_penalties(workers, self.load_scale)
+        scores = {worker: runs[worker] / len(key.tokens) - self.load_weight * penalties[worker] for worker in workers}
         best = max(scores.values())
         chosen = self._ties.least_loaded([worker for worker in workers if scores[worker] == best])
-        return Decision(chosen, "cache_hit" if runs[chosen] else "least_load", runs[chosen])
+        if runs[chosen] < max(runs.values()):
+            reason = "rebalance"  # load outweighed a better-cached worker
+        else:
+            reason = "cache_hit" if runs[chosen] else "least_load"
+        return Decision(chosen, reason, runs[chosen])
 
     def cached_tokens(self, key: RouteKey, workers: list[Worker]) -> dict[Worker, int]:
         """Tokens of the prompt each worker holds (or was just sent) as leading blocks; {} when not

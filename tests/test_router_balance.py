@@ -1,0 +1,240 @@
+"""Balance against affinity, in a simulated cluster (no processes): kv_events and cache_aware route a
+RAG-like stream (4 shared documents of random popularity) and a multi-turn chat over 2 equally able
+workers, each worker a processor-sharing queue whose caches fill as its requests finish (the KV events
+the router would receive). Checked: no worker gets more than 60% of the requests, and what is cached
+still decides (conversation turns stay on their worker; most document tokens are served from cache).
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import pytest
+
+from kvserve.events.format import BlockStored, KVEventBatch
+from kvserve.prefix.hashing import block_hashes
+from kvserve.router.index import WorkerEvents
+from kvserve.router.keys import RouteKey
+from kvserve.router.policies import CacheAwarePolicy, KvEventsPolicy, Policy
+from kvserve.router.workers import Worker, WorkerLoad
+
+BLOCK = 16
+NAMESPACE = ("alice", "")
+OVERHEAD = 40  # work units per request beyond its uncached prompt tokens (decode, HTTP)
+
+
+@dataclass(slots=True)
+class Job:
+    key: RouteKey
+    worker: Worker
+    work: float
+    done: Callable[[], None]
+    progress: float = 0.0
+
+
+@dataclass(slots=True)
+class SimWorker:
+    """One worker: its jobs share it equally (processor sharing), a finished job's blocks are cached."""
+
+    worker: Worker
+    jobs: list[Job] = field(default_factory=list)
+    cached: set[bytes] = field(default_factory=set)
+
+    def cached_prefix(self, hashes: list[bytes]) -> int:
+        run = 0
+        for block_hash in hashes:
+            if block_hash not in self.cached:
+                break
+            run += 1
+        return run * BLOCK
+
+    def next_finish(self, now: float) -> tuple[float, Job]:
+        job = min(self.jobs, key=lambda j: j.work - j.progress)
+        return now + (job.work - job.progress) * len(self.jobs), job
+
+
+@dataclass(slots=True)
+class Cluster:
+    policy: Policy
+    workers: list[SimWorker]
+    now: float = 0.0
+    arrivals: list[tuple[float, int, Callable[[], None]]] = field(default_factory=list)
+    routed: dict[str, int] = field(default_factory=dict)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    _seq: int = 0
+
+    @classmethod
+    def of(cls, policy: Policy, count: int = 2) -> Cluster:
+        workers = [SimWorker(Worker(url=f"http://w{i}", healthy=True,
+                                    load=WorkerLoad(block_size=BLOCK, prefix_hash="sha256"))) for i in range(count)]
+        for sim in workers:
+            policy.on_join(sim.worker)
+        return cls(policy, workers)
+
+    def at(self, time: float, action: Callable[[], None]) -> None:
+        self._seq += 1
+        heapq.heappush(self.arrivals, (time, self._seq, action))
+
+    def send(self, tokens: list[int], done: Callable[[Worker], None]) -> None:
+        """Route a request now; `done(worker)` runs when it finishes."""
+        key = RouteKey(tokens=tuple(tokens), namespace=NAMESPACE, exact=True)
+        pool = [sim.worker for sim in self.workers]
+        decision = self.policy.choose(key, pool)
+        self.policy.on_routed(key, decision.worker)
+        sim = next(s for s in self.workers if s.worker is decision.worker)
+        hashes = block_hashes(list(tokens), BLOCK, NAMESPACE, "sha256")
+        cached = sim.cached_prefix(hashes)
+        self.prompt_tokens += len(tokens)
+        self.cached_tokens += cached
+        self.routed[sim.worker.url] = self.routed.get(sim.worker.url, 0) + 1
+        sim.worker.in_flight += 1
+
+        def finished() -> None:
+            sim.worker.in_flight -= 1
+            new = [h for h in hashes if h not in sim.cached]
+            sim.cached.update(new)
+            if isinstance(self.policy, KvEventsPolicy) and new:  # the worker's BlockStored event
+                WorkerEvents(self.policy.index, sim.worker.url, self.policy.pending).apply(
+                    KVEventBatch(ts=self.now, events=[BlockStored(new, None, [], BLOCK)]))
+            done(sim.worker)
+
+        sim.jobs.append(Job(key, sim.worker, len(tokens) - cached + OVERHEAD, finished))
+
+    def run(self) -> None:
+        """Advance time: the next arrival or job completion, whichever comes first, until both run out."""
+        while True:
+            finish = min(((sim.next_finish(self.now), sim) for sim in self.workers if sim.jobs),
+                         key=lambda pair: pair[0][0], default=None)
+            arrival = self.arrivals[0][0] if self.arrivals else None
+            if finish is None and arrival is None:
+                return
+            if finish is not None and (arrival is None or finish[0][0] <= arrival):
+                (when, job), sim = finish
+                self._advance(when)
+                sim.jobs.remove(job)
+                job.done()
+            else:
+                assert arrival is not None
+                self._advance(arrival)
+                heapq.heappop(self.arrivals)[2]()
+
+    def _advance(self, to: float) -> None:
+        for sim in self.workers:
+            for job in sim.jobs:
+                job.progress += (to - self.now) / len(sim.jobs)
+        self.now = to
+
+    def busiest_share(self) -> float:
+        return max(self.routed.values()) / sum(self.routed.values())
+
+
+def ids(rng: random.Random, count: int) -> list[int]:
+    return [rng.randrange(1000, 48000) for _ in range(count)]
+
+
+def rag(cluster: Cluster, seed: int, queries: int = 64, clients: int = 8, doc_len: int = 1024,
+        weights: tuple[float, ...] = (1, 1, 1, 1)) -> list[int]:
+    """`clients` closed-loop clients ask `queries` questions in all; each names one document."""
+    rng = random.Random(seed)
+    docs = [ids(rng, doc_len) for _ in weights]
+    chosen = rng.choices(range(len(docs)), weights, k=queries)
+    remaining = iter(chosen)
+
+    def ask(_: Worker | None = None) -> None:
+        doc = next(remaining, None)
+        if doc is not None:
+            cluster.send(docs[doc] + ids(rng, 32), ask)
+
+    for client in range(clients):
+        cluster.at(client * 5.0, ask)
+    cluster.run()
+    return chosen
+
+
+def chat(cluster: Cluster, seed: int, users: int = 16, turns: int = 6, system: int = 384, think: float = 300.0
+         ) -> Iterator[tuple[int, Worker]]:
+    """`users` conversations sharing one system prompt; each turn resends the history. Yields (turn, worker)."""
+    rng = random.Random(seed)
+    shared = ids(rng, system)
+    log: list[tuple[int, int, Worker]] = []
+
+    def user(index: int) -> Callable[[], None]:
+        history = list(shared)
+        turn = 0
+
+        def next_turn() -> None:
+            nonlocal history
+            prompt = history + ids(rng, 24)
+
+            def answered(worker: Worker) -> None:
+                nonlocal turn, history
+                log.append((index, turn, worker))
+                history = prompt + ids(rng, 48)
+                turn += 1
+                if turn < turns:
+                    cluster.at(cluster.now + rng.expovariate(1 / think), next_turn)
+
+            cluster.send(prompt, answered)
+
+        return next_turn
+
+    for index in range(users):
+        cluster.at(rng.uniform(0, 4 * think), user(index))
+    cluster.run()
+    last: dict[int, Worker] = {}
+    for index, turn, worker in log:
+        if turn > 0:
+            yield turn, worker if worker is not last[index] else None  # None: stayed
+        last[index] = worker
+
+
+POLICIES = {"kv_events": KvEventsPolicy, "cache_aware": CacheAwarePolicy}
+SEEDS = range(8)
+
+
+def rag_shares(make: Callable[[], Policy]) -> list[tuple[float, float]]:
+    """(busiest worker's share of the requests, prompt tokens served from cache) per seed."""
+    runs = []
+    for seed in SEEDS:
+        cluster = Cluster.of(make())
+        rag(cluster, seed)
+        assert sum(cluster.routed.values()) == 64
+        runs.append((cluster.busiest_share(), cluster.cached_tokens / cluster.prompt_tokens))
+    return runs
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_rag_stream_is_balanced_and_mostly_cached(name):
+    """Requests, not load: a worker that happened to pay more cold 1,024-token prefills serves fewer
+    requests in the same time, so one short run can exceed 60%; over 8 runs the mean may not, and none
+    may go far past it (seen: 0.50-0.75 per run, means 0.57-0.59)."""
+    runs = rag_shares(POLICIES[name])
+    shares = [share for share, _ in runs]
+    assert sum(shares) / len(shares) <= 0.60, shares
+    assert max(shares) <= 0.75, shares
+    assert min(hit for _, hit in runs) >= 0.6, runs  # each document is prefilled on a worker a few times at most
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_one_hot_document_is_copied_to_the_idle_worker(name):
+    cluster = Cluster.of(POLICIES[name]())
+    rag(cluster, seed=7, weights=(8, 1, 1, 1))
+    assert cluster.busiest_share() <= 0.60, cluster.routed
+    assert cluster.cached_tokens / cluster.prompt_tokens >= 0.6
+
+
+@pytest.mark.parametrize("name", POLICIES)
+@pytest.mark.parametrize("seed", range(3))
+def test_chat_turns_stay_on_their_worker_and_users_spread(name, seed):
+    cluster = Cluster.of(POLICIES[name]())
+    moves = list(chat(cluster, seed))
+    assert len(moves) == 16 * 5
+    moved = sum(1 for _, worker in moves if worker is not None)
+    # Seen: 3-9 of 80 (the imbalance guard or the load term moving a user when its worker is 3+ busier).
+    assert moved <= 0.15 * len(moves), f"{moved} of {len(moves)} continuations left their worker"
+    assert cluster.busiest_share() <= 0.60, cluster.routed
+    assert cluster.cached_tokens / cluster.prompt_tokens >= 0.7
