@@ -8,12 +8,15 @@ scheduler, batch preparation, Python glue inside the forward, and the rest of th
 add ~1 us per wrapped call, charged to the enclosing part, so the instrumented total is a bit above the
 plain one.
 
-Configurations measured in one run: the Python layer loop with the fused kernels (RoPE + KV write,
-SwiGLU), and the C layer loop (`model/layer_loop.py`, one native call per step). The "before" rows (the
-Python loop as it was, unfused) were measured by this script at the parent commit and are kept in
-benchmarks/results/step_profile.json; `--label before` re-measures into that slot on such a checkout.
+Three configurations, interleaved round by round on the same running requests (the machine is shared;
+each sees the same load drift and context lengths): "before", the Python layer loop with its torch glue
+as it was (RoPE by cat, `index_copy_` KV writes, silu * mul: the reference twins); the Python loop with
+the fused kernels (RoPE + KV write, SwiGLU); and the C layer loop (`model/layer_loop.py`, one native call
+per step). Reported ms/step: the best round's median. Runs are stored under `--label` in
+benchmarks/results/step_profile.json and all stored runs go into the table and docs/step_profile.png.
 
-    python benchmarks/step_profile.py               # about 1 minute
+    python benchmarks/step_profile.py                      # a few minutes on 2 busy cores
+    python benchmarks/step_profile.py --threads 1 --label "1 thread"
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from kvserve import LLM, SamplingParams  # noqa: E402
 STORE = RESULTS / "step_profile.json"
 PLOT = ROOT / "docs" / "step_profile.png"
 BATCHES = (1, 8)
+ABSORBING = ("lm head", "sampler")
 
 
 class PartTimer:
@@ -42,14 +46,20 @@ class PartTimer:
     def __init__(self) -> None:
         self.totals: dict[str, float] = {}
         self.stack: list[float] = []  # time spent in timed children of each open call
+        self.absorbing = False
 
-    def wrap(self, part: str, function):
+    def wrap(self, part: str, function, absorb: bool = False):
+        """`absorb`: calls made inside count as this part (the lm head's matmul is the lm head's)."""
         def timed(*args, **kwargs):
+            if self.absorbing:
+                return function(*args, **kwargs)
+            self.absorbing = absorb
             self.stack.append(0.0)
             start = time.perf_counter()
             try:
                 return function(*args, **kwargs)
             finally:
+                self.absorbing = False
                 elapsed = time.perf_counter() - start
                 children = self.stack.pop()
                 self.totals[part] = self.totals.get(part, 0.0) + elapsed - children
@@ -85,67 +95,109 @@ def patch_points(engine) -> list[tuple[object, str, str]]:
     return [(owner, name, part) for owner, name, part in points if hasattr(owner, name)]
 
 
-def start(llm: LLM, prompts: list[list[int]], steps: int) -> None:
-    engine = llm.engine
-    for prompt in prompts:
-        engine.add(engine.make_request(prompt, SamplingParams(max_tokens=2 * steps + 8, temperature=0.0,
-                                                              ignore_eos=True)))
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
-        engine.step()
-    for _ in range(3):  # warm up
-        engine.step()
+def configurations(model) -> dict[str, object]:
+    """name -> a function that sets the model up that way (and returns a function that undoes it)."""
+    from kvserve.kernels import reference
+    from kvserve.kernels.ops import Kernels
+
+    loop = model.layer_loop
+
+    def torch_glue():  # the Python loop as it was: RoPE by cat, index_copy_ KV writes, silu * mul
+        originals = Kernels.rope_kv_write, Kernels.swiglu
+        model.layer_loop = None
+        Kernels.rope_kv_write = lambda self, *args: reference.rope_kv_write(*args)
+        Kernels.swiglu = lambda self, gate_up: reference.swiglu(gate_up)
+
+        def undo():
+            Kernels.rope_kv_write, Kernels.swiglu = originals
+            model.layer_loop = loop
+        return undo
+
+    def fused():
+        model.layer_loop = None
+        return lambda: setattr(model, "layer_loop", loop)
+
+    def layer_loop():
+        model.layer_loop = loop
+        return lambda: None
+
+    configs = {"before (Python loop, torch glue)": torch_glue, "Python loop + fused kernels": fused}
+    if loop is not None:
+        configs["C layer loop"] = layer_loop
+    return configs
 
 
-def profile(llm: LLM, prompts: list[list[int]], steps: int) -> dict[str, float]:
-    """ms per decode step, plain, then per part; the requests are aborted afterwards."""
-    engine = llm.engine
-    start(llm, prompts, steps)
+def timed_steps(engine, steps: int) -> list[float]:
     times = []
     for _ in range(steps):
         begin = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - begin)
+    return times
+
+
+def instrumented_steps(engine, steps: int) -> tuple[dict[str, float], float]:
     timer = PartTimer()
     points = patch_points(engine)
     originals = [getattr(owner, name) for owner, name, _ in points]
     for owner, name, part in points:
-        setattr(owner, name, timer.wrap(part, getattr(owner, name)))
+        setattr(owner, name, timer.wrap(part, getattr(owner, name), absorb=part in ABSORBING))
     try:
-        begin = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        total = time.perf_counter() - begin
+        total = sum(timed_steps(engine, steps))
     finally:
         for (owner, name, _), original in zip(points, originals, strict=True):
             setattr(owner, name, original)
+    return timer.totals, total
+
+
+def profile_batch(llm: LLM, prompts: list[list[int]], steps: int, rounds: int) -> dict[str, dict]:
+    """The configurations interleaved round by round on the same running requests (the load on a shared
+    machine drifts: each configuration sees the same drift and the same context lengths)."""
+    engine = llm.engine
+    configs = configurations(engine.model)
+    budget = rounds * len(configs) * 2 * steps + 8
+    for prompt in prompts:
+        params = SamplingParams(max_tokens=budget, temperature=0.0, ignore_eos=True)
+        engine.add(engine.make_request(prompt, params))
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
+        engine.step()
+    plain: dict[str, list[float]] = {name: [] for name in configs}
+    parts: dict[str, dict[str, float]] = {name: {} for name in configs}
+    instrumented: dict[str, float] = dict.fromkeys(configs, 0.0)
+    for _ in range(rounds):
+        for name, setup in configs.items():
+            undo = setup()
+            try:
+                timed_steps(engine, 1)  # warm up
+                plain[name].append(statistics.median(timed_steps(engine, steps)))
+                totals, total = instrumented_steps(engine, steps)
+            finally:
+                undo()
+            instrumented[name] += total
+            for part, seconds in totals.items():
+                parts[name][part] = parts[name].get(part, 0.0) + seconds
     for request_id in list(engine.requests):
         engine.abort_request(request_id)
-    parts = {part: 1000 * seconds / steps for part, seconds in sorted(timer.totals.items())}
-    parts["engine rest (outputs, detokenize)"] = 1000 * total / steps - sum(parts.values())
-    return {"ms_per_step": 1000 * statistics.median(times), "instrumented_ms": 1000 * total / steps, "parts": parts}
+    results = {}
+    count = rounds * steps
+    for name in configs:
+        ms = {part: 1000 * seconds / count for part, seconds in sorted(parts[name].items())}
+        ms["engine rest (outputs, detokenize)"] = 1000 * instrumented[name] / count - sum(ms.values())
+        best = 1000 * min(plain[name])
+        results[name] = {"ms_per_step": best, "tok_per_s": len(prompts) * 1000 / best,
+                         "instrumented_ms": 1000 * instrumented[name] / count, "parts": ms}
+    return results
 
 
-def measure(steps: int) -> dict[str, dict]:
-    workloads = load_workloads()
-    prompts = workloads["batch"]["8"]["prompts"]
+def measure(steps: int, rounds: int) -> dict[str, dict]:
+    prompts = load_workloads()["batch"]["8"]["prompts"]
     llm = LLM("smollm2-135m", progress=False, kv_cache_memory="256MiB", weights="native", kernels="native")
-    model = llm.engine.model
-    configs = {"python loop": None}
-    loop = getattr(model, "layer_loop", None)
-    if loop is not None:
-        configs = {"python loop + fused kernels": None, "C layer loop": loop}
     results: dict[str, dict] = {}
-    for config, layer_loop in configs.items():
-        if hasattr(model, "layer_loop"):
-            model.layer_loop = layer_loop
-        for batch in BATCHES:
-            result = profile(llm, prompts[:batch], steps)
-            result["tok_per_s"] = batch * 1000 / result["ms_per_step"]
-            results[f"{config}, batch {batch}"] = result
-            print(f"{config:30s} batch {batch}: {result['ms_per_step']:.2f} ms/step "
-                  f"({result['tok_per_s']:.1f} tok/s)", flush=True)
-    if hasattr(model, "layer_loop"):
-        model.layer_loop = loop
+    for batch in BATCHES:
+        for name, result in profile_batch(llm, prompts[:batch], steps, rounds).items():
+            results[f"{name}, batch {batch}"] = result
+            print(f"{name:34s} batch {batch}: {result['ms_per_step']:8.2f} ms/step ({result['tok_per_s']:.1f} tok/s)",
+                  flush=True)
     return results
 
 
@@ -195,17 +247,19 @@ def report(store: dict) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--label", default="after", help="where this run's rows go in step_profile.json")
-    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--label", default="2 threads", help="where this run's rows go in step_profile.json")
+    parser.add_argument("--steps", type=int, default=16, help="decode steps per configuration and round")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     import subprocess
 
     store = json.loads(STORE.read_text()) if STORE.exists() else {}
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout
     store[args.label] = {
-        "results": measure(args.steps), "machine": machine(), "date": today(), "commit": commit.strip(),
-        "command": f"python benchmarks/step_profile.py --label {args.label}",
+        "results": measure(args.steps, args.rounds), "machine": machine(), "date": today(), "commit": commit.strip(),
+        "command": "python " + " ".join(["benchmarks/step_profile.py", *sys.argv[1:]]),
     }
     STORE.parent.mkdir(parents=True, exist_ok=True)
     STORE.write_text(json.dumps(store, indent=1))
