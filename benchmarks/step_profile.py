@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shlex
 import statistics
 import sys
 import time
@@ -38,6 +40,8 @@ STORE = RESULTS / "step_profile.json"
 PLOT = ROOT / "docs" / "step_profile.png"
 BATCHES = (1, 8)
 ABSORBING = ("lm head", "sampler")
+SHORT = {"before (Python loop, torch glue)": "before", "Python loop + fused kernels": "fused",
+         "C layer loop": "C loop"}
 
 
 class PartTimer:
@@ -229,17 +233,25 @@ def report(store: dict) -> None:
     rows = [[name, r["ms_per_step"], r["tok_per_s"], r["instrumented_ms"]] for name, r in results.items()]
     parts = sorted({part for r in results.values() for part in r["parts"]})
     part_rows = [[part] + [results[name]["parts"].get(part, 0.0) for name in results] for part in parts]
-    runs = "\n".join(f"- {label}: `{run['command']}` at {run['commit']} — {run['machine']} — {run['date']}"
-                     for label, run in store.items())
+    short = [f"{name.split(':')[0]}: {SHORT[name.split(': ', 1)[1].rsplit(',', 1)[0]]}, b{name.rsplit(' ', 1)[1]}"
+             for name in results]
+    runs = "\n".join(
+        f"- {label}: `{run['command']}` at {run['commit']} — {run['machine']} — {run['date']} — load average "
+        f"{run['load'][0]:.1f} before, {run['load'][1]:.1f} after (on 2 cores)"
+        for label, run in store.items()
+    )
     table = (
         markdown_table(["configuration", "ms / step", "tok/s", "instrumented ms / step"], rows)
         + "\n\nExclusive ms per step by part (instrumented run), ![plot](docs/step_profile.png):\n\n"
-        + markdown_table(["part", *results], part_rows)
+        + markdown_table(["part", *short], part_rows)
     )
     notes = (
-        "Runs:\n\n" + runs + "\n\nThe machine (2 cores) is shared by several sessions while these ran: "
-        "absolute numbers are noisy (±15% run to run); compare rows of one run. Batch 8 prompts: the "
-        "`batch/8` workload; batch 1 is its first prompt."
+        "Runs:\n\n" + runs + "\n\nThe machine (2 cores) was shared by several sessions running tests and "
+        "benchmarks while these ran (load averages above): every absolute number here is several times what an "
+        "idle machine gives, and only the ratios between configurations of one run mean anything (they ran "
+        "interleaved, round by round, on the same requests). Batch 8 prompts: the `batch/8` workload (64-122 "
+        "tokens); batch 1 is its first prompt. Parts are exclusive times of the instrumented run; the lm head "
+        "and sampler include the matmul / ops they call.\n"
     )
     write_result("step_profile", "Per-step decode profile (Python loop vs C layer loop)", table, notes)
     plot(results, PLOT)
@@ -257,9 +269,11 @@ def main() -> None:
 
     store = json.loads(STORE.read_text()) if STORE.exists() else {}
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout
+    load_before = os.getloadavg()[0]
+    results = measure(args.steps, args.rounds)
     store[args.label] = {
-        "results": measure(args.steps, args.rounds), "machine": machine(), "date": today(), "commit": commit.strip(),
-        "command": "python " + " ".join(["benchmarks/step_profile.py", *sys.argv[1:]]),
+        "results": results, "load": [load_before, os.getloadavg()[0]], "machine": machine(), "date": today(),
+        "commit": commit.strip(), "command": "python " + shlex.join(["benchmarks/step_profile.py", *sys.argv[1:]]),
     }
     STORE.parent.mkdir(parents=True, exist_ok=True)
     STORE.write_text(json.dumps(store, indent=1))
