@@ -95,7 +95,8 @@ def quantized_tiny_llama(tiny_model_dir, kernels: Kernels) -> LlamaModel:
 
 
 def run_steps(model: LlamaModel, prompts: list[list[int]], block_size: int, steps: int) -> list[torch.Tensor]:
-    """Prefill each prompt in its own step, then decode all together greedily; the logits of every step."""
+    """Prompt i prefills in step i beside the decodes of prompts before it (mixed steps), then all decode
+    together greedily; the logits of every step."""
     config = model.config
     pool = KVPool(KVPoolShape(config.num_layers, 64, block_size, config.num_kv_heads, config.head_dim),
                   torch.float32, "cpu")
@@ -103,11 +104,11 @@ def run_steps(model: LlamaModel, prompts: list[list[int]], block_size: int, step
     blocks = torch.randperm(64, generator=torch.Generator().manual_seed(block_size)).tolist()
     requests = []
     for prompt in prompts:
-        needed = -(-(len(prompt) + steps) // block_size)
+        needed = -(-(len(prompt) + len(prompts) + steps) // block_size)
         table, blocks = blocks[:needed], blocks[needed:]
         requests.append(SimpleNamespace(all_token_ids=list(prompt), num_computed_tokens=0, num_tokens=len(prompt),
                                         block_table=table, lora=None))
-    schedule = [[request] for request in requests] + [requests] * steps
+    schedule = [requests[: i + 1] for i in range(len(requests))] + [requests] * steps
     all_logits = []
     for step in schedule:
         scheduled = [ScheduledRequest(r, r.num_tokens - r.num_computed_tokens) for r in step]
@@ -127,10 +128,11 @@ def test_layer_loop_matches_python_loop(kernels, tiny_model_dir, block_size, mon
     calls = []
     original = LayerLoop.forward
     monkeypatch.setattr(LayerLoop, "forward", lambda self, *args: calls.append(1) or original(self, *args))
-    # 20 tokens: over the loop's row limit, so that prefill runs the Python loop in both runs.
+    # Steps: 5-token prefill; a decode + a 9-token prefill; two decodes + a 20-token prefill (over the loop's
+    # row limit: the Python loop in both runs); three decodes + a 1-token prompt; then four decode steps.
     prompts = [[5, 9, 200, 31, 7], list(range(3, 12)), list(range(40, 60)), [11]]
     native = run_steps(model, prompts, block_size, steps=4)
-    assert len(calls) == 3 + 4  # three short prefills, four decode steps
+    assert len(calls) == 3 + 4
     model.layer_loop = None
     python = run_steps(model, prompts, block_size, steps=4)
     torch_model = quantized_tiny_llama(tiny_model_dir, Kernels.create("torch"))
