@@ -230,7 +230,12 @@ def plot(results: dict[str, dict], path: Path) -> None:
 
 def report(store: dict) -> None:
     results = {f"{label}: {name}": result for label, runs in store.items() for name, result in runs["results"].items()}
-    rows = [[name, r["ms_per_step"], r["tok_per_s"], r["instrumented_ms"]] for name, r in results.items()]
+    def before(name: str) -> dict:
+        label, rest = name.split(": ", 1)
+        return results[f"{label}: before (Python loop, torch glue),{rest.rsplit(',', 1)[1]}"]
+
+    rows = [[name, r["ms_per_step"], r["tok_per_s"], f"{before(name)['ms_per_step'] / r['ms_per_step']:.2f}x",
+             r["instrumented_ms"]] for name, r in results.items()]
     parts = sorted({part for r in results.values() for part in r["parts"]})
     part_rows = [[part] + [results[name]["parts"].get(part, 0.0) for name in results] for part in parts]
     short = [f"{name.split(':')[0]}: {SHORT[name.split(': ', 1)[1].rsplit(',', 1)[0]]}, b{name.rsplit(' ', 1)[1]}"
@@ -241,7 +246,7 @@ def report(store: dict) -> None:
         for label, run in store.items()
     )
     table = (
-        markdown_table(["configuration", "ms / step", "tok/s", "instrumented ms / step"], rows)
+        markdown_table(["configuration", "ms / step", "tok/s", "vs before", "instrumented ms / step"], rows)
         + "\n\nExclusive ms per step by part (instrumented run), ![plot](docs/step_profile.png):\n\n"
         + markdown_table(["part", *short], part_rows)
     )

@@ -5,7 +5,8 @@ as in the matmuls themselves (benchmarks/step_profile.py). `LayerLoop` describes
 the C side once, at model load (ctypes structures pointing at the model's own tensors, kept alive by the
 model), and each step passes only its tokens, slots, block tables and context lengths
 (csrc/layer.h). It runs the same kernels in the same order as the Python loop with native kernels, so
-the hidden states are bit-identical to it.
+decode steps are bit-identical to it; prefill rows attend through the pool (paged attention) where the
+Python loop runs torch's SDPA on a fresh prompt: logits agree within 1e-4 relative.
 
 It applies to: native kernels, float32 on the CPU, every layer projection quantized (GGUF blocks), hidden
 and head sizes a multiple of the SIMD width, no LoRA in the step, and at most `MAX_ROWS` tokens (beyond,

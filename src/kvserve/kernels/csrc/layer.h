@@ -5,7 +5,8 @@
 //
 // Every layer's weights are described once, at model load, by a `LayerModel` that Python lays out (ctypes
 // structures, kernels/layer_loop.py); each step passes only its tokens' slots, block tables and context lens.
-// Each kernel is the same one the Python loop calls, in the same order, so the result is bit-identical.
+// Each kernel is the same one the Python loop calls, in the same order: decode rows are bit-identical to it
+// (prefill rows use paged attention where the Python loop may use torch's SDPA).
 
 struct LayerMatrix {       // a quantized [out, in] weight as stored (GGUF blocks)
     const uint8_t* data;
