@@ -256,7 +256,9 @@ def report(store: dict) -> None:
         "idle machine gives, and only the ratios between configurations of one run mean anything (they ran "
         "interleaved, round by round, on the same requests). Batch 8 prompts: the `batch/8` workload (64-122 "
         "tokens); batch 1 is its first prompt. Parts are exclusive times of the instrumented run; the lm head "
-        "and sampler include the matmul / ops they call.\n"
+        "and sampler include the matmul / ops they call. With 2 threads on an oversubscribed machine each OpenMP "
+        "region waits for a descheduled peer thread, so the 2-thread rows swing by 2x between configurations "
+        "whose matmuls are identical (see the matmuls row): read the 1-thread run for the comparison.\n"
     )
     write_result("step_profile", "Per-step decode profile (Python loop vs C layer loop)", table, notes)
     plot(results, PLOT)
@@ -268,7 +270,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=16, help="decode steps per configuration and round")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--report-only", action="store_true", help="redraw the table and plot from the stored runs")
     args = parser.parse_args()
+    if args.report_only:
+        report(json.loads(STORE.read_text()))
+        return
     torch.set_num_threads(args.threads)
     import subprocess
 
