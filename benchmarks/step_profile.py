@@ -211,19 +211,23 @@ def plot(results: dict[str, dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(BATCHES), figsize=(12, 3.6))
+    labels = list(dict.fromkeys(name.split(": ", 1)[0] for name in results))
+    fig, axes = plt.subplots(len(labels), len(BATCHES), figsize=(12, 1.2 + 1.6 * len(labels)), squeeze=False)
     parts = sorted({part for result in results.values() for part in result["parts"]})
     colors = dict(zip(parts, plt.get_cmap("tab20").colors, strict=False))
-    for ax, batch in zip(axes, BATCHES, strict=True):
-        names = [name for name in results if name.endswith(f"batch {batch}")]
-        left = [0.0] * len(names)
-        for part in parts:
-            widths = [max(0.0, results[name]["parts"].get(part, 0.0)) for name in names]
-            ax.barh([n.rsplit(",", 1)[0] for n in names], widths, left=left, label=part, color=colors[part])
-            left = [a + b for a, b in zip(left, widths, strict=True)]
-        ax.set_xlabel(f"ms per decode step, batch {batch} (instrumented)")
-        ax.invert_yaxis()
-    axes[-1].legend(fontsize=6, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    for row, label in zip(axes, labels, strict=True):
+        for ax, batch in zip(row, BATCHES, strict=True):
+            names = [name for name in results if name.startswith(f"{label}: ") and name.endswith(f"batch {batch}")]
+            left = [0.0] * len(names)
+            for part in parts:
+                widths = [max(0.0, results[name]["parts"].get(part, 0.0)) for name in names]
+                ax.barh([SHORT[n.split(": ", 1)[1].rsplit(",", 1)[0]] for n in names], widths, left=left, label=part,
+                        color=colors[part])
+                left = [a + b for a, b in zip(left, widths, strict=True)]
+            ax.set_title(f"{label}, batch {batch}", fontsize=9)
+            ax.set_xlabel("ms per decode step (instrumented)", fontsize=8)
+            ax.invert_yaxis()
+    axes[0][-1].legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
