@@ -25,6 +25,9 @@ _SIGNATURES = {
     "kv_dequantize": [ctypes.c_int, ctypes.c_int, _P, _I, _I, _P, _I, _P],
     "kv_paged_attention": [ctypes.c_int, _P, _I, _I, _I, _I, _P, _P, _I, _P, _I, _P, _F, _P],
     "kv_rms_norm": [ctypes.c_int, _P, _P, _P, _I, _I, _F, _P],
+    "kv_rope_kv_write": [ctypes.c_int, _P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P],
+    "kv_swiglu": [ctypes.c_int, _P, _I, _I, _P],
+    "kv_layer_forward": [ctypes.c_int, _P, ctypes.c_int, _P, _I, _P, _P, _P, _I, _I, _P, _I, _P, _P],
 }
 
 
@@ -139,6 +142,48 @@ class NativeLibrary:
             x.shape[0], x.shape[1], eps, out.data_ptr(),
         ), "rms_norm")
         return out, x
+
+    def rope_kv_write(
+        self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, positions: torch.Tensor, cos: torch.Tensor,
+        sin: torch.Tensor, key_blocks: torch.Tensor, value_blocks: torch.Tensor, slots: torch.Tensor,
+    ) -> torch.Tensor:
+        """As `reference.rope_kv_write`: rotated queries ``[T, heads, D]``; keys/values written to the pool."""
+        for tensor, name in ((qkv, "qkv"), (cos, "cos"), (sin, "sin"), (key_blocks, "key_blocks"),
+                             (value_blocks, "value_blocks")):
+            _check(tensor, torch.float32, name)
+        _check(positions, torch.int64, "positions")
+        _check(slots, torch.int64, "slots")
+        head_dim = cos.shape[1]
+        rows = qkv.shape[0]
+        if qkv.dim() != 2 or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim:
+            raise ValueError(f"qkv {tuple(qkv.shape)} does not hold {num_heads}+2*{num_kv_heads} heads of {head_dim}")
+        if key_blocks.shape[-2:] != (num_kv_heads, head_dim) or value_blocks.shape != key_blocks.shape:
+            raise ValueError("key/value blocks do not match the number of KV heads and the head size")
+        _check_range(positions, rows, cos.shape[0], "positions")
+        _check_range(slots, rows, key_blocks.numel() // (num_kv_heads * head_dim), "slots")
+        queries = torch.empty(rows, num_heads, head_dim, dtype=torch.float32)
+        _ok(self.lib.kv_rope_kv_write(
+            self.code, qkv.data_ptr(), rows, num_heads, num_kv_heads, head_dim, positions.data_ptr(),
+            cos.data_ptr(), sin.data_ptr(), queries.data_ptr(), key_blocks.data_ptr(), value_blocks.data_ptr(),
+            slots.data_ptr(),
+        ), "rope_kv_write")
+        return queries
+
+    def swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` for ``gate_up [T, 2 * I]`` -> ``[T, I]``."""
+        _check(gate_up, torch.float32, "gate_up")
+        if gate_up.dim() != 2 or gate_up.shape[1] % 2:
+            raise ValueError(f"gate_up must be [rows, 2 * intermediate], got {tuple(gate_up.shape)}")
+        out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=torch.float32)
+        _ok(self.lib.kv_swiglu(self.code, gate_up.data_ptr(), gate_up.shape[0], out.shape[1], out.data_ptr()), "swiglu")
+        return out
+
+
+def _check_range(values: torch.Tensor, count: int, limit: int, name: str) -> None:
+    if values.shape != (count,):
+        raise ValueError(f"{name} must have shape ({count},), got {tuple(values.shape)}")
+    if count and (int(values.min()) < 0 or int(values.max()) >= limit):
+        raise ValueError(f"{name} out of range [0, {limit})")
 
 
 def _check(tensor: torch.Tensor, dtype: torch.dtype, name: str) -> None:

@@ -138,3 +138,28 @@ class Kernels:
         ):
             return self.native.rms_norm(x, weight, eps, residual)
         return reference.rms_norm(x, weight, eps, residual)
+
+    # --- fused per-layer glue ----------------------------------------------------------------------
+
+    def rope_kv_write(
+        self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, positions: torch.Tensor, cos: torch.Tensor,
+        sin: torch.Tensor, key_blocks: torch.Tensor, value_blocks: torch.Tensor, slots: torch.Tensor,
+    ) -> torch.Tensor:
+        """RoPE on q and k of the fused projection ``qkv [T, (heads + 2 * kv_heads) * D]`` and the KV write
+        into pool `slots`, in one call; returns the rotated queries ``[T, heads, D]``."""
+        if self.native is not None and all(
+            t.dtype == torch.float32 and t.device.type == "cpu" for t in (qkv, cos, key_blocks, value_blocks)
+        ):
+            return self.native.rope_kv_write(
+                qkv.contiguous(), num_heads, num_kv_heads, positions.contiguous(), cos, sin, key_blocks,
+                value_blocks, slots.contiguous(),
+            )
+        return reference.rope_kv_write(
+            qkv, num_heads, num_kv_heads, positions, cos, sin, key_blocks, value_blocks, slots
+        )
+
+    def swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` for ``gate_up [T, 2 * I]``."""
+        if self.native is not None and gate_up.dtype == torch.float32 and gate_up.device.type == "cpu":
+            return self.native.swiglu(gate_up.contiguous())
+        return reference.swiglu(gate_up)

@@ -62,3 +62,37 @@ def rms_norm(
         x = x + residual
     normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
     return weight * normed.to(x.dtype), x
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [T, heads, D]`` by per-token ``cos/sin [T, D]`` (HF's rotate-half; float32, cast back)."""
+    half = x.shape[-1] // 2
+    x_float = x.float()
+    rotated = torch.cat([-x_float[..., half:], x_float[..., :half]], dim=-1)
+    return (x_float * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)).to(x.dtype)
+
+
+def rope_kv_write(
+    qkv: torch.Tensor, num_heads: int, num_kv_heads: int, positions: torch.Tensor, cos: torch.Tensor,
+    sin: torch.Tensor, key_blocks: torch.Tensor, value_blocks: torch.Tensor, slots: torch.Tensor,
+) -> torch.Tensor:
+    """Split ``qkv [T, (heads + 2 * kv_heads) * D]``, rotate q and k at `positions` (tables ``[max_pos, D]``),
+    store k and v at pool `slots` (``[num_blocks, block_size, kv_heads, D]`` pools); returns q ``[T, heads, D]``.
+    """
+    head_dim = cos.shape[-1]
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    queries, keys, values = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    angle_cos, angle_sin = cos[positions], sin[positions]
+    queries = apply_rope(queries.reshape(-1, num_heads, head_dim), angle_cos, angle_sin)
+    keys = apply_rope(keys.reshape(-1, num_kv_heads, head_dim), angle_cos, angle_sin)
+    key_blocks.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, keys.to(key_blocks.dtype))
+    value_blocks.view(-1, num_kv_heads, head_dim).index_copy_(
+        0, slots, values.reshape(-1, num_kv_heads, head_dim).to(value_blocks.dtype)
+    )
+    return queries
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate_up [T, 2 * I]`` (gate first, as the fused projection stores it)."""
+    gate, up = gate_up.chunk(2, -1)
+    return F.silu(gate) * up

@@ -56,16 +56,20 @@ def write_kv(
 
 
 def paged_attention(
-    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+    queries: torch.Tensor, keys: torch.Tensor | None, values: torch.Tensor | None,
     key_blocks: torch.Tensor, value_blocks: torch.Tensor, meta: AttentionMetadata, scale: float,
-    kernels: Kernels | None = None,
+    kernels: Kernels | None = None, kv_written: bool = False,
 ) -> torch.Tensor:
     """Attention for a flat batch. queries ``[T, heads, D]``, keys/values ``[T, kv_heads, D]``.
 
     Writes keys/values into the pool first, so decodes and continued prefills read them back from
-    their blocks. Returns ``[T, heads * D]``.
+    their blocks; `kv_written`: a fused kernel already did (`Kernels.rope_kv_write`), and keys/values
+    may be None (a fresh prefill then reads its keys back from the slots). Returns ``[T, heads * D]``.
     """
-    write_kv(key_blocks, value_blocks, keys, values, meta.slot_mapping)
+    if not kv_written:
+        write_kv(key_blocks, value_blocks, keys, values, meta.slot_mapping)
+    elif keys is None and meta.prefills:
+        keys, values = (blocks.view(-1, *blocks.shape[2:])[meta.slot_mapping] for blocks in (key_blocks, value_blocks))
     num_tokens, num_heads, head_dim = queries.shape
     in_place = kernels is not None and kernels.supports_paged_attention(queries, key_blocks)
     output = torch.empty(num_tokens, num_heads, head_dim, dtype=queries.dtype, device=queries.device)

@@ -17,6 +17,8 @@ namespace isa_avx2 {
 #define KV_AVX512 0
 #include "simd.h"
 #include "impl.h"
+#include "fused.h"
+#include "layer.h"
 #undef KV_AVX512
 }  // namespace isa_avx2
 #pragma GCC pop_options
@@ -27,6 +29,8 @@ namespace isa_avx512 {
 #define KV_AVX512 1
 #include "simd.h"
 #include "impl.h"
+#include "fused.h"
+#include "layer.h"
 #undef KV_AVX512
 }  // namespace isa_avx512
 #pragma GCC pop_options
@@ -80,6 +84,23 @@ int kv_paged_attention(int isa, const float* q, int64_t T, int64_t H, int64_t KV
 int kv_rms_norm(int isa, float* x, const float* residual, const float* weight, int64_t rows, int64_t n, float eps,
                 float* y) {
     KV_DISPATCH(rms_norm(x, residual, weight, rows, n, eps, y));
+}
+
+int kv_rope_kv_write(int isa, const float* qkv, int64_t T, int64_t H, int64_t KVH, int64_t D, const int64_t* positions,
+                     const float* cos_table, const float* sin_table, float* q_out, float* kpool, float* vpool,
+                     const int64_t* slots) {
+    KV_DISPATCH(rope_kv_write(qkv, T, H, KVH, D, positions, cos_table, sin_table, q_out, kpool, vpool, slots));
+}
+
+int kv_swiglu(int isa, const float* gate_up, int64_t T, int64_t I, float* out) {
+    KV_DISPATCH(swiglu(gate_up, T, I, out));
+}
+
+int kv_layer_forward(int isa, const void* model, int act_quant, float* hidden, int64_t T, const int64_t* positions,
+                     const int64_t* slots, float* pool, int64_t layer_stride, int64_t bs, const int64_t* tables,
+                     int64_t table_stride, const int64_t* ctx_lens, float* out) {
+    KV_DISPATCH(layer_forward(model, act_quant, hidden, T, positions, slots, pool, layer_stride, bs, tables,
+                              table_stride, ctx_lens, out));
 }
 
 }  // extern "C"

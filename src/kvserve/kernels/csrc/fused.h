@@ -1,0 +1,67 @@
+// Fused per-layer glue, compiled once per ISA like impl.h (included after it, inside the ISA namespace).
+// Each replaces several small torch ops per layer: RoPE on q and k plus the KV write into the pool slots
+// (split, views, two rotate-half cats, two index_copy_), and SwiGLU (chunk, silu, mul).
+// Built with -ffp-contract=off, so RoPE rounds x*cos and y*sin separately, exactly as the torch twin.
+
+#if KV_AVX512
+static inline V vsub(V a, V b) { return _mm512_sub_ps(a, b); }
+static inline V vdiv(V a, V b) { return _mm512_div_ps(a, b); }
+#else
+static inline V vsub(V a, V b) { return _mm256_sub_ps(a, b); }
+static inline V vdiv(V a, V b) { return _mm256_div_ps(a, b); }
+#endif
+
+// One head's rotate-half RoPE: out[i] = x[i]*cos[i] - x[i+h]*sin[i]; out[i+h] = x[i+h]*cos[i+h] + x[i]*sin[i+h].
+static inline void rope_head(const float* x, const float* cos, const float* sin, int64_t D, float* out) {
+    const int64_t half = D / 2;
+    int64_t i = 0;
+    for (; i + W <= half; i += W) {
+        const V lo = vload(x + i), hi = vload(x + half + i);
+        vstore(out + i, vsub(vmul(lo, vload(cos + i)), vmul(hi, vload(sin + i))));
+        vstore(out + half + i, vadd(vmul(hi, vload(cos + half + i)), vmul(lo, vload(sin + half + i))));
+    }
+    for (; i < half; ++i) {
+        const float lo = x[i], hi = x[half + i];
+        out[i] = lo * cos[i] - hi * sin[i];
+        out[half + i] = hi * cos[half + i] + lo * sin[half + i];
+    }
+}
+
+// qkv rows [T, (H + 2*KVH) * D] (q heads, then k heads, then v heads, as the fused projection writes them):
+// rotated queries go to q_out [T, H*D]; rotated keys and the values go to pool slot slots[t] of kpool / vpool
+// (each slot KVH*D floats). cos/sin tables are [max_pos, D]; positions[t] picks the row.
+static int rope_kv_write(const float* qkv, int64_t T, int64_t H, int64_t KVH, int64_t D, const int64_t* positions,
+                         const float* cos_table, const float* sin_table, float* q_out, float* kpool, float* vpool,
+                         const int64_t* slots) {
+    if (D % 2 != 0) return -2;
+    const int64_t width = (H + 2 * KVH) * D;
+    for (int64_t t = 0; t < T; ++t) {
+        const float* row = qkv + t * width;
+        const float* cos = cos_table + positions[t] * D;
+        const float* sin = sin_table + positions[t] * D;
+        for (int64_t h = 0; h < H; ++h) rope_head(row + h * D, cos, sin, D, q_out + (t * H + h) * D);
+        float* kdst = kpool + slots[t] * KVH * D;
+        float* vdst = vpool + slots[t] * KVH * D;
+        for (int64_t h = 0; h < KVH; ++h) rope_head(row + (H + h) * D, cos, sin, D, kdst + h * D);
+        __builtin_memcpy(vdst, row + (H + KVH) * D, KVH * D * sizeof(float));
+    }
+    return 0;
+}
+
+// out[t, j] = silu(gate_up[t, j]) * gate_up[t, I + j] with silu(x) = x / (1 + exp(-x)).
+static int swiglu(const float* gate_up, int64_t T, int64_t I, float* out) {
+    const V one = vset1(1.0f);
+    for (int64_t t = 0; t < T; ++t) {
+        const float* g = gate_up + t * 2 * I;
+        const float* u = g + I;
+        float* o = out + t * I;
+        int64_t j = 0;
+        for (; j + W <= I; j += W) {
+            const V x = vload(g + j);
+            const V e = vexp(vsub(vzero(), x));
+            vstore(o + j, vmul(vdiv(x, vadd(one, e)), vload(u + j)));
+        }
+        for (; j < I; ++j) o[j] = g[j] / (1.0f + __builtin_expf(-g[j])) * u[j];
+    }
+    return 0;
+}

@@ -1,0 +1,82 @@
+// The whole decoder stack for one step's tokens in one C call (compiled once per ISA, after impl.h and
+// fused.h): per layer norm -> qkv matmul -> RoPE + KV write -> paged attention -> o proj -> residual + norm
+// -> gate_up matmul -> SwiGLU -> down matmul, then the final norm. The Python loop makes ~15 torch/ctypes
+// calls per layer; at 135M parameters their overhead is a large part of a decode step.
+//
+// Every layer's weights are described once, at model load, by a `LayerModel` that Python lays out (ctypes
+// structures, kernels/layer_loop.py); each step passes only its tokens' slots, block tables and context lens.
+// Each kernel is the same one the Python loop calls, in the same order: decode rows are bit-identical to it
+// (prefill rows use paged attention where the Python loop may use torch's SDPA).
+
+struct LayerMatrix {       // a quantized [out, in] weight as stored (GGUF blocks)
+    const uint8_t* data;
+    int64_t qtype;
+    int64_t rows;          // output features
+    int64_t row_bytes;
+};
+
+struct LayerWeightsDesc {
+    const float* input_norm;
+    const float* post_attention_norm;
+    LayerMatrix qkv, o, gate_up, down;
+};
+
+struct LayerModel {
+    int64_t num_layers, hidden, heads, kv_heads, head_dim, intermediate;
+    double eps, scale;
+    const float* rope_cos;  // [max_positions, head_dim]
+    const float* rope_sin;
+    const float* final_norm;
+    const LayerWeightsDesc* layers;
+};
+
+// Every matmul of the layer loop goes through here. act_quant 0: float32 activations (qmatmul).
+static inline int layer_qmatmul(int act_quant, const float* x, int64_t rows, int64_t k, const LayerMatrix& m,
+                                float* y) {
+    (void)act_quant;  // int8 activations (qmatmul_i8) are added here when present
+    return qmatmul(static_cast<int>(m.qtype), x, rows, k, m.data, m.rows, m.row_bytes, y, m.rows);
+}
+
+// hidden [T, hidden]: the token embeddings in, scratch afterwards; out [T, hidden]: the final-normed states.
+// pool: the KV pool tensor [L, 2, num_blocks, bs, KVH, D]; layer_stride = 2 * num_blocks * bs * KVH * D.
+// Row t attends to the first ctx_lens[t] tokens of the table at tables + t * table_stride.
+static int layer_forward(const void* desc, int act_quant, float* hidden, int64_t T, const int64_t* positions,
+                         const int64_t* slots, float* pool, int64_t layer_stride, int64_t bs, const int64_t* tables,
+                         int64_t table_stride, const int64_t* ctx_lens, float* out) {
+    const LayerModel& m = *static_cast<const LayerModel*>(desc);
+    const int64_t E = m.hidden, H = m.heads, KVH = m.kv_heads, D = m.head_dim, I = m.intermediate;
+    const int64_t qkv_width = (H + 2 * KVH) * D;
+    const float eps = static_cast<float>(m.eps), scale = static_cast<float>(m.scale);
+    if (E % W != 0 || D % W != 0 || H % KVH != 0) return -2;
+    float* buf = new float[T * (3 * E + qkv_width + 2 * H * D + 3 * I)];
+    float* normed = buf;                  // [T, E]
+    float* delta = normed + T * E;        // [T, E] the sub-layer output added into the residual
+    float* other = delta + T * E;         // [T, E] the residual's second buffer
+    float* qkv = other + T * E;           // [T, qkv_width]
+    float* q = qkv + T * qkv_width;       // [T, H*D]
+    float* attn = q + T * H * D;          // [T, H*D]
+    float* gate_up = attn + T * H * D;    // [T, 2I]
+    float* act = gate_up + T * 2 * I;     // [T, I]
+    float* residual = hidden;
+    int rc = 0;
+    for (int64_t l = 0; l < m.num_layers && rc == 0; ++l) {
+        const LayerWeightsDesc& w = m.layers[l];
+        float* kpool = pool + l * layer_stride;
+        float* vpool = kpool + layer_stride / 2;
+        rc |= rms_norm(residual, l ? delta : nullptr, w.input_norm, T, E, eps, normed);  // residual += delta
+        rc |= layer_qmatmul(act_quant, normed, T, E, w.qkv, qkv);
+        rc |= rope_kv_write(qkv, T, H, KVH, D, positions, m.rope_cos, m.rope_sin, q, kpool, vpool, slots);
+        rc |= paged_attention(q, T, H, KVH, D, kpool, vpool, bs, tables, table_stride, ctx_lens, scale, attn);
+        rc |= layer_qmatmul(act_quant, attn, T, H * D, w.o, other);
+        rc |= rms_norm(other, residual, w.post_attention_norm, T, E, eps, normed);  // other = attended + residual
+        float* swap = residual;
+        residual = other;
+        other = swap;
+        rc |= layer_qmatmul(act_quant, normed, T, E, w.gate_up, gate_up);
+        rc |= swiglu(gate_up, T, I, act);
+        rc |= layer_qmatmul(act_quant, act, T, I, w.down, delta);
+    }
+    if (rc == 0) rc = rms_norm(residual, m.num_layers ? delta : nullptr, m.final_norm, T, E, eps, out);
+    delete[] buf;
+    return rc;
+}

@@ -1,0 +1,174 @@
+"""The fused kernels (RoPE + KV write, SwiGLU) against their torch twins, and the native layer loop
+(one C call per step, model/layer_loop.py) against the Python layer loop on a tiny quantized Llama.
+
+Every kernel test runs for each ISA this CPU has (AVX-512 and the forced AVX2 path where both exist).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvserve.engine.model_runner import ModelRunner
+from kvserve.engine.scheduler import ScheduledRequest
+from kvserve.kernels import reference
+from kvserve.kernels.ops import Kernels
+from kvserve.kernels.quant import QuantWeight
+from kvserve.kv.pool import KVPool, KVPoolShape
+from kvserve.model.hf import load_hf_dir
+from kvserve.model.layer_loop import LayerLoop
+from kvserve.model.llama import LlamaModel
+
+_BEST = Kernels.create("native")
+ISAS = ["avx512", "avx2"] if _BEST.isa == "avx512" else ["avx2"] if _BEST.isa == "avx2" else []
+SETTINGS = settings(max_examples=25, deadline=None)
+_UNAVAILABLE = pytest.param("none", marks=pytest.mark.skip(reason="native kernels unavailable"))
+
+
+@pytest.fixture(scope="module", params=ISAS or [_UNAVAILABLE])
+def kernels(request) -> Kernels:
+    forced = Kernels.create("native", isa=request.param)
+    assert forced.isa == request.param
+    return forced
+
+
+@SETTINGS
+@given(
+    rows=st.integers(1, 6), kv_heads=st.integers(1, 3), group=st.sampled_from([1, 2, 3, 4]),
+    head_dim=st.sampled_from([2, 8, 16, 24, 64]), block_size=st.sampled_from([1, 3, 4, 16]),
+    seed=st.integers(0, 2**16),
+)
+def test_rope_kv_write_matches_reference(kernels, rows, kv_heads, group, head_dim, block_size, seed):
+    generator = torch.Generator().manual_seed(seed)
+    heads, num_blocks = kv_heads * group, 8
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim, generator=generator)
+    angles = torch.rand(50, head_dim, generator=generator) * 6.3
+    cos, sin = angles.cos(), angles.sin()
+    positions = torch.randint(0, 50, (rows,), generator=generator)
+    slots = torch.randperm(num_blocks * block_size, generator=generator)[:rows]
+    pool = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=generator)
+    pools = [pool.clone(), pool.clone()]
+    expected = reference.rope_kv_write(qkv, heads, kv_heads, positions, cos, sin, pools[0][0], pools[0][1], slots)
+    native = kernels.rope_kv_write(qkv, heads, kv_heads, positions, cos, sin, pools[1][0], pools[1][1], slots)
+    # Same products and sums, rounded separately (no FMA contraction): bit-identical, untouched slots too.
+    assert torch.equal(native, expected)
+    assert torch.equal(pools[1], pools[0])
+
+
+def test_rope_kv_write_rejects_bad_slots(kernels):
+    qkv, tables = torch.zeros(2, 4 * 16), torch.zeros(10, 16)
+    blocks = torch.zeros(4, 2, 1, 16)
+    with pytest.raises(ValueError, match="slots"):
+        kernels.rope_kv_write(qkv, 2, 1, torch.tensor([0, 1]), tables, tables, blocks, blocks, torch.tensor([0, 8]))
+    with pytest.raises(ValueError, match="positions"):
+        kernels.rope_kv_write(qkv, 2, 1, torch.tensor([0, 10]), tables, tables, blocks, blocks, torch.tensor([0, 1]))
+
+
+@SETTINGS
+@given(rows=st.integers(1, 5), width=st.integers(1, 100), seed=st.integers(0, 2**16))
+def test_swiglu_matches_reference(kernels, rows, width, seed):
+    gate_up = torch.randn(rows, 2 * width, generator=torch.Generator().manual_seed(seed)) * 6
+    torch.testing.assert_close(kernels.swiglu(gate_up), reference.swiglu(gate_up), rtol=2e-6, atol=1e-6)
+
+
+# --- the layer loop ----------------------------------------------------------------------------------
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def quantized_tiny_llama(tiny_model_dir, kernels: Kernels) -> LlamaModel:
+    """The conftest's tiny Llama with every projection quantized (Q8_0 and Q4_1 in alternate layers)."""
+    import gguf
+
+    config, weights, _ = load_hf_dir(tiny_model_dir, progress=False)
+    for name, weight in list(weights.items()):
+        if name.split(".")[-2] in PROJECTIONS:
+            qtype = gguf.GGMLQuantizationType.Q8_0 if int(name.split(".")[2]) % 2 else gguf.GGMLQuantizationType.Q4_1
+            data = gguf.quants.quantize(weight.numpy().astype(np.float32), qtype)
+            weights[name] = QuantWeight(torch.from_numpy(np.ascontiguousarray(data)), int(qtype), weight.shape[1])
+    return LlamaModel(config, weights, torch.float32, kernels=kernels)
+
+
+def run_steps(model: LlamaModel, prompts: list[list[int]], block_size: int, steps: int) -> list[torch.Tensor]:
+    """Prompt i prefills in step i beside the decodes of prompts before it (mixed steps), then all decode
+    together greedily; the logits of every step."""
+    config = model.config
+    pool = KVPool(KVPoolShape(config.num_layers, 64, block_size, config.num_kv_heads, config.head_dim),
+                  torch.float32, "cpu")
+    runner = ModelRunner(model, pool)
+    blocks = torch.randperm(64, generator=torch.Generator().manual_seed(block_size)).tolist()
+    requests = []
+    for prompt in prompts:
+        needed = -(-(len(prompt) + len(prompts) + steps) // block_size)
+        table, blocks = blocks[:needed], blocks[needed:]
+        requests.append(SimpleNamespace(all_token_ids=list(prompt), num_computed_tokens=0, num_tokens=len(prompt),
+                                        block_table=table, lora=None))
+    schedule = [requests[: i + 1] for i in range(len(requests))] + [requests] * steps
+    all_logits = []
+    for step in schedule:
+        scheduled = [ScheduledRequest(r, r.num_tokens - r.num_computed_tokens) for r in step]
+        logits, _ = runner.run(scheduled)
+        all_logits.append(logits)
+        for request, row in zip(step, logits, strict=True):
+            request.num_computed_tokens = request.num_tokens
+            request.all_token_ids.append(int(row.argmax()))
+            request.num_tokens += 1
+    return all_logits
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_layer_loop_matches_python_loop(kernels, tiny_model_dir, block_size, monkeypatch):
+    model = quantized_tiny_llama(tiny_model_dir, kernels)
+    assert model.layer_loop is not None
+    calls = []
+    original = LayerLoop.forward
+    monkeypatch.setattr(LayerLoop, "forward", lambda self, *args: calls.append(1) or original(self, *args))
+    # Steps: 5-token prefill; a decode + a 9-token prefill; two decodes + a 20-token prefill (over the loop's
+    # row limit: the Python loop in both runs); three decodes + a 1-token prompt; then four decode steps.
+    prompts = [[5, 9, 200, 31, 7], list(range(3, 12)), list(range(40, 60)), [11]]
+    native = run_steps(model, prompts, block_size, steps=4)
+    assert len(calls) == 3 + 4
+    model.layer_loop = None
+    python = run_steps(model, prompts, block_size, steps=4)
+    torch_model = quantized_tiny_llama(tiny_model_dir, Kernels.create("torch"))
+    assert torch_model.layer_loop is None
+    oracle = run_steps(torch_model, prompts, block_size, steps=4)
+    for ours, theirs, reference_logits in zip(native, python, oracle, strict=True):
+        scale = theirs.abs().max()
+        assert (ours - theirs).abs().max() <= 1e-4 * scale
+        assert (ours - reference_logits).abs().max() <= 1e-4 * scale
+        assert torch.equal(ours.argmax(-1), reference_logits.argmax(-1))
+
+
+def test_layer_loop_applies_only_where_it_can(kernels, tiny_model_dir):
+    model = quantized_tiny_llama(tiny_model_dir, kernels)
+    blocks = torch.zeros(1, 1, dtype=torch.float32)
+    assert model.layer_loop.applies(16, blocks) and not model.layer_loop.applies(17, blocks)
+    assert not model.layer_loop.applies(4, blocks.bfloat16())
+    config, weights, _ = load_hf_dir(tiny_model_dir, progress=False)
+    assert LlamaModel(config, weights, torch.float32, kernels=kernels).layer_loop is None  # dense weights
+    assert LayerLoop.build(quantized_tiny_llama(tiny_model_dir, Kernels.create("torch"))) is None
+
+
+def test_layer_loop_rejects_bad_slots(kernels, tiny_model_dir):
+    model = quantized_tiny_llama(tiny_model_dir, kernels)
+    config = model.config
+    pool = KVPool(KVPoolShape(config.num_layers, 4, 4, config.num_kv_heads, config.head_dim), torch.float32, "cpu")
+    request = SimpleNamespace(all_token_ids=[5, 6], num_computed_tokens=0, num_tokens=2, block_table=[9], lora=None)
+    with pytest.raises((ValueError, IndexError)):  # block 9 of a 4-block pool
+        ModelRunner(model, pool).run([ScheduledRequest(request, 2)])
+
+
+def test_layer_loop_decode_is_bit_identical(kernels, tiny_model_dir):
+    """Prompts over the row limit prefill in the Python loop; then the decodes (the loop's) match exactly."""
+    model = quantized_tiny_llama(tiny_model_dir, kernels)
+    prompts = [list(range(3, 20)), list(range(40, 60)), list(range(100, 118))]
+    native = run_steps(model, prompts, 4, steps=3)
+    model.layer_loop = None
+    python = run_steps(model, prompts, 4, steps=3)
+    assert all(torch.equal(ours, theirs) for ours, theirs in zip(native, python, strict=True))
