@@ -32,10 +32,11 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Protocol
 
-EVICTION_POLICIES = ("lru", "lfu", "gdsf", "s2lru", "belady")
+EVICTION_POLICIES = ("lru", "lfu", "gdsf", "s2lru", "glru", "belady")
 ONLINE_POLICIES = EVICTION_POLICIES[:-1]  # belady needs the future: replay only
 DEFAULT_EVICTION = "s2lru"  # never more than a point below lru on the benchmarks, up to 3 above on RAG
 
@@ -58,6 +59,9 @@ class Unit(Protocol):
     @property
     def tail_hash(self) -> bytes: ...
 
+    @property
+    def head_hash(self) -> bytes: ...
+
 
 class EvictionPolicy:
     """Least value first; subclasses define `value`. The base value is recency (LRU)."""
@@ -73,6 +77,9 @@ class EvictionPolicy:
         return unit.last_access
 
     # ---- events from the cache ------------------------------------------------------------------
+
+    def attach(self, num_blocks: int) -> None:
+        """The cache this policy serves holds `num_blocks` blocks (sizes any history it keeps)."""
 
     def inserted(self, unit: Unit, now: float) -> None:
         """`unit` was registered at `now` by the request that computed it (its first use)."""
@@ -113,8 +120,9 @@ class EvictionPolicy:
             return unit
         return None
 
-    def evicted(self, unit: Unit) -> None:
-        """`unit` (or part of it) was evicted: age every other value up to it."""
+    def evicted(self, unit: Unit, run_head: bytes) -> None:
+        """`unit` is being evicted, whole or from its tail starting at the block hashed `run_head`:
+        age every other value up to it."""
         self.inflation = max(self.inflation, unit.priority)
 
     def clear(self) -> None:
@@ -164,6 +172,47 @@ class S2LRUPolicy(EvictionPolicy):
         return unit.last_access - (self.probation if unit.hits <= 1 else 0.0)
 
 
+class GhostLRUPolicy(EvictionPolicy):
+    """LRU in two classes: a unit whose blocks were used by two requests or more (*proven*) ranks
+    `protect` seconds younger, one used once ranks `probation` seconds older. What makes this more than
+    S2LRU is memory across eviction (ARC's and S3-FIFO's ghosts): an evicted run of blocks leaves its
+    head hash and use count behind, and a request that recomputes that run re-registers it proven. In
+    a leaf-first cache the cached part of a chain always ends where its last eviction began, so the
+    head of a run a request recomputes is the head of an evicted run: one ghost per eviction suffices.
+    Ghosts are bounded by the pool size (oldest forgotten first)."""
+
+    name = "glru"
+
+    def __init__(self, protect: float = 300.0, probation: float = 20.0, levels: float = 1.0) -> None:
+        super().__init__()
+        self.protect, self.probation, self.levels = protect, probation, int(levels)
+        self.ghosts: OrderedDict[bytes, int] = OrderedDict()  # head hash of an evicted run -> its uses
+        self.ghost_limit = 1024
+
+    def attach(self, num_blocks: int) -> None:
+        self.ghost_limit = max(self.ghost_limit, num_blocks)
+
+    def value(self, unit: Unit) -> float:
+        if unit.hits < 2:
+            return unit.last_access - self.probation
+        return unit.last_access + self.protect * min(unit.hits - 1, self.levels)
+
+    def inserted(self, unit: Unit, now: float) -> None:
+        unit.hits, unit.last_access = 1 + self.ghosts.pop(unit.head_hash, 0), now
+        self._revalue(unit)
+
+    def evicted(self, unit: Unit, run_head: bytes) -> None:
+        ghosts = self.ghosts
+        ghosts.pop(run_head, None)
+        ghosts[run_head] = unit.hits
+        if len(ghosts) > self.ghost_limit:
+            ghosts.popitem(last=False)
+
+    def clear(self) -> None:
+        super().clear()
+        self.ghosts.clear()
+
+
 class BeladyPolicy(EvictionPolicy):
     """Farthest next use first (offline: `next_use` knows the future)."""
 
@@ -185,6 +234,7 @@ def make_policy(name: str, next_use: NextUse | None = None) -> EvictionPolicy:
         return BeladyPolicy(next_use)
     classes: dict[str, type[EvictionPolicy]] = {
         "lru": EvictionPolicy, "lfu": LFUPolicy, "gdsf": GDSFPolicy, "s2lru": S2LRUPolicy,
+        "glru": GhostLRUPolicy,
     }
     if name not in classes:
         raise ValueError(f"unknown eviction policy {name!r}; expected one of {', '.join(ONLINE_POLICIES)}")
