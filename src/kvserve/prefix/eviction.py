@@ -33,7 +33,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 EVICTION_POLICIES = ("lru", "lfu", "gdsf", "s2lru", "glru", "belady")
@@ -120,6 +120,12 @@ class EvictionPolicy:
             return unit
         return None
 
+    def take(self, hashes: Sequence[bytes], need: int) -> int:
+        """How many tail blocks of a popped unit holding `hashes` go now (1..need): all share the
+        unit's value here; a policy that values blocks one by one stops where the value changes (the
+        rest of the unit is ranked again)."""
+        return need
+
     def evicted(self, unit: Unit, run_head: bytes) -> None:
         """`unit` is being evicted, whole or from its tail starting at the block hashed `run_head`:
         age every other value up to it."""
@@ -183,9 +189,9 @@ class GhostLRUPolicy(EvictionPolicy):
 
     name = "glru"
 
-    def __init__(self, protect: float = 300.0, probation: float = 20.0, levels: float = 1.0) -> None:
+    def __init__(self, protect: float = 30.0, probation: float = 20.0) -> None:
         super().__init__()
-        self.protect, self.probation, self.levels = protect, probation, int(levels)
+        self.protect, self.probation = protect, probation
         self.ghosts: OrderedDict[bytes, int] = OrderedDict()  # head hash of an evicted run -> its uses
         self.ghost_limit = 1024
 
@@ -193,9 +199,7 @@ class GhostLRUPolicy(EvictionPolicy):
         self.ghost_limit = max(self.ghost_limit, num_blocks)
 
     def value(self, unit: Unit) -> float:
-        if unit.hits < 2:
-            return unit.last_access - self.probation
-        return unit.last_access + self.protect * min(unit.hits - 1, self.levels)
+        return unit.last_access + (self.protect if unit.hits >= 2 else -self.probation)
 
     def inserted(self, unit: Unit, now: float) -> None:
         unit.hits, unit.last_access = 1 + self.ghosts.pop(unit.head_hash, 0), now
@@ -224,6 +228,15 @@ class BeladyPolicy(EvictionPolicy):
 
     def value(self, unit: Unit) -> float:
         return -self.next_use(unit.tail_hash)
+
+    def take(self, hashes: Sequence[bytes], need: int) -> int:
+        """Only the tail blocks used next as late as the tail: a unit's head can be used much sooner
+        than its tail (a later prompt may share only the head), and evicting it with the tail would
+        drop blocks that are not the farthest."""
+        next_use, far, k = self.next_use, self.next_use(hashes[-1]), 1
+        while k < min(need, len(hashes)) and next_use(hashes[-1 - k]) == far:
+            k += 1
+        return min(need, k)
 
 
 def make_policy(name: str, next_use: NextUse | None = None) -> EvictionPolicy:
