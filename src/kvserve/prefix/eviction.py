@@ -24,8 +24,15 @@ The policies (measured on a production trace in benchmarks/results/eviction.md):
   before blocks that came back, but a block that came back is not kept forever. 20 s is short against
   a chat user's think time (longer probation evicted the next turn's prefix: -2.6 points at 60 s) and long
   enough to keep hot RAG documents over one-off questions.
-- belady: the offline optimum (replay only): evict the leaf whose next use is farthest in the future;
-  the replay tool supplies the future as a `NextUse` oracle.
+- glru: s2lru's two classes plus memory across eviction (ARC's / S3-FIFO's ghost idea): a unit used by
+  two requests or more ranks `protect` (30 s) younger, and an evicted run leaves a ghost (its head hash
+  and use count), so a request that recomputes blocks the cache dropped re-registers them as proven: on
+  the Mooncake trace the second turn of a conversation usually misses (it comes minutes later), and the
+  ghost is what tells its blocks from a one-off prompt's. A longer `protect` gains more on Mooncake
+  (300 s: +3 points at 5%) but keeps finished chats too long (-4 points at 20% on the chat workload).
+- belady: the offline reference (replay only): evict the leaf whose next use is farthest in the future,
+  and of that leaf only the tail blocks used as late as its tail (`take`); the replay tool supplies the
+  future as a `NextUse` oracle. Not a proven bound: a request pins all its blocks at once.
 """
 
 from __future__ import annotations
