@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -365,3 +366,18 @@ def test_glru_keeps_a_recomputed_run_over_a_newer_one_off(kind: str, policy: str
     expected = newer.blocks[:2] if policy == "glru" else back.blocks[:2]
     assert sorted(cache.evict(2)) == sorted(expected)
     cache.check_invariants()
+
+
+def test_belady_takes_only_the_farthest_tail_of_a_leaf() -> None:
+    """A leaf's head can be used much sooner than its tail: Belady evicts the dead tail, then ranks the
+    head against the other leaves (evicting the whole leaf made Belady lose to LRU on the trace)."""
+    future: dict[bytes, float] = {}
+    alloc = BlockAllocator(16)
+    cache = RadixCache(alloc, BS, clock=Clock(), policy=make_policy("belady", lambda h: future.get(h, math.inf)))
+    a = run(cache, seq_tokens(0, 64) + [1])  # one 4-block leaf
+    b = run(cache, seq_tokens(500, 32) + [1])  # one 2-block leaf
+    future.update({a.hashes[0]: 5, a.hashes[1]: 5, b.hashes[0]: 10, b.hashes[1]: 10})  # a[2:] never again
+    finish(cache, a)
+    finish(cache, b)
+    assert sorted(cache.evict(3)) == sorted([a.blocks[2], a.blocks[3], b.blocks[1]])
+    assert cache.match(a.tokens, a.hashes, ()) == a.blocks[:2]
