@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -9,6 +10,7 @@ import pytest
 
 from kvserve.kv.block_allocator import BlockAllocator
 from kvserve.prefix.base import Namespace, NoPrefixCache
+from kvserve.prefix.eviction import make_policy
 from kvserve.prefix.factory import make_prefix_cache
 from kvserve.prefix.hashed import HashCache
 from kvserve.prefix.hashing import block_hashes
@@ -341,3 +343,41 @@ def test_on_evict_reports_block_and_hash_before_the_free_list(kind: str) -> None
     assert len(seen) == len(expected) - len(freed)
     assert all(expected[block_id] == block_hash for block_id, block_hash in seen)
     assert alloc.num_free == alloc.num_blocks
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("policy", ["lru", "glru"])
+def test_glru_keeps_a_recomputed_run_over_a_newer_one_off(kind: str, policy: str) -> None:
+    """glru's ghosts: a run that was evicted and then recomputed has proven reuse, so it outranks a newer
+    prompt used once (LRU takes the older one)."""
+    alloc = BlockAllocator(8)
+    evict = make_policy(policy)
+    cache = (RadixCache(alloc, BS, clock=Clock(), policy=evict) if kind == "radix"
+             else HashCache(alloc, BS, clock=Clock(), policy=evict))
+    again = seq_tokens(0, 32) + [1]  # two full blocks and a partial one
+    finish(cache, run(cache, again))
+    finish(cache, run(cache, seq_tokens(100, 32) + [1]))
+    assert len(cache.evict(8)) == 4  # both gone: the pool forgets them, glru's ghosts do not
+    back = run(cache, again)  # a miss: recomputed
+    assert back.num_cached_tokens == 0
+    finish(cache, back)
+    newer = run(cache, seq_tokens(200, 32) + [1])
+    finish(cache, newer)
+    expected = newer.blocks[:2] if policy == "glru" else back.blocks[:2]
+    assert sorted(cache.evict(2)) == sorted(expected)
+    cache.check_invariants()
+
+
+def test_belady_takes_only_the_farthest_tail_of_a_leaf() -> None:
+    """A leaf's head can be used much sooner than its tail: Belady evicts the dead tail, then ranks the
+    head against the other leaves (evicting the whole leaf made Belady lose to LRU on the trace)."""
+    future: dict[bytes, float] = {}
+    alloc = BlockAllocator(16)
+    cache = RadixCache(alloc, BS, clock=Clock(), policy=make_policy("belady", lambda h: future.get(h, math.inf)))
+    a = run(cache, seq_tokens(0, 64) + [1])  # one 4-block leaf
+    b = run(cache, seq_tokens(500, 32) + [1])  # one 2-block leaf
+    future.update({a.hashes[0]: 5, a.hashes[1]: 5, b.hashes[0]: 10, b.hashes[1]: 10})  # a[2:] never again
+    finish(cache, a)
+    finish(cache, b)
+    assert sorted(cache.evict(3)) == sorted([a.blocks[2], a.blocks[3], b.blocks[1]])
+    assert cache.match(a.tokens, a.hashes, ()) == a.blocks[:2]

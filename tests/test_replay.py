@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ import pytest
 from kvserve import LLM, SamplingParams
 from kvserve.cli import main
 from kvserve.prefix.eviction import EVICTION_POLICIES
-from kvserve.replay.driver import Replay, ReplayConfig, distinct_blocks
+from kvserve.replay.driver import NextUseOracle, Replay, ReplayConfig, distinct_blocks
 from kvserve.replay.expand import expand, trace_id_of
 from kvserve.replay.request_log import RequestLog
 from kvserve.replay.trace import parse_trace, read_trace
@@ -126,3 +127,34 @@ def test_cli_replay_prints_a_table_and_writes_plot_and_json(tmp_path: Path, caps
     best = {r["cache_blocks"]: r["hit_tokens"] for r in results if r["eviction"] == "belady"}
     assert all(r["hit_tokens"] <= best[r["cache_blocks"]] for r in results)
     assert main(["replay", str(MOONCAKE), "--limit", "5", "--cache-blocks", "0", "--no-progress"]) == 2
+
+
+def test_belady_next_use_skips_requests_that_cannot_match_the_block() -> None:
+    """A request ending inside a trace block uses only the replay blocks it can match; a request too big
+    for the cache is no use at all. A stale next use would keep a dead block cached forever."""
+    a, short, big, full = parse_trace([
+        line(0, [5], 64, block_size=64),  # 4 replay blocks of trace block 5
+        line(1, [5], 20, block_size=64),  # matches 1 block (capped so one token is computed)
+        line(2, [5, 6, 7], 192, out=1000, block_size=64),  # too big for 40 blocks: dropped
+        line(3, [5, 6], 80, block_size=64),  # matches all 4 blocks of trace block 5
+    ])
+    requests = [a, short, big, full]
+    oracle = NextUseOracle(requests, 16, cache_blocks=40)
+    hashes = expand(a, 16).hashes
+    assert [oracle(h) for h in hashes] == [1, 3, 3, 3]
+    oracle.current = 1
+    assert [oracle(h) for h in hashes] == [3, 3, 3, 3]
+    oracle.current = 3
+    assert oracle(hashes[0]) == math.inf
+    assert NextUseOracle(requests, 16, cache_blocks=10_000)(hashes[1]) == 2  # fits: a use
+
+
+@pytest.mark.parametrize("policy", ["lru", "glru", "belady"])
+def test_sequential_replay_holds_nothing_across_requests(policy: str) -> None:
+    requests = small_trace()
+    overlapped = Replay(requests, ReplayConfig(40, 16, policy, decode_ms_per_token=2000.0)).run()
+    sequential = Replay(requests, ReplayConfig(40, 16, policy, overlap=False)).run()
+    assert overlapped.mean_pinned > 0 and sequential.mean_pinned == 0
+    assert sequential.requests == overlapped.requests == len(requests)
+    best = Replay(requests, ReplayConfig(40, 16, "belady", overlap=False)).run()
+    assert sequential.hit_tokens <= best.hit_tokens

@@ -49,6 +49,10 @@ class CachedBlock:
     def tail_hash(self) -> bytes:
         return self.block_hash
 
+    @property
+    def head_hash(self) -> bytes:
+        return self.block_hash
+
 
 class HashCache:
     """Prefix cache keyed by chained block hashes; see the module docstring."""
@@ -68,6 +72,7 @@ class HashCache:
         self._num_evictable = 0
         self._clock = clock
         self.policy = policy if policy is not None else EvictionPolicy()
+        self.policy.attach(allocator.num_blocks)
         # Called with (block_id, block_hash) pairs before evicted (or reset) blocks are freed.
         self.on_evict: Callable[[list[tuple[int, bytes]]], None] | None = None
 
@@ -222,7 +227,7 @@ class HashCache:
                 break
             if not self._is_candidate(entry):
                 continue  # stale: pushed again when it becomes a candidate
-            self.policy.evicted(entry)
+            self.policy.evicted(entry, entry.block_hash)
             self._unregister(entry)
             victims.append((entry.block_id, entry.block_hash))
         if self.on_evict is not None and victims:

@@ -53,6 +53,10 @@ class RadixNode:
     def tail_hash(self) -> bytes:
         return self.hashes[-1]
 
+    @property
+    def head_hash(self) -> bytes:
+        return self.hashes[0]
+
 
 class RadixCache:
     """Prefix cache as a radix tree of whole blocks; see the module docstring."""
@@ -71,6 +75,7 @@ class RadixCache:
         self._node_of: dict[int, RadixNode] = {}  # registered block id -> its node
         self._num_evictable = 0
         self.policy = policy if policy is not None else EvictionPolicy()
+        self.policy.attach(allocator.num_blocks)
         # Called with (block_id, block_hash) pairs before evicted (or reset) blocks are freed.
         self.on_evict: Callable[[list[tuple[int, bytes]]], None] | None = None
 
@@ -246,7 +251,8 @@ class RadixCache:
 
     def evict(self, num_blocks: int) -> list[int]:
         """Free `num_blocks` blocks, or every evictable one if fewer; returns the freed ids. Leaves go
-        in the policy's order; the last one is trimmed from its tail to free no more than asked."""
+        in the policy's order, trimmed from the tail to free no more than asked or than the policy
+        takes at once (`EvictionPolicy.take`: Belady ranks a leaf's head apart from its tail)."""
         freed: list[int] = []
         while len(freed) < num_blocks:
             node = self.policy.pop()
@@ -254,8 +260,8 @@ class RadixCache:
                 break
             if node.removed or not self._is_evictable_leaf(node):
                 continue  # stale: the node is pushed again when it becomes a candidate
-            self.policy.evicted(node)
-            need = num_blocks - len(freed)
+            need = self.policy.take(node.hashes, num_blocks - len(freed))
+            self.policy.evicted(node, node.hashes[-need] if need < len(node.blocks) else node.hashes[0])
             if need < len(node.blocks):
                 freed.extend(self._trim_leaf(node, need))
             else:

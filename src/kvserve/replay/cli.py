@@ -41,6 +41,8 @@ def add_replay_parser(commands: argparse._SubParsersAction,
                         help="simulated prefill speed (how long a request holds its blocks)")
     replay.add_argument("--decode-ms-per-token", type=float, default=30.0,
                         help="simulated decode step (how long a request holds its blocks)")
+    replay.add_argument("--sequential", action="store_true",
+                        help="serve requests one at a time in no time (no overlap: nothing held across requests)")
     replay.add_argument("--plot", default=None, help="write hit ratio vs cache size to this PNG")
     replay.add_argument("--json", default=None, help="write the results as JSON")
     replay.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -79,7 +81,7 @@ def run_replay(args: argparse.Namespace) -> int:
                 bar.set_description(f"{policy} @ {blocks} blocks")
                 config = ReplayConfig(
                     blocks, args.block_size, policy, args.prefix_cache,
-                    args.prefill_tokens_per_s, args.decode_ms_per_token,
+                    args.prefill_tokens_per_s, args.decode_ms_per_token, overlap=not args.sequential,
                 )
                 results.append(Replay(requests, config).run(lambda: bar.update(1)))
     print(f"{len(requests)} requests, {distinct} distinct {args.block_size}-token blocks, {args.prefix_cache} cache")
