@@ -118,18 +118,20 @@ def test_option_is_one_flag_through_config_and_refused_without_quantized_weights
 
 
 PROMPTS = [
-    "What is the capital of France?",
+    "The capital of France is",
     "def fibonacci(n):\n    ",
     "The quick brown fox",
-    "Explain what a KV cache is in one paragraph.",
+    "Once upon a time, in a land far away, there lived a dragon who",
 ]
+NEAR_TIE = 0.5  # logits: HF's top-2 gap below which the bounded int8 error may legitimately swap them
 NEW_TOKENS = 32
 
 
 @pytest.mark.model
 def test_int8_greedy_agrees_with_transformers_fp32():
     """Greedy int8 tokens, teacher-forced through transformers fp32: HF's top-1 must match at >= 90% of
-    positions (the first generated token exactly), so one near-tie does not cascade into the count."""
+    positions (teacher forcing: one near-tie does not cascade into the count), and the first generated token
+    must equal HF's unless HF's own top-2 are within NEAR_TIE logits."""
     from transformers import AutoModelForCausalLM
 
     from kvserve import LLM, SamplingParams
@@ -146,8 +148,10 @@ def test_int8_greedy_agrees_with_transformers_fp32():
         prompt, generated = list(out.prompt_token_ids), list(out.outputs[0].token_ids)
         with torch.no_grad():
             logits = hf(torch.tensor([prompt + generated])).logits[0]
-        hf_top1 = logits[len(prompt) - 1 : len(prompt) - 1 + len(generated)].argmax(-1).tolist()
-        assert hf_top1[0] == generated[0], out.prompt
+        steps = logits[len(prompt) - 1 : len(prompt) - 1 + len(generated)]
+        hf_top1 = steps.argmax(-1).tolist()
+        top2 = steps[0].topk(2).values
+        assert hf_top1[0] == generated[0] or float(top2[0] - top2[1]) < NEAR_TIE, out.prompt
         agree += sum(a == b for a, b in zip(hf_top1, generated, strict=True))
         total += len(generated)
     rate = agree / total
