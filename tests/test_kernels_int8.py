@@ -12,13 +12,13 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_kernels import ISAS, random_quant
 
 from kvserve.cli import build_parser, engine_config_from_args
 from kvserve.config import EngineConfig
 from kvserve.kernels import reference
 from kvserve.kernels.ops import Kernels
 from kvserve.kernels.quant import QTYPES
+from test_kernels import ISAS, random_quant
 
 SETTINGS = settings(max_examples=25, deadline=None)
 _UNAVAILABLE = pytest.param("none", marks=pytest.mark.skip(reason="native kernels unavailable"))
