@@ -31,6 +31,7 @@ from kvserve.model.registry import resolve_model  # noqa: E402
 
 VARIANTS = {
     "kvserve native Q4_1": {"kernels": "native", "weights": "native"},
+    "kvserve native Q4_1 int8": {"kernels": "native", "weights": "native", "activation_quant": "int8"},
     "kvserve native fp32": {"kernels": "native", "weights": "dense"},
     "kvserve torch fp32 (before)": {"kernels": "torch", "weights": "dense"},
 }

@@ -7,6 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from kvserve.config import (
+    ACTIVATION_QUANTS,
     DTYPES,
     KERNEL_BACKENDS,
     PREFIX_CACHE_KINDS,
@@ -59,6 +60,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                        help="native C++ kernels (torch if they cannot load) or the torch reference")
     group.add_argument("--weights", default=defaults.weights, choices=WEIGHT_FORMATS,
                        help="dense float32, or run a GGUF's quantized tensors as stored")
+    group.add_argument("--activation-quant", default=defaults.activation_quant, choices=ACTIVATION_QUANTS,
+                       help="int8: quantize the activations of quantized-weight matmuls to int8 blocks (as "
+                       "llama.cpp's Q8_1; faster, approximate; needs --weights native); none: exact fp32")
     group.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (implied by --lora-modules)")
     group.add_argument("--max-loras", type=int, default=defaults.max_loras,
                        help="LoRA adapters resident at once (more are swapped in from host memory)")

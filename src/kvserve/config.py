@@ -10,13 +10,14 @@ from kvserve.prefix.eviction import DEFAULT_EVICTION, ONLINE_POLICIES
 from kvserve.prefix.factory import PREFIX_CACHE_KINDS, PREFIX_HASH_KINDS
 
 __all__ = [
-    "DTYPES", "PREFIX_CACHE_KINDS", "PREFIX_HASH_KINDS",
+    "ACTIVATION_QUANTS", "DTYPES", "PREFIX_CACHE_KINDS", "PREFIX_HASH_KINDS",
     "SCHEDULE_POLICIES", "EngineConfig", "parse_size",
 ]
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 DTYPES = ("float32", "bfloat16", "float16", "auto")  # auto: bf16 only where the CPU has it natively
 KERNEL_BACKENDS = ("native", "torch")  # C++ kernels (falling back to torch if unavailable) or torch only
 WEIGHT_FORMATS = ("dense", "native")  # float32 weights, or a GGUF's quantized tensors kept as stored
+ACTIVATION_QUANTS = ("none", "int8")  # int8: quantized-weight matmuls take int8 activation blocks (Q8_1)
 
 _SIZE_UNITS = {
     "": 1, "b": 1,
@@ -75,6 +76,7 @@ class EngineConfig:
     kv_load_timeout: float = 5.0  # seconds a disk/remote load may take before the prompt is recomputed
     kernels: str = "native"
     weights: str = "dense"
+    activation_quant: str = "none"  # int8 needs quantized weights (weights="native")
     enable_lora: bool = False
     max_loras: int = 4
     max_lora_rank: int = 16
@@ -129,6 +131,11 @@ class EngineConfig:
         _require(self.max_lora_rank >= 1, f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
         _require(self.kernels in KERNEL_BACKENDS, f"kernels must be one of {KERNEL_BACKENDS}, got {self.kernels!r}")
         _require(self.weights in WEIGHT_FORMATS, f"weights must be one of {WEIGHT_FORMATS}, got {self.weights!r}")
+        _require(self.activation_quant in ACTIVATION_QUANTS,
+                 f"activation_quant must be one of {ACTIVATION_QUANTS}, got {self.activation_quant!r}")
+        _require(self.activation_quant == "none" or self.weights != "dense",
+                 f"activation_quant={self.activation_quant!r} quantizes the activations of quantized-weight "
+                 "matmuls: it needs weights='native' (a Q4_0/Q4_1/Q8_0 GGUF run as stored), not dense weights")
         self._validate_tiers()
 
     def _validate_tiers(self) -> None:

@@ -32,7 +32,13 @@ from kvserve.engine.params import BeamSearchParams, SamplingParams
 from kvserve.engine.request import FinishReason, Request, RequestOutput, TokenLogprob
 from kvserve.engine.sampler import add_cumulative_logprobs, sample
 from kvserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
-from kvserve.engine.setup import eos_token_ids, pool_shape, resolve_long_prefill_threshold, resolve_max_model_len
+from kvserve.engine.setup import (
+    check_activation_quant,
+    eos_token_ids,
+    pool_shape,
+    resolve_long_prefill_threshold,
+    resolve_max_model_len,
+)
 from kvserve.engine.stats import engine_stats
 from kvserve.engine.structured import GrammarCompiler
 from kvserve.engine.tokens import append_sampled_token
@@ -62,7 +68,8 @@ class LLMEngine:
         self.model_name = loaded.name
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
-        kernels = Kernels.create(config.kernels)
+        check_activation_quant(config, loaded.weights)
+        kernels = Kernels.create(config.kernels, activation_quant=config.activation_quant)
         dtype = getattr(torch, kernels.resolve_dtype(config.dtype, config.weights))
         self.model = LlamaModel(loaded.config, loaded.weights, dtype, config.device, kernels)
         tensor_shapes = {name: tuple(tensor.shape) for name, tensor in loaded.weights.items()}

@@ -6,6 +6,7 @@ import torch
 
 from kvserve.config import EngineConfig, default_kv_cache_memory
 from kvserve.engine.limits import default_long_prefill_threshold
+from kvserve.kernels.quant import QuantWeight
 from kvserve.kv.pool import KVPoolShape, num_blocks_for_memory
 from kvserve.model.config import ModelConfig
 from kvserve.model.tokenizer import Tokenizer
@@ -18,6 +19,18 @@ def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> in
     if wanted > limit:
         raise ValueError(f"max_model_len {wanted} exceeds the model's {limit} positions")
     return wanted
+
+
+def check_activation_quant(config: EngineConfig, weights: dict[str, object]) -> None:
+    """int8 activations apply to matmuls with quantized weights kept as stored, on the CPU: refuse the option
+    where there are none, rather than silently running the fp32 path."""
+    if config.activation_quant == "none":
+        return
+    if torch.device(config.device).type != "cpu":
+        raise ValueError(f"activation_quant={config.activation_quant!r} runs on the CPU only, not {config.device!r}")
+    if not any(isinstance(weight, QuantWeight) for weight in weights.values()):
+        raise ValueError(f"activation_quant={config.activation_quant!r} needs quantized weights (a Q4_0/Q4_1/Q8_0 "
+                         f"GGUF with weights='native'); {config.model!r} loaded none")
 
 
 def resolve_long_prefill_threshold(config: EngineConfig, max_model_len: int) -> int:

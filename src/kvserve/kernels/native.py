@@ -22,6 +22,8 @@ _SIGNATURES = {
     "kv_cpu_features": [],
     "kv_set_num_threads": [ctypes.c_int],
     "kv_qmatmul": [ctypes.c_int, ctypes.c_int, _P, _I, _I, _P, _I, _I, _P, _I],
+    "kv_qmatmul_i8": [ctypes.c_int, ctypes.c_int, _P, _I, _I, _P, _I, _I, _P, _I],
+    "kv_quantize_i8": [ctypes.c_int, _P, _I, _I, _P, _P, _P],
     "kv_dequantize": [ctypes.c_int, ctypes.c_int, _P, _I, _I, _P, _I, _P],
     "kv_paged_attention": [ctypes.c_int, _P, _I, _I, _I, _I, _P, _P, _I, _P, _I, _P, _F, _P],
     "kv_rms_norm": [ctypes.c_int, _P, _P, _P, _I, _I, _F, _P],
@@ -87,6 +89,31 @@ class NativeLibrary:
             out.data_ptr(), out.shape[1],
         ), "qmatmul")
         return out
+
+    def qmatmul_i8(self, x: torch.Tensor, data: torch.Tensor, qtype: int, in_features: int) -> torch.Tensor:
+        """As `qmatmul`, with the rows of x quantized to int8 blocks first (`reference.qlinear_i8`)."""
+        _check(x, torch.float32, "x")
+        _check(data, torch.uint8, "weight")
+        rows, width = x.shape
+        if width != in_features:
+            raise ValueError(f"x has {width} features, weight expects {in_features}")
+        out = torch.empty(rows, data.shape[0], dtype=torch.float32)
+        _ok(self.lib.kv_qmatmul_i8(
+            self.code, qtype, x.data_ptr(), rows, width, data.data_ptr(), data.shape[0], data.shape[1],
+            out.data_ptr(), out.shape[1],
+        ), "qmatmul_i8")
+        return out
+
+    def quantize_i8(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The activation quantization of `qmatmul_i8`: (int8 q [rows, k], d and s [rows, k/32])."""
+        _check(x, torch.float32, "x")
+        rows, width = x.shape
+        q = torch.empty(rows, width, dtype=torch.int8)
+        d = torch.empty(rows, width // 32, dtype=torch.float32)
+        s = torch.empty_like(d)
+        _ok(self.lib.kv_quantize_i8(self.code, x.data_ptr(), rows, width, q.data_ptr(), d.data_ptr(), s.data_ptr()),
+            "quantize_i8")
+        return q, d, s
 
     def dequantize(self, data: torch.Tensor, qtype: int, in_features: int, rows: torch.Tensor | None) -> torch.Tensor:
         _check(data, torch.uint8, "weight")

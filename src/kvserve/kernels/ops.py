@@ -4,6 +4,11 @@
 (AVX-512 over AVX2; ``KVSERVE_ISA=avx2`` forces the narrower path, which the tests use). If the library
 cannot be built or loaded, or the CPU lacks AVX2/FMA, it logs one warning and uses the torch kernels:
 never a crash. ``Kernels.create("torch")`` is the pure-torch reference (`reference.py`) throughout.
+
+``activation_quant="int8"`` makes every matmul with a quantized (`QuantWeight`) weight quantize its
+activation rows to int8 blocks and dot them with the weight blocks in integer arithmetic (native:
+`qmatmul_i8`, at every batch size; torch: its twin `reference.qlinear_i8`). Dense weights are unaffected;
+the engine refuses the option without quantized weights. "none" keeps fp32 activations, the exact path.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from kvserve.kernels.native import NativeLibrary
 from kvserve.kernels.quant import QuantWeight
 
 KERNEL_BACKENDS = ("native", "torch")
+ACTIVATION_QUANTS = ("none", "int8")  # int8: quantized weights see int8 activation blocks (llama.cpp's Q8_1)
 ISA_ENV = "KVSERVE_ISA"
 # Up to this many activation rows the register-dequantizing kernel wins; beyond it, dequantizing the
 # weight once per call and using torch's GEMM does -- except for very large weights (the 49k-row lm head),
@@ -34,29 +40,35 @@ logger = logging.getLogger(__name__)
 class Kernels:
     backend: str  # what actually runs: "native" or "torch"
     native: NativeLibrary | None = None
+    activation_quant: str = "none"  # one of ACTIVATION_QUANTS
+
+    def __post_init__(self) -> None:
+        if self.activation_quant not in ACTIVATION_QUANTS:
+            raise ValueError(f"activation_quant must be one of {ACTIVATION_QUANTS}, got {self.activation_quant!r}")
 
     @classmethod
-    def create(cls, requested: str = "native", isa: str | None = None) -> Kernels:
+    def create(cls, requested: str = "native", isa: str | None = None, activation_quant: str = "none") -> Kernels:
         if requested not in KERNEL_BACKENDS:
             raise ValueError(f"kernels must be one of {KERNEL_BACKENDS}, got {requested!r}")
         if requested == "torch":
-            return cls("torch")
+            return cls("torch", activation_quant=activation_quant)
         try:
             from kvserve.kernels.build import build
 
             library = NativeLibrary.load(build(), isa or os.environ.get(ISA_ENV) or None)
         except (RuntimeError, OSError, ValueError, AttributeError) as err:
             logger.warning("native kernels unavailable, using the torch kernels instead: %s", err)
-            return cls("torch")
+            return cls("torch", activation_quant=activation_quant)
         logger.info("native kernels: %s (CPU features: %s)", library.isa, ", ".join(sorted(library.features)))
-        return cls("native", library)
+        return cls("native", library, activation_quant)
 
     @property
     def isa(self) -> str | None:
         return self.native.isa if self.native else None
 
     def describe(self) -> str:
-        return f"native ({self.isa})" if self.native else "torch"
+        backend = f"native ({self.isa})" if self.native else "torch"
+        return backend if self.activation_quant == "none" else f"{backend}, {self.activation_quant} activations"
 
     def native_bf16(self) -> bool:
         """Whether this CPU computes bf16 natively (AVX512_BF16 or AMX); without it bf16 runs emulated."""
@@ -85,6 +97,11 @@ class Kernels:
         """``x @ W.T``; a dense weight is stored transposed (``[in, out]``), so that is ``x @ weight``."""
         if not isinstance(weight, QuantWeight):
             return x @ weight
+        if self.activation_quant == "int8":
+            if self.native is None:
+                return reference.qlinear_i8(x, weight).to(x.dtype)
+            x32 = x.float().contiguous()
+            return self.native.qmatmul_i8(x32, weight.data, weight.qtype, weight.in_features).to(x.dtype)
         if self.native is None:
             return reference.qlinear(x, weight).to(x.dtype)
         x32 = x.float().contiguous()

@@ -33,6 +33,52 @@ def qlinear(x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
     return F.linear(x.float(), dequantize(weight))
 
 
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows of x as int8 blocks of 32, rounded as the native kernel does: d = max|x| / 127, q = x * (1/d)
+    rounded to nearest (ties to even) and clamped to +-127, s = d * sum(q). Returns (q int8 [rows, k],
+    d [rows, k/32], s [rows, k/32])."""
+    rows, width = x.shape
+    blocks = x.float().reshape(rows, width // BLOCK, BLOCK)
+    d = blocks.abs().amax(dim=-1) / 127.0
+    inverse = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round(blocks * inverse.unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
+    s = d * q.sum(dim=-1, dtype=torch.int32).float()
+    return q.reshape(rows, width), d, s
+
+
+def _weight_blocks(weight: QuantWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(integer quants as float [out, nb, 32], scale dw [out, nb], per-block offset multiplier of s or None):
+    Q4_1's m, Q4_0's -8*dw (its quants are kept unsigned, 0..15), None for Q8_0."""
+    blocks = weight.data.view(weight.out_features, weight.in_features // BLOCK, -1)
+    scale = blocks[..., 0:2].contiguous().view(torch.float16).float().squeeze(-1)
+    if weight.type_name == "Q8_0":
+        return blocks[..., 2:].contiguous().view(torch.int8).float(), scale, None
+    nibbles = blocks[..., 4:] if weight.type_name == "Q4_1" else blocks[..., 2:]
+    quants = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1).float()
+    if weight.type_name == "Q4_1":
+        return quants, scale, blocks[..., 2:4].contiguous().view(torch.float16).float().squeeze(-1)
+    return quants, scale, -8.0 * scale
+
+
+def qlinear_i8(x: torch.Tensor, weight: QuantWeight, row_chunk: int = 64) -> torch.Tensor:
+    """``x @ W.T`` in float32 with x quantized by `quantize_activations`: per block, the exact integer dot
+    sum(qw * qx) (float32 holds it exactly: |sum| < 2^24) times dw * dx, plus offset * s."""
+    q, d, s = quantize_activations(x)
+    quants, scale, offset = _weight_blocks(weight)
+    num_blocks = quants.shape[1]
+    wq = quants.permute(1, 2, 0)  # [nb, 32, out]
+    outs = []
+    for start in range(0, q.shape[0], row_chunk):
+        qx = q[start : start + row_chunk].float().view(-1, num_blocks, BLOCK).transpose(0, 1)  # [nb, rows, 32]
+        isum = torch.bmm(qx, wq)  # [nb, rows, out], exact integers
+        dx = d[start : start + row_chunk].t().unsqueeze(-1)  # [nb, rows, 1]
+        terms = (scale.t().unsqueeze(1) * dx) * isum
+        if offset is not None:
+            terms = terms + offset.t().unsqueeze(1) * s[start : start + row_chunk].t().unsqueeze(-1)
+        outs.append(terms.sum(dim=0))
+    return torch.cat(outs) if outs else x.new_zeros(0, weight.out_features, dtype=torch.float32)
+
+
 def paged_attention(
     queries: torch.Tensor, key_blocks: torch.Tensor, value_blocks: torch.Tensor, block_tables: torch.Tensor,
     context_lens: torch.Tensor, scale: float,

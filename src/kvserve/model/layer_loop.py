@@ -10,8 +10,9 @@ Python loop runs torch's SDPA on a fresh prompt: logits agree within 1e-4 relati
 
 It applies to: native kernels, float32 on the CPU, every layer projection quantized (GGUF blocks), hidden
 and head sizes a multiple of the SIMD width, no LoRA in the step, and at most `MAX_ROWS` tokens (beyond,
-the Python loop's dequantize-then-GEMM matmuls win, and long prefills want tiled flash attention).
-Everything else runs the Python loop.
+the Python loop's dequantize-then-GEMM matmuls win, and long prefills want tiled flash attention). With
+int8 activations (`--activation-quant int8`) the int8 matmul stays the fast one at any row count, so a
+step of decodes only runs here up to `MAX_DECODE_ROWS_INT8` rows. Everything else runs the Python loop.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
     from kvserve.model.llama import LlamaModel
 
 MAX_ROWS = NATIVE_QMATMUL_MAX_ROWS
+MAX_DECODE_ROWS_INT8 = 256
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 
@@ -59,7 +61,7 @@ class LayerLoop:
         config = model.config
         self.model = model
         self.native = kernels.native
-        self.act_quant = 0  # 0: float32 activations; int8 (qmatmul_i8) is chosen in csrc/layer.h's layer_qmatmul
+        self.act_quant = int(kernels.activation_quant == "int8")  # csrc/layer.h's layer_qmatmul picks qmatmul_i8
         self._layers = (_Layer * len(model.layers))(*[
             _Layer(layer.input_norm.data_ptr(), layer.post_attention_norm.data_ptr(), _matrix(layer.qkv_proj),
                    _matrix(layer.o_proj), _matrix(layer.gate_up_proj), _matrix(layer.down_proj))
@@ -86,8 +88,12 @@ class LayerLoop:
             return None
         return cls(model, kernels)
 
-    def applies(self, num_tokens: int, key_blocks: torch.Tensor) -> bool:
-        return 0 < num_tokens <= MAX_ROWS and key_blocks.dtype == torch.float32
+    def applies(self, num_tokens: int, key_blocks: torch.Tensor, meta: AttentionMetadata | None = None) -> bool:
+        if key_blocks.dtype != torch.float32 or num_tokens <= 0:
+            return False
+        if num_tokens <= MAX_ROWS:
+            return True
+        return bool(self.act_quant) and meta is not None and not meta.prefills and num_tokens <= MAX_DECODE_ROWS_INT8
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_pool: KVPool, meta: AttentionMetadata

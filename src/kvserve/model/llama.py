@@ -117,8 +117,9 @@ class LlamaModel:
     ) -> torch.Tensor:
         """Hidden states after the final norm, ``[num_tokens, hidden]``; `lora`: the step's adapters."""
         key_blocks = kv_pool.tensor[0, 0]
-        if lora is None and self.layer_loop is not None and self.layer_loop.applies(input_ids.shape[0], key_blocks):
-            return self.layer_loop.forward(input_ids, positions, kv_pool, meta)
+        loop = self.layer_loop
+        if lora is None and loop is not None and loop.applies(input_ids.shape[0], key_blocks, meta):
+            return loop.forward(input_ids, positions, kv_pool, meta)
         kernels, eps = self.kernels, self.config.rms_norm_eps
         # Each norm also adds the previous sub-layer's output into the residual stream (HF's order).
         residual = kernels.embedding(input_ids, self.embed_tokens).to(self.dtype)

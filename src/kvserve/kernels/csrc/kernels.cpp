@@ -17,6 +17,7 @@ namespace isa_avx2 {
 #define KV_AVX512 0
 #include "simd.h"
 #include "impl.h"
+#include "qmatmul_i8.h"
 #include "fused.h"
 #include "layer.h"
 #undef KV_AVX512
@@ -29,6 +30,7 @@ namespace isa_avx512 {
 #define KV_AVX512 1
 #include "simd.h"
 #include "impl.h"
+#include "qmatmul_i8.h"
 #include "fused.h"
 #include "layer.h"
 #undef KV_AVX512
@@ -68,6 +70,17 @@ int kv_cpu_features() {
 int kv_qmatmul(int isa, int qt, const float* x, int64_t rows, int64_t k, const uint8_t* w, int64_t n,
                int64_t row_bytes, float* y, int64_t ystride) {
     KV_DISPATCH(qmatmul(qt, x, rows, k, w, n, row_bytes, y, ystride));
+}
+
+// As kv_qmatmul, with the activation rows quantized to int8 blocks first (qmatmul_i8.h).
+int kv_qmatmul_i8(int isa, int qt, const float* x, int64_t rows, int64_t k, const uint8_t* w, int64_t n,
+                  int64_t row_bytes, float* y, int64_t ystride) {
+    KV_DISPATCH(qmatmul_i8(qt, x, rows, k, w, n, row_bytes, y, ystride));
+}
+
+// The activation quantization of kv_qmatmul_i8 alone, for tests: q [rows, k] int8, d and s [rows, k/32].
+int kv_quantize_i8(int isa, const float* x, int64_t rows, int64_t k, int8_t* q, float* d, float* s) {
+    KV_DISPATCH(quantize_i8(x, rows, k, q, d, s));
 }
 
 int kv_dequantize(int isa, int qt, const uint8_t* w, int64_t row_bytes, int64_t k, const int64_t* ids, int64_t nrows,

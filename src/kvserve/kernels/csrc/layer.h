@@ -30,10 +30,11 @@ struct LayerModel {
     const LayerWeightsDesc* layers;
 };
 
-// Every matmul of the layer loop goes through here. act_quant 0: float32 activations (qmatmul).
+// Every matmul of the layer loop goes through here. act_quant 0: float32 activations (qmatmul); 1: int8
+// activation blocks (qmatmul_i8, `--activation-quant int8`).
 static inline int layer_qmatmul(int act_quant, const float* x, int64_t rows, int64_t k, const LayerMatrix& m,
                                 float* y) {
-    (void)act_quant;  // int8 activations (qmatmul_i8) are added here when present
+    if (act_quant) return qmatmul_i8(static_cast<int>(m.qtype), x, rows, k, m.data, m.rows, m.row_bytes, y, m.rows);
     return qmatmul(static_cast<int>(m.qtype), x, rows, k, m.data, m.rows, m.row_bytes, y, m.rows);
 }
 
