@@ -170,5 +170,26 @@ def test_layer_loop_decode_is_bit_identical(kernels, tiny_model_dir):
     prompts = [list(range(3, 20)), list(range(40, 60)), list(range(100, 118))]
     native = run_steps(model, prompts, 4, steps=3)
     model.layer_loop = None
-    python = run_steps(model, prompts, 4, steps=3)
+    python = run_steps(model, prompts, 16, steps=3)
     assert all(torch.equal(ours, theirs) for ours, theirs in zip(native, python, strict=True))
+
+
+def test_layer_loop_int8_covers_wide_decode_steps(kernels, tiny_model_dir, monkeypatch):
+    """With int8 activations the loop takes decode-only steps beyond 16 rows, and agrees with the Python
+    loop running the same int8 matmuls."""
+    int8 = Kernels("native", kernels.native, activation_quant="int8")
+    model = quantized_tiny_llama(tiny_model_dir, int8)
+    assert model.layer_loop is not None and model.layer_loop.act_quant == 1
+    calls = []
+    original = LayerLoop.forward
+    monkeypatch.setattr(
+        LayerLoop, "forward", lambda self, *args: calls.append(args[0].shape[0]) or original(self, *args)
+    )
+    prompts = [[3 + i, 40 + i] for i in range(20)]
+    native = run_steps(model, prompts, 16, steps=3)
+    assert calls.count(20) == 3  # the three 20-row decode steps ran in the loop
+    model.layer_loop = None
+    python = run_steps(model, prompts, 16, steps=3)
+    for ours, theirs in zip(native, python, strict=True):
+        assert (ours - theirs).abs().max() <= 1e-5 * theirs.abs().max()
+        assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
