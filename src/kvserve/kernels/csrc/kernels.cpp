@@ -17,6 +17,7 @@ namespace isa_avx2 {
 #define KV_AVX512 0
 #include "simd.h"
 #include "impl.h"
+#include "cascade.h"
 #undef KV_AVX512
 }  // namespace isa_avx2
 #pragma GCC pop_options
@@ -27,6 +28,7 @@ namespace isa_avx512 {
 #define KV_AVX512 1
 #include "simd.h"
 #include "impl.h"
+#include "cascade.h"
 #undef KV_AVX512
 }  // namespace isa_avx512
 #pragma GCC pop_options
@@ -75,6 +77,16 @@ int kv_paged_attention(int isa, const float* q, int64_t T, int64_t H, int64_t KV
                        const float* vpool, int64_t bs, const int64_t* tables, int64_t table_stride,
                        const int64_t* ctx_lens, float scale, float* out) {
     KV_DISPATCH(paged_attention(q, T, H, KVH, D, kpool, vpool, bs, tables, table_stride, ctx_lens, scale, out));
+}
+
+// Shared-prefix (cascade) decode attention: see cascade.h for the arguments.
+int kv_cascade_attention(int isa, const float* q, int64_t T, int64_t H, int64_t KVH, int64_t D, const float* kpool,
+                         const float* vpool, int64_t bs, const int64_t* tables, int64_t table_stride,
+                         const int64_t* ctx_lens, int64_t num_groups, const int64_t* group_offsets,
+                         const int64_t* group_rows, const int64_t* group_shared_blocks,
+                         const int64_t* row_shared_blocks, float scale, float* out) {
+    KV_DISPATCH(cascade_attention(q, T, H, KVH, D, kpool, vpool, bs, tables, table_stride, ctx_lens, num_groups,
+                                  group_offsets, group_rows, group_shared_blocks, row_shared_blocks, scale, out));
 }
 
 int kv_rms_norm(int isa, float* x, const float* residual, const float* weight, int64_t rows, int64_t n, float eps,
