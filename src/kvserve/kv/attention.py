@@ -2,9 +2,10 @@
 
 New keys/values are written into their pool slots, then every sequence attends over its block table.
 With native kernels (float32 pool), decodes and short continued-prefill chunks read K/V in place
-through their block tables: no per-step copy of the context. Decodes that share leading blocks (a
-cached prefix, forked samples) attend to them once per group (cascade attention, `kv/cascade.py`). Otherwise (the torch path): decodes are
-batched into one padded call over gathered blocks; prefill spans (a chunk of a prompt, possibly
+through their block tables: no per-step copy of the context. Otherwise (the torch path): decodes are
+batched into one padded call over gathered blocks. Either way, decodes that share leading blocks (a
+cached prefix, forked samples) attend to them once per group (cascade attention, `kv/cascade.py`,
+native or its torch twin). Prefill spans (a chunk of a prompt, possibly
 continuing after cached blocks) run one call each: they are few per step, and padding a 2,048-token
 chunk to the width of 31 single-token decodes would cost far more than the loop. A fresh prefill (no
 cached context) always uses torch's causal flash attention on the new keys directly.
