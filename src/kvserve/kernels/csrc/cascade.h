@@ -30,6 +30,18 @@ static inline void state_reset(SoftmaxState st, int64_t M, int64_t D) {
     for (int64_t e = 0; e < M * D; ++e) st.acc[e] = 0.0f;
 }
 
+// W scores of R queries against one transposed K tile kt [D, W]: R independent FMA chains over D.
+template <int R>
+static inline void scores_tile(const float* qs, int64_t D, const float* kt, float* s, int64_t BSP) {
+    V a[R];
+    for (int r = 0; r < R; ++r) a[r] = vzero();
+    for (int64_t d = 0; d < D; ++d) {
+        const V kv = vload(kt + d * W);
+        for (int r = 0; r < R; ++r) a[r] = vfma(vset1(qs[r * D + d]), kv, a[r]);
+    }
+    for (int r = 0; r < R; ++r) vstore(s + r * BSP, a[r]);
+}
+
 // Scores s[j * BSP + i] = qs[j] . K[token i] for the ntok tokens of one block (K rows at kp, stride KVH*D).
 static inline void block_scores(const float* qs, int64_t M, int64_t D, const float* kp, int64_t kstride,
                                 int64_t ntok, int64_t BSP, float* kt, float* s) {
@@ -50,24 +62,9 @@ static inline void block_scores(const float* qs, int64_t M, int64_t D, const flo
         for (int64_t lane = 0; lane < W; ++lane)  // kt[d * W + lane] = K[i0 + lane][d], zero past the block
             for (int64_t d = 0; d < D; ++d) kt[d * W + lane] = lane < n ? kp[(i0 + lane) * kstride + d] : 0.0f;
         int64_t j = 0;
-        for (; j + 4 <= M; j += 4) {
-            V a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
-            const float* q0 = qs + j * D;
-            for (int64_t d = 0; d < D; ++d) {
-                const V kv = vload(kt + d * W);
-                a0 = vfma(vset1(q0[d]), kv, a0);
-                a1 = vfma(vset1(q0[D + d]), kv, a1);
-                a2 = vfma(vset1(q0[2 * D + d]), kv, a2);
-                a3 = vfma(vset1(q0[3 * D + d]), kv, a3);
-            }
-            vstore(s + j * BSP + i0, a0); vstore(s + (j + 1) * BSP + i0, a1);
-            vstore(s + (j + 2) * BSP + i0, a2); vstore(s + (j + 3) * BSP + i0, a3);
-        }
-        for (; j < M; ++j) {
-            V a = vzero();
-            for (int64_t d = 0; d < D; ++d) a = vfma(vset1(qs[j * D + d]), vload(kt + d * W), a);
-            vstore(s + j * BSP + i0, a);
-        }
+        for (; j + 8 <= M; j += 8) scores_tile<8>(qs + j * D, D, kt, s + j * BSP + i0, BSP);
+        for (; j + 4 <= M; j += 4) scores_tile<4>(qs + j * D, D, kt, s + j * BSP + i0, BSP);
+        for (; j < M; ++j) scores_tile<1>(qs + j * D, D, kt, s + j * BSP + i0, BSP);
     }
 }
 
@@ -118,15 +115,29 @@ static void attend_range(const float* qs, int64_t M, int64_t D, const float* kpo
         const int64_t ntok = tok1 - start < bs ? tok1 - start : bs;
         const int64_t base = table[start / bs] * bs;
         block_scores(qs, M, D, kpool + (base * KVH + g) * D, kstride, ntok, BSP, kt, s);
+        const bool full = ntok == BSP;  // a whole block of whole vectors: max and sum stay in vectors
         for (int64_t j = 0; j < M; ++j) {
             float* sj = s + j * BSP;
             float bmax = sj[0];
-            for (int64_t i = 1; i < ntok; ++i) bmax = sj[i] > bmax ? sj[i] : bmax;
+            if (full) {
+                V m = vload(sj);
+                for (int64_t i = W; i < BSP; i += W) m = vmax(m, vload(sj + i));
+                bmax = vhmax(m);
+            } else {
+                for (int64_t i = 1; i < ntok; ++i) bmax = sj[i] > bmax ? sj[i] : bmax;
+            }
             const float mnew = bmax > st.mx[j] ? bmax : st.mx[j];
             for (int64_t i = ntok; i < BSP; ++i) sj[i] = mnew;  // defined padding lanes
-            for (int64_t i = 0; i < BSP; i += W) vstore(sj + i, vexp(vadd(vload(sj + i), vset1(-mnew))));
+            V vs = vzero();
+            for (int64_t i = 0; i < BSP; i += W) {
+                const V e = vexp(vadd(vload(sj + i), vset1(-mnew)));
+                vstore(sj + i, e);
+                vs = vadd(vs, e);
+            }
             float bsum = 0.0f;
-            for (int64_t i = 0; i < ntok; ++i) bsum += sj[i];
+            if (full) bsum = vsum(vs);
+            else
+                for (int64_t i = 0; i < ntok; ++i) bsum += sj[i];
             if (mnew > st.mx[j]) {
                 const float corr = st.mx[j] == -__builtin_inff() ? 0.0f : __builtin_expf(st.mx[j] - mnew);
                 for (int64_t e = 0; e < DV; ++e)
