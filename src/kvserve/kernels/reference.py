@@ -77,13 +77,11 @@ def cascade_attention(
     group = num_heads // num_kv_heads
     q = queries.float()
     # Own part: row t's tokens [row_shared_blocks[t] * block_size, context_lens[t]).
-    starts = plan.row_shared_blocks * block_size
-    width = block_tables.shape[1]
-    shifted = torch.stack([block_tables[t].roll(-int(plan.row_shared_blocks[t])) for t in range(num_rows)]) \
-        if num_rows else block_tables
-    own_out, own_lse = _attend_with_lse(
-        q, key_blocks, value_blocks, shifted[:, :width], context_lens - starts, scale
-    )
+    own_lens = context_lens - plan.row_shared_blocks * block_size
+    own_width = max(1, -(-int(own_lens.max()) // block_size)) if num_rows else 1
+    columns = plan.row_shared_blocks.unsqueeze(1) + torch.arange(own_width, device=queries.device).unsqueeze(0)
+    own_tables = block_tables.gather(1, columns.clamp(max=block_tables.shape[1] - 1))  # past the end: masked
+    own_out, own_lse = _attend_with_lse(q, key_blocks, value_blocks, own_tables, own_lens, scale)
     # Shared part: per group, every member's heads of one KV head stacked against the shared keys.
     for index in range(plan.num_groups):
         members = torch.tensor(plan.members(index), dtype=torch.long, device=queries.device)
