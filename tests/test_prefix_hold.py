@@ -157,3 +157,17 @@ def test_prompts_sharing_nothing_are_never_held(tiny_model_dir):
         engine.step()
     assert engine.scheduler.prefix_hold.num_holds == 0
     assert_pool_drained(engine)
+
+
+def test_forked_samples_decode_through_cascade(tiny_model_dir, tiny_hf_model, monkeypatch):
+    """n greedy samples share the prompt's blocks (forks): their decodes form one cascade group."""
+    calls = []
+    original = Kernels.cascade_attention
+    monkeypatch.setattr(Kernels, "cascade_attention", lambda self, *a: calls.append(1) or original(self, *a))
+    llm = make_llm(tiny_model_dir)
+    prompt = PREFIX_A + [1, 2]
+    output = llm.generate([prompt], SamplingParams(n=3, max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True))[0]
+    expected = hf_greedy(tiny_hf_model, prompt, MAX_NEW)
+    assert [c.token_ids for c in output.outputs] == [expected] * 3
+    assert calls
+    assert_pool_drained(llm.engine)
