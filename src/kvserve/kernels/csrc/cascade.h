@@ -102,7 +102,9 @@ static inline void block_values(const float* s, int64_t M, int64_t BSP, const fl
                                 int64_t ntok, float* acc, int64_t D) {
     int64_t j = 0;
     for (; j + 4 <= M; j += 4) values_rows<4>(s + j * BSP, BSP, vp, vstride, ntok, acc + j * D, D);
-    for (; j < M; ++j) values_rows<1>(s + j * BSP, BSP, vp, vstride, ntok, acc + j * D, D);
+    if (M - j == 3) values_rows<3>(s + j * BSP, BSP, vp, vstride, ntok, acc + j * D, D);
+    else if (M - j == 2) values_rows<2>(s + j * BSP, BSP, vp, vstride, ntok, acc + j * D, D);
+    else if (M - j == 1) values_rows<1>(s + j * BSP, BSP, vp, vstride, ntok, acc + j * D, D);
 }
 
 // M pre-scaled queries qs [M, D] attend to tokens [tok0, tok1) (tok0 a multiple of bs) of the sequence
