@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.scheduler import ScheduledRequest
 from kvserve.kernels import reference
+from kvserve.kernels.native import NativeLibrary
 from kvserve.kernels.ops import Kernels
 from kvserve.kernels.quant import QuantWeight
 from kvserve.kv.pool import KVPool, KVPoolShape
@@ -193,3 +194,53 @@ def test_layer_loop_int8_covers_wide_decode_steps(kernels, tiny_model_dir, monke
     for ours, theirs in zip(native, python, strict=True):
         assert (ours - theirs).abs().max() <= 1e-5 * theirs.abs().max()
         assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+
+
+def test_layer_loop_runs_cascade_groups(kernels, tiny_model_dir, monkeypatch):
+    """A decode step whose rows share leading blocks runs cascade attention inside the loop, and its logits
+    equal the Python loop's (cascade kernel per layer) and the loop without the plan (paged attention)."""
+    from kvserve.kv.attention import AttentionMetadata
+    from kvserve.kv.cascade import plan_cascade
+
+    model = quantized_tiny_llama(tiny_model_dir, kernels)
+    config, block_size = model.config, 4
+    shape = KVPoolShape(config.num_layers, 32, block_size, config.num_kv_heads, config.head_dim)
+    generator = torch.Generator().manual_seed(7)
+    base = torch.randn(config.num_layers, 2, 32, block_size, config.num_kv_heads, config.head_dim,
+                       generator=generator) * 0.5
+    shared = [3, 9, 12, 20, 1]  # five shared blocks, then each row's own
+    tables = [shared + [5, 6], shared + [7, 8], shared + [10, 11], [13, 14, 15, 16, 17, 18, 0]]
+    context_lens = [23, 25, 22, 21]
+    slots = [tables[row][(n - 1) // block_size] * block_size + (n - 1) % block_size
+             for row, n in enumerate(context_lens)]
+    plan = plan_cascade(tables, context_lens, block_size)
+    assert plan is not None and plan.num_groups == 1
+    ids, positions = torch.tensor([4, 8, 15, 16]), torch.tensor([n - 1 for n in context_lens])
+
+    def step(use_plan: bool, loop: bool) -> torch.Tensor:
+        pool = KVPool(shape, torch.float32, "cpu")
+        pool.tensor.copy_(base)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots), num_decodes=4, decode_block_tables=torch.tensor(tables),
+            decode_context_lens=torch.tensor(context_lens), decode_key_mask=None, prefills=[],
+            decode_cascade=plan if use_plan else None,
+        )
+        saved, model.layer_loop = model.layer_loop, (model.layer_loop if loop else None)
+        try:
+            return model.forward(ids, positions, pool, meta)
+        finally:
+            model.layer_loop = saved
+
+    calls = []
+    original = NativeLibrary.cascade_attention
+    monkeypatch.setattr(NativeLibrary, "cascade_attention", lambda *a: calls.append(1) or original(*a))
+    loop_cascade, loop_paged, python_cascade = step(True, True), step(False, True), step(True, False)
+    assert len(calls) == config.num_layers  # the Python loop's calls; the C loop ran its own
+    scale = python_cascade.abs().max()
+    assert (loop_cascade - python_cascade).abs().max() <= 1e-5 * scale
+    assert (loop_cascade - loop_paged).abs().max() <= 1e-4 * scale
+    assert not torch.equal(loop_cascade, loop_paged)  # another summation order: the loop ran the cascade kernel
+    plan.group_shared_blocks[0] = 6  # row 3's table does not start with these blocks: refused before C
+    plan.checked_with = None
+    with pytest.raises(ValueError, match="same blocks|exceed"):
+        step(True, True)

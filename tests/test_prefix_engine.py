@@ -58,6 +58,7 @@ def test_answer_is_reusable_next_turn(llm):
 
 def test_concurrent_request_hits_blocks_published_during_prefill(llm):
     engine = llm.engine
+    engine.scheduler.prefix_hold = None  # B would wait for A's third block (tests/test_prefix_hold.py)
     engine.scheduler.max_num_batched_tokens = 32  # A's 60-token prompt takes two prefill steps
     first = engine.add_request(BASE[:60], GREEDY)
     engine.step()  # A has computed 32 tokens: two full blocks, published at once
@@ -228,6 +229,7 @@ def test_multi_turn_conversation_matches_hf(tiny_model_dir, tiny_hf_model):
 
 def test_request_admitted_alongside_adopts_blocks_cached_meanwhile(llm, tiny_hf_model):
     engine = llm.engine
+    engine.scheduler.prefix_hold = None  # B would wait for A's blocks instead (tests/test_prefix_hold.py)
     engine.scheduler.max_num_batched_tokens = 116  # step 1: A's whole 100-token prompt, and 16 of B's
     engine.scheduler.long_prefill_token_threshold = 0  # (no 64-token chunks beside each other)
     prompt = list(range(200, 300))

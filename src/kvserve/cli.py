@@ -67,6 +67,10 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-loras", type=int, default=defaults.max_loras,
                        help="LoRA adapters resident at once (more are swapped in from host memory)")
     group.add_argument("--max-lora-rank", type=int, default=defaults.max_lora_rank, help="highest adapter rank")
+    group.add_argument("--disable-prefix-hold", action="store_true",
+                       help="admit a request at once even while a running one is computing the prefix it shares")
+    group.add_argument("--disable-cascade-attn", action="store_true",
+                       help="decode attention never reads shared prefix blocks once for all their sharers")
     add_tier_flags(parser)
 
 

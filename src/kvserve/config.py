@@ -80,6 +80,8 @@ class EngineConfig:
     enable_lora: bool = False
     max_loras: int = 4
     max_lora_rank: int = 16
+    disable_prefix_hold: bool = False  # admit requests sharing a prefix being computed without waiting for it
+    disable_cascade_attn: bool = False  # vLLM's name: no shared-prefix (cascade) decode attention
 
     def __post_init__(self) -> None:
         self.validate()

@@ -29,6 +29,7 @@ from kvserve.engine.kv_tiers import make_engine_tiers
 from kvserve.engine.limits import check_block_cap
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.params import BeamSearchParams, SamplingParams
+from kvserve.engine.prefix_admission import make_prefix_hold
 from kvserve.engine.request import FinishReason, Request, RequestOutput, TokenLogprob
 from kvserve.engine.sampler import add_cumulative_logprobs, sample
 from kvserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
@@ -90,10 +91,12 @@ class LLMEngine:
         )
         self.lora = LoRARegistry(self.model_config, config.max_loras, config.max_lora_rank, self.model.dtype,
                                  self.model.device) if config.enable_lora else None
-        self.runner = ModelRunner(self.model, self.kv_pool, self.lora)
+        self.runner = ModelRunner(self.model, self.kv_pool, self.lora, cascade=not config.disable_cascade_attn)
         self.tiers = make_engine_tiers(config, self.model_config, tensor_shapes, weights_path, self.block_manager,
                                        self.kv_pool.tensor)
         self.scheduler.tiers = self.tiers
+        self.scheduler.prefix_hold = make_prefix_hold(not config.disable_prefix_hold, config.prefix_cache,
+                                                      config.block_size)
         self.groups: dict[str, SequenceGroup] = {}  # open requests, by id as submitted
         self.debug_checks = os.environ.get(DEBUG_CHECKS_ENV, "0") not in ("", "0")
         self._seed_rng = random.Random(config.seed)

@@ -8,6 +8,7 @@ import torch
 
 from kvserve.engine.scheduler import ScheduledRequest
 from kvserve.kv.attention import AttentionMetadata, PrefillSpan
+from kvserve.kv.cascade import plan_cascade
 from kvserve.kv.pool import KVPool
 from kvserve.lora.batch import LoRABatch
 from kvserve.lora.registry import LoRARegistry
@@ -25,8 +26,11 @@ class BatchInputs:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, kv_pool: KVPool, lora: LoRARegistry | None = None) -> None:
+    def __init__(
+        self, model: LlamaModel, kv_pool: KVPool, lora: LoRARegistry | None = None, cascade: bool = True
+    ) -> None:
         self.model = model
+        self.cascade = cascade  # group decodes that share leading blocks (kv/cascade.py)
         self.kv_pool = kv_pool
         self.lora = lora
         self.block_size = kv_pool.block_size
@@ -141,6 +145,9 @@ class ModelRunner:
         meta.decode_block_tables = torch.tensor(tables, dtype=torch.long, device=self.device)
         meta.decode_context_lens = lens
         meta.decode_key_mask = (key_positions.unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]
+        if self.cascade and len(decodes) > 1:
+            tables = [item.request.block_table for item in decodes]
+            meta.decode_cascade = plan_cascade(tables, context_lens, self.block_size, device=self.device)
 
 
 def _padded(block_table: list[int], length: int) -> list[int]:

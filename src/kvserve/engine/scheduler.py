@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvserve.engine.block_manager import BlockManager
+from kvserve.engine.prefix_admission import PrefixHold
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.tiers.offload import SOURCES
 
@@ -133,6 +134,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.counters = PrefixCacheCounters()
         self.tiers: EngineTiers | None = None  # set by the engine when a lower tier is configured
+        self.prefix_hold: PrefixHold | None = None  # set by the engine: in-batch prefix sharing at admission
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -198,9 +200,15 @@ class Scheduler:
         if self.policy == "lpm":
             self._order_waiting_by_longest_prefix()
         self.waiting = unserved_groups_first(self.waiting, self.running)
+        hold, held = self.prefix_hold, []  # held: waiting for a running request's prefix blocks
+        if hold is not None:
+            hold.begin_step(self.num_steps, self.running, self.waiting)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             matched = self.block_manager.match_prefix(request)
+            if hold is not None and hold.should_hold(request, len(matched)):
+                held.append(self.waiting.popleft())
+                continue
             if self.tiers is not None:
                 matched = self.tiers.extend_match(request, matched)
                 if matched is None:  # WAITING_FOR_KV: the queue goes on without it
@@ -221,6 +229,9 @@ class Scheduler:
             self.running.append(request)
             output.scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
+            if hold is not None:
+                hold.add_leader(request)
+        self.waiting.extendleft(reversed(held))
 
     def _protect_waiting(self) -> None:
         """The queue is known future: matching its next requests refreshes their cached prefixes (a

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from kvserve.kernels.cascade_plan import CASCADE_FIELDS, CascadeTensors, check_cascade_plan
+
 ISA_CODES = {"avx2": 1, "avx512": 2}
 FEATURE_BITS = {"avx2": 1, "avx512": 2, "avx512_vnni": 4, "avx512_bf16": 8, "amx_bf16": 16}
 ABI_VERSION = 2
@@ -29,7 +31,9 @@ _SIGNATURES = {
     "kv_rms_norm": [ctypes.c_int, _P, _P, _P, _I, _I, _F, _P],
     "kv_rope_kv_write": [ctypes.c_int, _P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P],
     "kv_swiglu": [ctypes.c_int, _P, _I, _I, _P],
-    "kv_layer_forward": [ctypes.c_int, _P, ctypes.c_int, _P, _I, _P, _P, _P, _I, _I, _P, _I, _P, _P],
+    "kv_layer_forward": [ctypes.c_int, _P, ctypes.c_int, _P, _I, _P, _P, _P, _I, _I, _P, _I, _P, _I, _P, _P, _P, _P,
+                         _P],
+    "kv_cascade_attention": [ctypes.c_int, _P, _I, _I, _I, _I, _P, _P, _I, _P, _I, _P, _I, _P, _P, _P, _P, _F, _P],
 }
 
 
@@ -152,6 +156,29 @@ class NativeLibrary:
             key_blocks.data_ptr(), value_blocks.data_ptr(), block_size, block_tables.data_ptr(), stride,
             context_lens.data_ptr(), scale, out.data_ptr(),
         ), "paged_attention")
+        return out
+
+    def cascade_attention(
+        self, queries: torch.Tensor, key_blocks: torch.Tensor, value_blocks: torch.Tensor,
+        block_tables: torch.Tensor, context_lens: torch.Tensor, plan: CascadeTensors, scale: float,
+    ) -> torch.Tensor:
+        """As `reference.cascade_attention` (the plan's tensors checked against the rows and tables)."""
+        for tensor, name in ((queries, "queries"), (key_blocks, "key_blocks"), (value_blocks, "value_blocks")):
+            _check(tensor, torch.float32, name)
+        for tensor, name in ((block_tables, "block_tables"), (context_lens, "context_lens"),
+                             *((getattr(plan, n), n) for n in CASCADE_FIELDS)):
+            _check(tensor, torch.int64, name)
+        num_rows, num_heads, head_dim = queries.shape
+        block_size, num_kv_heads = key_blocks.shape[1], key_blocks.shape[2]
+        check_cascade_plan(plan, block_tables, context_lens, block_size, num_rows)
+        out = torch.empty_like(queries)
+        _ok(self.lib.kv_cascade_attention(
+            self.code, queries.data_ptr(), num_rows, num_heads, num_kv_heads, head_dim, key_blocks.data_ptr(),
+            value_blocks.data_ptr(), block_size, block_tables.data_ptr(), block_tables.shape[1],
+            context_lens.data_ptr(), plan.group_shared_blocks.shape[0], plan.group_offsets.data_ptr(),
+            plan.group_rows.data_ptr(), plan.group_shared_blocks.data_ptr(), plan.row_shared_blocks.data_ptr(),
+            scale, out.data_ptr(),
+        ), "cascade_attention")
         return out
 
     def rms_norm(

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.kernels import reference
+from kvserve.kernels.cascade_plan import CascadeTensors, check_cascade_plan
 from kvserve.kernels.native import NativeLibrary
 from kvserve.kernels.quant import QuantWeight
 
@@ -142,6 +143,20 @@ class Kernels:
             )
         tables = block_tables if block_tables.dim() == 2 else block_tables.expand(queries.shape[0], -1)
         out = reference.paged_attention(queries, key_blocks, value_blocks, tables, context_lens, scale)
+        return out.to(queries.dtype)
+
+    def cascade_attention(
+        self, queries: torch.Tensor, key_blocks: torch.Tensor, value_blocks: torch.Tensor,
+        block_tables: torch.Tensor, context_lens: torch.Tensor, plan: CascadeTensors, scale: float,
+    ) -> torch.Tensor:
+        """Decode rows attend over their block tables, each group's shared leading blocks read once for all
+        its members (see `reference.cascade_attention`); the result equals `paged_attention`'s."""
+        if self.supports_paged_attention(queries, key_blocks):
+            return self.native.cascade_attention(
+                queries.contiguous(), key_blocks, value_blocks, block_tables.contiguous(), context_lens, plan, scale
+            )
+        check_cascade_plan(plan, block_tables, context_lens, key_blocks.shape[1], queries.shape[0])
+        out = reference.cascade_attention(queries, key_blocks, value_blocks, block_tables, context_lens, plan, scale)
         return out.to(queries.dtype)
 
     def rms_norm(

@@ -3,7 +3,9 @@
 New keys/values are written into their pool slots, then every sequence attends over its block table.
 With native kernels (float32 pool), decodes and short continued-prefill chunks read K/V in place
 through their block tables: no per-step copy of the context. Otherwise (the torch path): decodes are
-batched into one padded call over gathered blocks; prefill spans (a chunk of a prompt, possibly
+batched into one padded call over gathered blocks. Either way, decodes that share leading blocks (a
+cached prefix, forked samples) attend to them once per group (cascade attention, `kv/cascade.py`,
+native or its torch twin). Prefill spans (a chunk of a prompt, possibly
 continuing after cached blocks) run one call each: they are few per step, and padding a 2,048-token
 chunk to the width of 31 single-token decodes would cost far more than the loop. A fresh prefill (no
 cached context) always uses torch's causal flash attention on the new keys directly.
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvserve.kernels.cascade_plan import CascadeTensors
 from kvserve.kernels.ops import Kernels
 
 # A continued-prefill chunk up to this many tokens reads the pool in place (native); longer chunks gather
@@ -43,6 +46,7 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None  # [num_decodes]
     decode_key_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size], True = attend
     prefills: list[PrefillSpan]
+    decode_cascade: CascadeTensors | None = None  # decode rows sharing leading blocks (kv/cascade.py)
 
 
 def write_kv(
@@ -73,7 +77,12 @@ def paged_attention(
     num_tokens, num_heads, head_dim = queries.shape
     in_place = kernels is not None and kernels.supports_paged_attention(queries, key_blocks)
     output = torch.empty(num_tokens, num_heads, head_dim, dtype=queries.dtype, device=queries.device)
-    if meta.num_decodes and in_place:
+    if meta.num_decodes and meta.decode_cascade is not None and kernels is not None:
+        output[: meta.num_decodes] = kernels.cascade_attention(
+            queries[: meta.num_decodes], key_blocks, value_blocks, meta.decode_block_tables,
+            meta.decode_context_lens, meta.decode_cascade, scale,
+        )
+    elif meta.num_decodes and in_place:
         output[: meta.num_decodes] = kernels.paged_attention(
             queries[: meta.num_decodes], key_blocks, value_blocks, meta.decode_block_tables,
             meta.decode_context_lens, scale,

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvserve.kernels.cascade_plan import CASCADE_FIELDS, check_cascade_plan
 from kvserve.kernels.ops import NATIVE_QMATMUL_MAX_ROWS, Kernels
 from kvserve.kernels.quant import QuantWeight
 from kvserve.kv.attention import AttentionMetadata
@@ -111,14 +112,32 @@ class LayerLoop:
         _check_step(pool, positions, slots, tables, context_lens, model.rope_cos.shape[0], num_tokens)
         out = torch.empty_like(hidden)
         layer_stride = pool[0].numel()
+        cascade = _cascade_arguments(meta, tables, context_lens, kv_pool.block_size, num_tokens)
         status = self.native.lib.kv_layer_forward(
             self.native.code, ctypes.byref(self._model), self.act_quant, hidden.data_ptr(), num_tokens,
             positions.data_ptr(), slots.data_ptr(), pool.data_ptr(), layer_stride, kv_pool.block_size,
-            tables.data_ptr(), tables.shape[1], context_lens.data_ptr(), out.data_ptr(),
+            tables.data_ptr(), tables.shape[1], context_lens.data_ptr(), *cascade, out.data_ptr(),
         )
         if status != 0:
             raise ValueError(f"native layer loop failed with status {status}")
         return out
+
+
+def _cascade_arguments(
+    meta: AttentionMetadata, tables: torch.Tensor, context_lens: torch.Tensor, block_size: int, num_tokens: int
+) -> tuple[int, ...]:
+    """The step's cascade groups as the C call takes them (checked first), or no groups: a decode-only step
+    with a plan runs cascade attention in every layer, anything else plain paged attention."""
+    plan = meta.decode_cascade
+    if plan is None or meta.prefills or plan.num_groups == 0:
+        return (0, None, None, None, None)
+    for name in CASCADE_FIELDS:
+        tensor = getattr(plan, name)
+        if tensor.dtype != torch.int64 or not tensor.is_contiguous():
+            raise ValueError(f"cascade plan field {name} must be contiguous int64")
+    check_cascade_plan(plan, tables, context_lens, block_size, num_tokens)
+    return (plan.num_groups, plan.group_offsets.data_ptr(), plan.group_rows.data_ptr(),
+            plan.group_shared_blocks.data_ptr(), plan.row_shared_blocks.data_ptr())
 
 
 def _row_tables(meta: AttentionMetadata, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,6 +18,7 @@ namespace isa_avx2 {
 #include "simd.h"
 #include "impl.h"
 #include "qmatmul_i8.h"
+#include "cascade.h"
 #include "fused.h"
 #include "layer.h"
 #undef KV_AVX512
@@ -31,6 +32,7 @@ namespace isa_avx512 {
 #include "simd.h"
 #include "impl.h"
 #include "qmatmul_i8.h"
+#include "cascade.h"
 #include "fused.h"
 #include "layer.h"
 #undef KV_AVX512
@@ -94,6 +96,16 @@ int kv_paged_attention(int isa, const float* q, int64_t T, int64_t H, int64_t KV
     KV_DISPATCH(paged_attention(q, T, H, KVH, D, kpool, vpool, bs, tables, table_stride, ctx_lens, scale, out));
 }
 
+// Shared-prefix (cascade) decode attention: see cascade.h for the arguments.
+int kv_cascade_attention(int isa, const float* q, int64_t T, int64_t H, int64_t KVH, int64_t D, const float* kpool,
+                         const float* vpool, int64_t bs, const int64_t* tables, int64_t table_stride,
+                         const int64_t* ctx_lens, int64_t num_groups, const int64_t* group_offsets,
+                         const int64_t* group_rows, const int64_t* group_shared_blocks,
+                         const int64_t* row_shared_blocks, float scale, float* out) {
+    KV_DISPATCH(cascade_attention(q, T, H, KVH, D, kpool, vpool, bs, tables, table_stride, ctx_lens, num_groups,
+                                  group_offsets, group_rows, group_shared_blocks, row_shared_blocks, scale, out));
+}
+
 int kv_rms_norm(int isa, float* x, const float* residual, const float* weight, int64_t rows, int64_t n, float eps,
                 float* y) {
     KV_DISPATCH(rms_norm(x, residual, weight, rows, n, eps, y));
@@ -111,9 +123,12 @@ int kv_swiglu(int isa, const float* gate_up, int64_t T, int64_t I, float* out) {
 
 int kv_layer_forward(int isa, const void* model, int act_quant, float* hidden, int64_t T, const int64_t* positions,
                      const int64_t* slots, float* pool, int64_t layer_stride, int64_t bs, const int64_t* tables,
-                     int64_t table_stride, const int64_t* ctx_lens, float* out) {
+                     int64_t table_stride, const int64_t* ctx_lens, int64_t num_groups,
+                     const int64_t* group_offsets, const int64_t* group_rows, const int64_t* group_shared_blocks,
+                     const int64_t* row_shared_blocks, float* out) {
     KV_DISPATCH(layer_forward(model, act_quant, hidden, T, positions, slots, pool, layer_stride, bs, tables,
-                              table_stride, ctx_lens, out));
+                              table_stride, ctx_lens, num_groups, group_offsets, group_rows, group_shared_blocks,
+                              row_shared_blocks, out));
 }
 
 }  // extern "C"

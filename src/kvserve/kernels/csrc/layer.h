@@ -40,10 +40,13 @@ static inline int layer_qmatmul(int act_quant, const float* x, int64_t rows, int
 
 // hidden [T, hidden]: the token embeddings in, scratch afterwards; out [T, hidden]: the final-normed states.
 // pool: the KV pool tensor [L, 2, num_blocks, bs, KVH, D]; layer_stride = 2 * num_blocks * bs * KVH * D.
-// Row t attends to the first ctx_lens[t] tokens of the table at tables + t * table_stride.
+// Row t attends to the first ctx_lens[t] tokens of the table at tables + t * table_stride. num_groups > 0:
+// decode rows sharing leading blocks, as cascade.h's arguments -- attention runs as cascade_attention.
 static int layer_forward(const void* desc, int act_quant, float* hidden, int64_t T, const int64_t* positions,
                          const int64_t* slots, float* pool, int64_t layer_stride, int64_t bs, const int64_t* tables,
-                         int64_t table_stride, const int64_t* ctx_lens, float* out) {
+                         int64_t table_stride, const int64_t* ctx_lens, int64_t num_groups,
+                         const int64_t* group_offsets, const int64_t* group_rows,
+                         const int64_t* group_shared_blocks, const int64_t* row_shared_blocks, float* out) {
     const LayerModel& m = *static_cast<const LayerModel*>(desc);
     const int64_t E = m.hidden, H = m.heads, KVH = m.kv_heads, D = m.head_dim, I = m.intermediate;
     const int64_t qkv_width = (H + 2 * KVH) * D;
@@ -67,7 +70,11 @@ static int layer_forward(const void* desc, int act_quant, float* hidden, int64_t
         rc |= rms_norm(residual, l ? delta : nullptr, w.input_norm, T, E, eps, normed);  // residual += delta
         rc |= layer_qmatmul(act_quant, normed, T, E, w.qkv, qkv);
         rc |= rope_kv_write(qkv, T, H, KVH, D, positions, m.rope_cos, m.rope_sin, q, kpool, vpool, slots);
-        rc |= paged_attention(q, T, H, KVH, D, kpool, vpool, bs, tables, table_stride, ctx_lens, scale, attn);
+        if (num_groups > 0)
+            rc |= cascade_attention(q, T, H, KVH, D, kpool, vpool, bs, tables, table_stride, ctx_lens, num_groups,
+                                    group_offsets, group_rows, group_shared_blocks, row_shared_blocks, scale, attn);
+        else
+            rc |= paged_attention(q, T, H, KVH, D, kpool, vpool, bs, tables, table_stride, ctx_lens, scale, attn);
         rc |= layer_qmatmul(act_quant, attn, T, H * D, w.o, other);
         rc |= rms_norm(other, residual, w.post_attention_norm, T, E, eps, normed);  // other = attended + residual
         float* swap = residual;
