@@ -18,7 +18,8 @@ from conftest import assert_pool_drained
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import LLMEngine
 from kvserve.engine.params import BeamSearchParams, SamplingParams
-from kvserve.engine.scheduler import order_by_pool_share, unserved_groups_first
+from kvserve.engine.pool_share import order_by_pool_share
+from kvserve.engine.scheduler import unserved_groups_first
 from test_server_support import make_chat_model_dir
 
 SHORT = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
