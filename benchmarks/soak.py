@@ -136,6 +136,8 @@ def main() -> int:
         well_behaved = {"well_behaved": ROLES["well_behaved"]}
         phases["capacity"] = asyncio.run(run_phase(server.url, model, args.capacity, well_behaved, 0.0, pid))
         block_counts(server.url, timeout=120)
+        if not phases["capacity"].completed:
+            raise SystemExit("no short request finished in the capacity phase: lengthen --capacity")
         think = None if args.stress else think_mean_for(
             args.load, phases["capacity"].rate(), ROLES["well_behaved"], solo_total)
         print(f"capacity {phases['capacity'].rate():.1f} req/s; think time mean {think}", flush=True)
