@@ -1,31 +1,27 @@
 """Soak test of the HTTP server: 64 clients, some careless and one adversarial, for --duration seconds.
 
-Starts `python -m kvserve.server` on a free loopback port with a small KV pool, measures the solo TTFT
-of a short streaming chat request, then runs for --duration seconds:
-- well-behaved clients: short streaming chats one after another (their TTFT is what we judge);
-- disconnectors: start a stream, read a few events, hang up;
-- aborters: non-streaming requests cancelled client-side after 0.1-2 s;
-- bad clients: malformed bodies (extreme numbers, wrong types, huge prompts) -- each must be a 4xx;
-- one adversarial client: n=16, best_of=16, max_tokens=700, temperature 1, ignore_eos, in a loop.
-A control phase first (--control seconds) runs the well-behaved clients alone, so their TTFT under
-the same load without the others is known (on a small CPU most of the gap to solo is plain load).
-A monitor thread polls /health every second. At the end every client is cancelled (in-flight
-requests hang up). Afterwards the server must drain: the report gives engine
-deaths (health not 200), 5xx answers, leaked blocks after drain, the server's RSS at start and end,
-and the p50 / p99 TTFT of the well-behaved requests against their solo TTFT.
+Starts `python -m kvserve.server` on a free loopback port with a small KV pool, then, in phases:
+1. solo: the TTFT (and total time) of a short streaming chat request, one at a time;
+2. capacity (--capacity s): the 48 well-behaved clients in a closed loop with no think time: the
+   server's throughput of short requests when saturated (their TTFT there is queueing, Little's law);
+3. control (--control s): the 48 well-behaved clients alone, each thinking an exponential time between
+   requests, its mean chosen so they offer --load of the measured capacity;
+4. soak (--duration s): all 64 clients with the same think time (benchmarks/soak_clients.py):
+   well-behaved short chats (their TTFT is what we judge), disconnectors (hang up mid-stream), aborters
+   (cancel after 0.1-2 s), bad clients (malformed bodies: each must be a 4xx) and one adversary
+   (n=16, best_of=16, max_tokens=700, temperature 1, ignore_eos, in a loop).
+--stress drops the think time (clients back-to-back, as the first version of this soak did).
+The server's RSS is sampled every --rss-every s. At the end every client is cancelled; the server must
+drain. The report gives engine deaths (health not 200), 5xx answers, leaked blocks, RSS over time (start,
+after --warmup s, end, slope after warm-up) and the well-behaved p50 / p99 TTFT against solo.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import random
 import statistics
 import sys
-import threading
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -34,168 +30,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import markdown_table, write_result  # noqa: E402
 from kvserve.server.launcher import launch_server  # noqa: E402
 from server_load import block_counts, percentile  # noqa: E402
+from soak_clients import ROLES, Tally, rss_mib, run_phase, short_request  # noqa: E402
 
-ROLES = {"well_behaved": 48, "disconnector": 6, "aborter": 5, "bad": 4, "adversary": 1}  # 64 clients
-SHORT = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 4, "temperature": 0,
-         "stream": True}
-ADVERSARY = {"prompt": "Hi", "n": 16, "best_of": 16, "max_tokens": 700, "temperature": 1, "ignore_eos": True}
-BAD_BODIES = [
-    {"prompt": "Hi", "max_tokens": 4, "use_beam_search": True, "n": 2, "length_penalty": 1100},
-    {"prompt": "Hi", "max_tokens": 4, "use_beam_search": True, "n": 2, "length_penalty": -2000},
-    {"prompt": "Hi", "temperature": 1e300}, {"prompt": "Hi", "top_p": 0}, {"prompt": "Hi", "top_k": 2**40},
-    {"prompt": "Hi", "max_tokens": 2**40}, {"prompt": "Hi", "n": 10**6}, {"prompt": 5},
-    {"messages": [{"role": "user", "content": 5}]}, {"prompt": "x" * 3_000_000},
-    {"prompt": "Hi", "seed": 2**70}, {"prompt": "Hi", "logprobs": 99}, {"prompt": "Hi", "stop": [1]},
-]
+TTFT_TARGET = 3.0  # p99 of well-behaved short requests within this many times their solo TTFT
+RSS_FLAT_MIB_PER_MIN = 1.0  # growth after warm-up below this counts as flat
 
 
-@dataclass(slots=True)
-class Tally:
-    ttfts: list[float] = field(default_factory=list)
-    completed: dict[str, int] = field(default_factory=dict)
-    status: dict[int, int] = field(default_factory=dict)
-    errors: list[str] = field(default_factory=list)
-    health_failures: int = 0
-    health_max_s: float = 0.0
-
-    def count(self, role: str, status: int) -> None:
-        self.completed[role] = self.completed.get(role, 0) + 1
-        self.status[status] = self.status.get(status, 0) + 1
-
-    @property
-    def server_errors(self) -> int:
-        return sum(n for code, n in self.status.items() if code >= 500)
-
-
-async def short_ttft(http: httpx.AsyncClient, model: str) -> tuple[int, float | None]:
-    """Status and TTFT (request sent -> first content event) of one short streaming chat."""
-    start = time.perf_counter()
-    async with http.stream("POST", "/v1/chat/completions", json={"model": model, **SHORT}) as response:
-        if response.status_code != 200:
-            await response.aread()
-            return response.status_code, None
-        ttft = None
-        async for line in response.aiter_lines():
-            if ttft is None and line.startswith("data: {") and '"content":"' in line and '"content":""' not in line:
-                ttft = time.perf_counter() - start
-    return 200, ttft
-
-
-async def well_behaved(http: httpx.AsyncClient, model: str, tally: Tally, rng: random.Random) -> None:
-    status, ttft = await short_ttft(http, model)
-    tally.count("well_behaved", status)
-    if ttft is not None:
-        tally.ttfts.append(ttft)
-
-
-async def disconnector(http: httpx.AsyncClient, model: str, tally: Tally, rng: random.Random) -> None:
-    body = {"model": model, "prompt": "Tell me a long story about a cat", "max_tokens": 200,
-            "temperature": 0.8, "ignore_eos": True, "stream": True, "n": rng.choice([1, 2, 4])}
-    async with http.stream("POST", "/v1/completions", json=body) as response:
-        tally.count("disconnector", response.status_code)
-        events = rng.randint(0, 8)
-        async for _ in response.aiter_lines():
-            events -= 1
-            if events < 0:
-                break  # leaving the block closes the connection mid-stream
-
-
-async def aborter(http: httpx.AsyncClient, model: str, tally: Tally, rng: random.Random) -> None:
-    body = {"model": model, "prompt": "Write a poem", "max_tokens": 300, "ignore_eos": True,
-            "use_beam_search": rng.random() < 0.3, "n": 2, **({"temperature": 0.9} if rng.random() < 0.5 else {})}
-    if body["use_beam_search"]:
-        body.pop("temperature", None)
-    try:
-        response = await asyncio.wait_for(http.post("/v1/completions", json=body), rng.uniform(0.1, 2.0))
-        tally.count("aborter", response.status_code)
-    except TimeoutError:
-        tally.count("aborter", 0)  # 0: cancelled by us, as intended
-
-
-async def bad(http: httpx.AsyncClient, model: str, tally: Tally, rng: random.Random) -> None:
-    body = {"model": model, **rng.choice(BAD_BODIES)}
-    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
-    response = await http.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
-    tally.count("bad", response.status_code)
-    if not 400 <= response.status_code < 500:
-        tally.errors.append(f"bad body answered {response.status_code}: {str(body)[:80]}")
-
-
-async def adversary(http: httpx.AsyncClient, model: str, tally: Tally, rng: random.Random) -> None:
-    response = await http.post("/v1/completions", json={"model": model, **ADVERSARY})
-    tally.count("adversary", response.status_code)
-
-
-ACTIONS = {"well_behaved": well_behaved, "disconnector": disconnector, "aborter": aborter, "bad": bad,
-           "adversary": adversary}
-
-
-async def client_loop(role: str, seed: int, url: str, model: str, tally: Tally) -> None:
-    rng = random.Random(seed)
-    async with httpx.AsyncClient(base_url=url, timeout=300) as http:
-        while True:
-            try:
-                await ACTIONS[role](http, model, tally, rng)
-            except (httpx.HTTPError, OSError) as err:
-                tally.errors.append(f"{role}: {type(err).__name__}: {err}")
-                await asyncio.sleep(1)
-            await asyncio.sleep(rng.uniform(0, 0.2))
-
-
-def monitor(url: str, stop: threading.Event, tally: Tally, started: float) -> None:
-    """Poll /health every second (own thread and connection, so the clients' event loop does not
-    delay it) and print progress every ten seconds."""
-    next_report = 10.0
-    with httpx.Client(base_url=url, timeout=30) as http:
-        while not stop.is_set():
-            start = time.perf_counter()
-            try:
-                ok = http.get("/health").status_code == 200
-            except httpx.HTTPError:
-                ok = False
-            tally.health_max_s = max(tally.health_max_s, time.perf_counter() - start)
-            tally.health_failures += not ok
-            elapsed = time.monotonic() - started
-            if elapsed >= next_report:
-                next_report += 10.0
-                p99 = percentile(tally.ttfts, 0.99) if tally.ttfts else float("nan")
-                print(f"[{elapsed:5.0f}s] requests {sum(tally.completed.values())}, well-behaved TTFT p99 "
-                      f"{p99:.2f}s, 5xx {tally.server_errors}, health failures {tally.health_failures}", flush=True)
-            stop.wait(1.0)
-
-
-async def soak(url: str, model: str, duration: float, roles: dict[str, int]) -> Tally:
-    """Run the clients of `roles` for `duration` seconds, then cancel them (in-flight requests hang up)."""
-    tally = Tally()
-    started = time.monotonic()
-    stop = threading.Event()
-    watcher = threading.Thread(target=monitor, args=(url, stop, tally, started))
-    watcher.start()
-    clients = [role for role, count in roles.items() for _ in range(count)]
-    tasks = [asyncio.create_task(client_loop(role, seed, url, model, tally)) for seed, role in enumerate(clients)]
-    try:
-        await asyncio.sleep(duration)
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        stop.set()
-        watcher.join()
-    return tally
-
-
-async def solo_ttft(url: str, model: str, repeats: int = 8) -> float:
+async def solo(url: str, model: str, repeats: int = 10) -> tuple[float, float]:
+    """Median TTFT and total time of a short request sent alone."""
     async with httpx.AsyncClient(base_url=url, timeout=120) as http:
-        await short_ttft(http, model)  # warm-up
-        ttfts = [(await short_ttft(http, model))[1] for _ in range(repeats)]
-    return statistics.median(t for t in ttfts if t is not None)
+        await short_request(http, model)  # warm-up
+        runs = [await short_request(http, model) for _ in range(repeats)]
+    return statistics.median(r[1] for r in runs if r[1] is not None), statistics.median(r[2] for r in runs)
 
 
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
+def think_mean_for(load: float, capacity: float, clients: int, solo_total: float) -> float:
+    """Mean think time so `clients` closed-loop users offer `load` x `capacity` requests/s: each user
+    sends one request per (response time + think time), response time about solo at moderate load."""
+    return max(0.0, clients / (load * capacity) - solo_total)
 
 
 def ttft_summary(tally: Tally) -> tuple[float, float]:
@@ -204,64 +56,106 @@ def ttft_summary(tally: Tally) -> tuple[float, float]:
     return statistics.median(tally.ttfts), percentile(tally.ttfts, 0.99)
 
 
-def report(
-    tally: Tally, control: Tally, solo: float, counts: dict, rss: tuple[float, float], args, alive: bool
-) -> tuple[str, bool]:
-    p50, p99 = ttft_summary(tally)
+def rss_trend(samples: list[tuple[float, float]], warmup: float) -> tuple[float, float, float, float]:
+    """(start, after warm-up, end) MiB and the least-squares slope in MiB/min after warm-up."""
+    after = [(t, m) for t, m in samples if t >= warmup] or samples[-1:]
+    if len(after) >= 2:
+        mean_t, mean_m = statistics.fmean(t for t, _ in after), statistics.fmean(m for _, m in after)
+        var = sum((t - mean_t) ** 2 for t, _ in after)
+        slope = sum((t - mean_t) * (m - mean_m) for t, m in after) / var * 60 if var else 0.0
+    else:
+        slope = float("nan")
+    return samples[0][1], after[0][1], samples[-1][1], slope
+
+
+def report(phases: dict, solo_ttft: float, think: float | None, counts: dict, args, alive: bool) -> tuple[str, bool]:
+    capacity, control, tally = phases["capacity"], phases["control"], phases["soak"]
+    sat_p50, sat_p99 = ttft_summary(capacity)
     control_p50, control_p99 = ttft_summary(control)
+    p50, p99 = ttft_summary(tally)
     leaked = counts["used"]
+    start, warm, end, slope = rss_trend(tally.rss, args.warmup)
     ok = alive and tally.health_failures == 0 and tally.server_errors == 0 and leaked == 0
+    mode = "stress: no think time" if think is None else f"exponential think time, mean {think:.2f} s"
     rows = [
-        ["duration (s)", args.duration],
+        ["soak duration (s)", args.duration],
         ["clients", ", ".join(f"{n} {role}" for role, n in ROLES.items())],
-        ["requests answered by role", ", ".join(f"{role} {tally.completed.get(role, 0)}" for role in ROLES)],
-        ["answers by status", ", ".join(f"{code or 'cancelled'}: {n}" for code, n in sorted(tally.status.items()))],
+        ["client pacing", mode],
+        ["short request TTFT solo (s)", solo_ttft],
+        [f"capacity: {ROLES['well_behaved']} closed-loop clients, no think time, {args.capacity:.0f} s: "
+         "requests/s, TTFT p50 / p99 (s)", f"{capacity.rate():.1f}, {sat_p50:.2f} / {sat_p99:.2f}"],
+        [f"control: {ROLES['well_behaved']} well-behaved clients alone, {args.control:.0f} s: load (of "
+         "capacity), TTFT p50 / p99 (s), p99 / solo",
+         f"{control.rate() / capacity.rate():.0%}, {control_p50:.2f} / {control_p99:.2f}, "
+         f"{control_p99 / solo_ttft:.1f}x"],
+        ["soak: requests answered by role", ", ".join(f"{r} {tally.completed.get(r, 0)}" for r in ROLES)],
+        ["soak: answers by status", ", ".join(f"{c or 'cancelled'}: {n}" for c, n in sorted(tally.status.items()))],
+        ["soak: well-behaved load (of capacity)", f"{tally.rate() / capacity.rate():.0%}"],
+        ["soak: short request TTFT p50 / p99 (s)", f"{p50:.2f} / {p99:.2f}"],
+        [f"soak: p99 / solo (target ≤ {TTFT_TARGET:g}x)", f"{p99 / solo_ttft:.1f}x"],
         ["engine deaths (health checks not 200)", tally.health_failures],
         ["slowest /health (s)", tally.health_max_s],
         ["5xx answers", tally.server_errors],
         ["client-side errors (timeouts, resets)", len(tally.errors)],
         ["leaked blocks after drain (used)", f"{leaked:.0f} of {counts['total']:.0f}"],
-        ["server RSS start → end (MiB)", f"{rss[0]:.0f} → {rss[1]:.0f}"],
-        ["short request TTFT solo (s)", solo],
-        [f"control: {ROLES['well_behaved']} well-behaved clients alone, {args.control:.0f} s: requests, "
-         "TTFT p50 / p99 (s)", f"{len(control.ttfts)}, {control_p50:.2f} / {control_p99:.2f}"],
-        ["short request TTFT under soak p50 / p99 (s)", f"{p50:.2f} / {p99:.2f}"],
-        ["p99 / solo", p99 / solo],
-        ["verdict", "PASS (alive, no 5xx, no leaked blocks)" if ok else "FAIL"],
+        [f"server RSS (MiB): soak start, after {args.warmup:.0f} s, end", f"{start:.0f}, {warm:.0f}, {end:.0f}"],
+        [f"RSS slope after warm-up (MiB/min; flat: < {RSS_FLAT_MIB_PER_MIN:g})", f"{slope:.2f}"],
+        ["verdict (alive, no 5xx, no leaked blocks)", "PASS" if ok else "FAIL"],
+        ["targets", targets(p99 / solo_ttft, slope, ok)],
     ]
     return markdown_table(["metric", "value"], rows), ok
+
+
+def targets(ratio: float, slope: float, ok: bool) -> str:
+    met = {"alive, no 5xx, no leaks": ok, f"p99 ≤ {TTFT_TARGET:g}x solo": ratio <= TTFT_TARGET,
+           "RSS flat": abs(slope) < RSS_FLAT_MIB_PER_MIN}
+    return "; ".join(f"{name}: {'met' if good else '**not met**'}" for name, good in met.items())
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--duration", type=float, default=600.0, help="seconds of load")
-    parser.add_argument("--control", type=float, default=60.0,
-                        help="seconds of well-behaved clients alone first (their TTFT without the others)")
+    parser.add_argument("--duration", type=float, default=600.0, help="seconds of soak")
+    parser.add_argument("--capacity", type=float, default=30.0, help="seconds of saturated closed-loop load")
+    parser.add_argument("--control", type=float, default=60.0, help="seconds of well-behaved clients alone")
+    parser.add_argument("--load", type=float, default=0.5, help="control load as a fraction of capacity")
+    parser.add_argument("--stress", action="store_true", help="no think time: clients back-to-back")
+    parser.add_argument("--warmup", type=float, default=120.0, help="RSS slope is fitted after this many s")
+    parser.add_argument("--rss-every", type=float, default=30.0, help="seconds between RSS samples")
     parser.add_argument("--kv-cache-memory", default="256MiB", help="small on purpose: the adversary fills it")
     parser.add_argument("--no-write", action="store_true", help="print only; leave results/ untouched")
     args = parser.parse_args()
 
     print(f"starting server with {args.model} ...", file=sys.stderr)
     server = launch_server(["--model", args.model, "--kv-cache-memory", args.kv_cache_memory])
+    pid, phases = server.process.pid, {}
     try:
         model = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]["id"]
-        solo = asyncio.run(solo_ttft(server.url, model))
-        print(f"solo TTFT {solo:.3f}s; control for {args.control:.0f}s", flush=True)
-        control = asyncio.run(soak(server.url, model, args.control, {"well_behaved": ROLES["well_behaved"]}))
+        solo_ttft, solo_total = asyncio.run(solo(server.url, model))
+        print(f"solo TTFT {solo_ttft:.3f}s (total {solo_total:.3f}s); RSS {rss_mib(pid):.0f} MiB", flush=True)
+        well_behaved = {"well_behaved": ROLES["well_behaved"]}
+        phases["capacity"] = asyncio.run(run_phase(server.url, model, args.capacity, well_behaved, 0.0, pid))
+        block_counts(server.url, timeout=120)
+        if not phases["capacity"].completed:
+            raise SystemExit("no short request finished in the capacity phase: lengthen --capacity")
+        think = None if args.stress else think_mean_for(
+            args.load, phases["capacity"].rate(), ROLES["well_behaved"], solo_total)
+        print(f"capacity {phases['capacity'].rate():.1f} req/s; think time mean {think}", flush=True)
+        phases["control"] = asyncio.run(run_phase(server.url, model, args.control, well_behaved, think, pid))
         block_counts(server.url, timeout=120)
         print(f"soaking for {args.duration:.0f}s", flush=True)
-        rss_start = rss_mib(server.process.pid)
-        tally = asyncio.run(soak(server.url, model, args.duration, ROLES))
+        phases["soak"] = asyncio.run(
+            run_phase(server.url, model, args.duration, ROLES, think, pid, args.rss_every))
         counts = block_counts(server.url, timeout=120)
-        rss_end = rss_mib(server.process.pid)
         alive = server.process.poll() is None and httpx.get(f"{server.url}/health", timeout=10).status_code == 200
     finally:
         exit_code = server.terminate()
-    table, ok = report(tally, control, solo, counts, (rss_start, rss_end), args, alive)
+    table, ok = report(phases, solo_ttft, think, counts, args, alive)
+    tally = phases["soak"]
+    samples = ", ".join(f"{t:.0f}s {m:.0f}" for t, m in tally.rss)
     notes = (f"Model `{model}`, KV pool {args.kv_cache_memory}, loopback only. Well-behaved requests: streaming "
              f"chat, max_tokens 4, temperature 0; TTFT is client-side (request sent → first content event). "
-             f"Server exit status after SIGTERM: {exit_code}.")
+             f"Server exit status after SIGTERM: {exit_code}.\n\nServer RSS during the soak (MiB): {samples}.")
     if tally.errors:
         notes += "\n\nFirst client-side errors:\n" + "\n".join(f"- {e}" for e in tally.errors[:5])
     print(table)

@@ -18,7 +18,8 @@ from conftest import assert_pool_drained
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import LLMEngine
 from kvserve.engine.params import BeamSearchParams, SamplingParams
-from kvserve.engine.scheduler import order_by_pool_share, unserved_groups_first
+from kvserve.engine.pool_share import order_by_pool_share
+from kvserve.engine.scheduler import unserved_groups_first
 from test_server_support import make_chat_model_dir
 
 SHORT = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
@@ -124,6 +125,31 @@ def test_short_requests_finish_while_a_big_group_holds_the_pool(tiny_model_dir):
             raise AssertionError(f"{request_id} starved")
     assert max(latencies) <= 12, latencies  # a solo 4-token request takes 4 steps
     assert sum(r.num_output_tokens for r in engine.groups["hog"].sequences()) > hog_tokens_before
+    engine.abort_request("hog")
+    assert_pool_drained(engine)
+
+
+def test_a_running_short_request_is_never_the_victim_of_a_big_group(tiny_model_dir):
+    """Preemption takes from the group holding the most blocks for longest: a request admitted while
+    n=16 samples fill the pool is never preempted (by arrival order it would be, again and again, being
+    the newest; its 32 tokens then took 2-4x the steps)."""
+    engine = make_engine(tiny_model_dir, num_blocks=64, max_blocks_per_request=10_000)
+    engine.add_request([5, 6], HOSTAGE, request_id="hog")
+    for _ in range(120):
+        engine.step()
+    preemptions_before = engine.scheduler.num_preemptions
+    for index in range(3):
+        request_id = f"medium-{index}"
+        engine.add_request([9 + index] + [11] * 99, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True),
+                           request_id=request_id)
+        medium = engine.groups[request_id].root
+        for _ in range(400):
+            if any(o.request_id == request_id and o.finished for o in engine.step()):
+                break
+        else:
+            raise AssertionError(f"{request_id} starved")
+        assert medium.num_preemptions == 0, (request_id, medium.num_preemptions)
+    assert engine.scheduler.num_preemptions > preemptions_before  # the pool was contended throughout
     engine.abort_request("hog")
     assert_pool_drained(engine)
 

@@ -86,6 +86,16 @@ def test_non_finite_numbers_are_refused(guarded, field, literal):
     assert response.status_code == 400 and response.json()["error"]["param"] == field, response.text
 
 
+# --- 3. one request took the pool (with the cap lifted: test_fairness_server.py) ------------------------
+
+
+def test_reproduction_3_pool_hostage_is_refused_naming_the_cap(guarded):
+    response = complete(guarded, prompt="Hi", n=16, best_of=16, max_tokens=700, temperature=1, ignore_eos=True)
+    assert response.status_code == 400, response.text
+    assert "max_blocks_per_request is 512" in response.json()["error"]["message"]  # half the 1,024-block pool
+    assert_healthy(guarded)
+
+
 # --- 2. tokenization on the event loop ---------------------------------------------------------------
 
 

@@ -50,8 +50,12 @@ def make_chat_tokenizer(vocab_size: int = 384):
     return tokenizer
 
 
-def make_chat_model_dir(path: Path, seed: int = 0, max_position_embeddings: int = 2048) -> Path:
-    """Save a 2-layer random Llama + tokenizer + ChatML template as a Hugging Face directory.
+def make_chat_model_dir(
+    path: Path, seed: int = 0, max_position_embeddings: int = 2048, hidden_size: int = 64,
+    intermediate_size: int = 128, num_hidden_layers: int = 2,
+) -> Path:
+    """Save a random Llama (2 layers, hidden 64 unless told) + tokenizer + ChatML template as a Hugging
+    Face directory.
 
     Weights are written with safetensors directly (HF names and shapes): importing transformers
     would cost seconds of every test session.
@@ -61,8 +65,8 @@ def make_chat_model_dir(path: Path, seed: int = 0, max_position_embeddings: int 
     tokenizer = make_chat_tokenizer()
     config = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-        "vocab_size": tokenizer.get_vocab_size(), "hidden_size": 64, "intermediate_size": 128,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "vocab_size": tokenizer.get_vocab_size(), "hidden_size": hidden_size, "intermediate_size": intermediate_size,
+        "num_hidden_layers": num_hidden_layers, "num_attention_heads": 4, "num_key_value_heads": 2,
         "max_position_embeddings": max_position_embeddings, "rope_theta": 10000.0, "rms_norm_eps": 1e-5,
         "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32",
     }

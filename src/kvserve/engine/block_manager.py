@@ -13,6 +13,7 @@ the pool before the forward), and the last holder writes in place.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable
 
 from kvserve.engine.request import Request
@@ -31,6 +32,7 @@ class BlockManager:
         self.hash_algo = hash_algo
         self._peak_used_blocks = 0
         self._pending_copies: list[tuple[int, int]] = []  # copy-on-write (src, dst) for the next forward
+        self._table_versions = itertools.count(1)  # every change to a block table takes the next number
         # Told (hashes, block ids) of blocks a forward has just completed and published (tiers: write-through).
         self.on_published: Callable[[list[bytes], list[int]], None] | None = None
         # Called with (new block hashes, parent hash or None, their tokens) when blocks enter the cache.
@@ -46,6 +48,11 @@ class BlockManager:
     def num_available_blocks(self) -> int:
         """Blocks a request could get now: free ones plus unreferenced cached ones (evictable)."""
         return self.allocator.num_free + self.prefix_cache.num_evictable_blocks
+
+    def _changed(self, request: Request) -> None:
+        """Every edit of a block table ends here: a fresh `table_version` (unique across requests) lets the
+        scheduler's `PoolShare` keep a group's block count until one of its tables changes."""
+        request.table_version = next(self._table_versions)
 
     # --- prefix matching -------------------------------------------------------------------------
 
@@ -77,6 +84,7 @@ class BlockManager:
         """Hold the matched blocks: the request starts computing after them."""
         self.prefix_cache.acquire(matched)
         request.block_table = list(matched)
+        self._changed(request)
         request.num_computed_tokens = len(matched) * self.block_size
         request.num_published_blocks = len(matched)
 
@@ -99,6 +107,7 @@ class BlockManager:
         extra = matched[num_held:]
         self.prefix_cache.acquire(extra)
         request.block_table.extend(extra)
+        self._changed(request)
         request.num_computed_tokens += len(extra) * self.block_size
         request.num_published_blocks = len(request.block_table)
         return len(extra) * self.block_size
@@ -119,6 +128,7 @@ class BlockManager:
         if num_missing > self.allocator.num_free:
             self.prefix_cache.evict(num_missing - self.allocator.num_free)
         request.block_table.extend(self.allocator.allocate(num_missing))
+        self._changed(request)
         self._note_peak()
 
     def _num_missing_blocks(self, request: Request, num_new_tokens: int) -> int:
@@ -159,11 +169,13 @@ class BlockManager:
                 self.prefix_cache.acquire([cached[index]])
                 self.prefix_cache.release([own_block])
                 request.block_table[index] = cached[index]
+                self._changed(request)
 
     def free(self, request: Request) -> None:
         """Drop the request's references, tail block first (so tails are evicted before heads)."""
         self.prefix_cache.release(request.block_table[::-1])
         request.block_table = []
+        self._changed(request)
         request.num_published_blocks = 0
         request.num_computed_tokens = 0
 
@@ -180,6 +192,7 @@ class BlockManager:
         if num_blocks > self.allocator.num_free:
             self.prefix_cache.evict(num_blocks - self.allocator.num_free)
         request.block_table = list(matched) + self.allocator.allocate(num_blocks)
+        self._changed(request)
         self._note_peak()
         return True
 
@@ -203,6 +216,7 @@ class BlockManager:
     def fork(self, parent: Request, child: Request) -> None:
         """`child` shares `parent`'s blocks: same table, one more reference each, same progress."""
         child.block_table = list(parent.block_table)
+        self._changed(child)
         child.block_hashes = list(parent.block_hashes)  # hashes of full blocks: common history
         child.num_computed_tokens = parent.num_computed_tokens
         child.num_published_blocks = parent.num_published_blocks  # so the cache sees shared blocks once
@@ -229,6 +243,7 @@ class BlockManager:
         self._pending_copies.append((shared, private))
         self.prefix_cache.release([shared])  # still held by the other sharers: only the count drops
         request.block_table[index] = private
+        self._changed(request)
         self._note_peak()
 
     def take_pending_copies(self) -> list[tuple[int, int]]:

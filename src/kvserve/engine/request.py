@@ -220,6 +220,7 @@ class Request:
     grammar: Any = None  # a structured-output matcher (engine/structured.py) when params ask for one
     lora: LoRAAdapter | None = None  # the adapter it runs under (its id is also in `namespace`)
     held_since_step: int = 0  # scheduler step at which it last got blocks (admission or fork): fair preemption
+    table_version: int = 0  # renumbered by the block manager on every change to `block_table` (engine/pool_share.py)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

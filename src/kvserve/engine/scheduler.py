@@ -4,7 +4,7 @@ Every step, running requests go first (one decode token each, or their next pref
 `long_prefill_token_threshold` tokens while others wait or run), then waiting ones are admitted while
 the token budget, `max_num_seqs` and the pool allow. When a running request cannot get a block, the
 running sequence of the group holding the largest share of the pool (blocks x steps held,
-`order_by_pool_share`; never the oldest sequence, so something always finishes) is preempted: its
+`pool_share.PoolShare`; never the oldest sequence, so something always finishes) is preempted: its
 blocks are released (full ones stay in the prefix cache) and it goes back to the front of the queue,
 to be recomputed. Admission is FCFS, except that members of a group that already runs wait behind
 requests whose group does not (`unserved_groups_first`).
@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvserve.engine.block_manager import BlockManager
+from kvserve.engine.pool_share import PoolShare
 from kvserve.engine.prefix_admission import PrefixHold
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.tiers.offload import SOURCES
@@ -35,31 +36,6 @@ if TYPE_CHECKING:
 LPM_MAX_WAITING = 128  # beyond this many waiting requests, lpm's per-step matching costs too much
 PROTECT_WAITING = 4  # head-of-queue requests whose cached prefixes are refreshed before running ones grow
 IDLE_LOAD_WAIT_S = 0.01  # nothing to run but loads in flight: wait this long for one before returning
-
-
-def order_by_pool_share(running: list[Request], step: int) -> list[Request]:
-    """Running sequences, the most preemptible last (the scheduler preempts from the end).
-
-    A group (a plain request, or all the samples / beams of one) weighs the blocks it holds (each
-    counted once, however many members share it) times the steps since it first got them; the heaviest
-    group goes last, its newest member last of all. So a request that has held a large part of the pool
-    for long yields to newcomers, instead of the newest arrival always paying. One exception keeps the
-    system live: the oldest sequence (by arrival; a group's root before its forks) goes first, so it is
-    never preempted while anything else runs and always finishes (a lone sequence fits the pool) --
-    without it, whoever held longest would be preempted over and over and nothing might finish.
-    """
-    blocks: dict[str, set[int]] = {}
-    since: dict[str, int] = {}
-    for request in running:
-        blocks.setdefault(request.group_id, set()).update(request.block_table)
-        since[request.group_id] = min(since.get(request.group_id, step), request.held_since_step)
-    weight = {group_id: len(held) * (step - since[group_id] + 1) for group_id, held in blocks.items()}
-    ordered = sorted(running, key=lambda r: (weight[r.group_id], r.held_since_step))
-    if ordered:  # progress: the oldest sequence goes first, so it is never a victim while others run
-        oldest = min(ordered, key=lambda r: (r.metrics.arrival_time, r.request_id != r.group_id, r.request_id))
-        ordered.remove(oldest)
-        ordered.insert(0, oldest)
-    return ordered
 
 
 def unserved_groups_first(waiting: deque[Request], running: list[Request]) -> deque[Request]:
@@ -131,6 +107,7 @@ class Scheduler:
         self._yielded_last_step = False  # running prefills sat out the last step for a newcomer
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.pool_share = PoolShare()  # orders `running` each step (kept counts: cheap when little changed)
         self.num_preemptions = 0
         self.counters = PrefixCacheCounters()
         self.tiers: EngineTiers | None = None  # set by the engine when a lower tier is configured
@@ -147,7 +124,7 @@ class Scheduler:
         output = SchedulerOutput()
         if self.tiers is not None:
             self._requeue_loaded()
-        self.running = order_by_pool_share(self.running, self.num_steps)
+        self.running = self.pool_share.order(self.running, self.num_steps)
         self._contended = len(self.waiting) + len(self.running) > 1
         self._protect_waiting()
         budget = self._schedule_running(output, self.max_num_batched_tokens)
@@ -350,6 +327,7 @@ class Scheduler:
         for request in loading:
             assert request.status is RequestStatus.WAITING_FOR_KV, request.request_id
         self.block_manager.check_invariants(self.running + loading)
+        self.pool_share.check(self.running)
 
     def finish(self, request: Request) -> None:
         """Remove a finished or aborted request and release its blocks."""

@@ -29,6 +29,7 @@ from kvserve.server.dashboard import dashboard_enabled
 from kvserve.server.dashboard import install as install_dashboard
 from kvserve.server.errors import install_error_handlers
 from kvserve.server.frontdoor import guarded_protocol
+from kvserve.server.heap import periodic_trim
 from kvserve.server.limits import ServerLimits
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.options import DEFAULT_MAX_QUEUE, GRACEFUL_SHUTDOWN_S, ServerOptions
@@ -67,7 +68,7 @@ def build_app(
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         async_engine.start()
         try:
-            async with periodic_stats(stats_logger, options.stats_log_interval):
+            async with periodic_stats(stats_logger, options.stats_log_interval), periodic_trim():
                 yield
         finally:
             # In-flight handlers were finished or cancelled (and aborted) by uvicorn's graceful shutdown.
