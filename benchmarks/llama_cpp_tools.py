@@ -48,13 +48,13 @@ def bindings_version() -> str:
 
 
 def _cmake() -> str:
-    """cmake from the venv (the `bench` extra installs it) or the system; pip-install it if neither."""
+    """cmake from PATH or the venv (the `bench` extra installs it); pip-install it if neither."""
     local = Path(sys.executable).parent / "cmake"
-    if local.exists():
-        return str(local)
     found = shutil.which("cmake")
     if found:
         return found
+    if local.exists():
+        return str(local)
     log("cmake missing: pip install cmake")
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "cmake"], check=True)
     return str(local)
@@ -85,6 +85,14 @@ def source_dir(version: str) -> Path:
 
 def build_dir(version: str) -> Path:
     return CACHE / f"build-{version}"
+
+
+def built() -> bool:
+    """Whether every tool is built (for callers that should not start a 10-20 minute build)."""
+    try:
+        return all((build_dir(bindings_version()) / "bin" / name).exists() for name in TARGETS)
+    except SystemExit:
+        return False
 
 
 def tool(name: str) -> Path:

@@ -17,7 +17,7 @@ ROOT = HERE.parent
 ORDER = [
     "throughput", "memory_efficiency", "prefix_cache", "prefix_lookup", "parallel_memory",
     "server_load", "serve_sweep", "side_channel", "dashboard", "soak", "router", "eviction", "structured",
-    "tiers", "kernels", "disagg", "lora", "fairness",
+    "tiers", "llama_cpp_peers", "kernels", "perplexity", "disagg", "lora", "fairness",
 ]
 HEADER = """# Benchmarks
 
