@@ -22,6 +22,7 @@ perplexity (its tokenization of the file is its own; the token counts are report
 
     python benchmarks/perplexity.py               # ctx 512, every chunk (about 5 minutes on 2 cores)
     python benchmarks/perplexity.py --chunks 4    # fewer chunks
+    python benchmarks/perplexity.py --reuse       # keep the scores an earlier run saved
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from kvserve.config import EngineConfig  # noqa: E402
 from kvserve.model.registry import resolve_model  # noqa: E402
 
 TEXT = ROOT / "benchmarks" / "data" / "perplexity_python_reference.txt"
+CACHE = ROOT / "benchmarks" / ".cache" / "perplexity"  # per-runner scores for --reuse (git-ignored)
 KVSERVE_VARIANTS = {
     "kvserve dense fp32": {"weights": "dense"},
     "kvserve native Q4_1, fp32 activations": {"weights": "native"},
@@ -143,6 +145,7 @@ def main() -> None:
     parser.add_argument("--ctx", type=int, default=512, help="tokens per chunk (llama-perplexity's -c)")
     parser.add_argument("--chunks", type=int, default=0, help="chunks to score (0: all that fit)")
     parser.add_argument("--no-tool", action="store_true", help="skip the llama-perplexity cross-check")
+    parser.add_argument("--reuse", action="store_true", help="reuse runners' scores saved by an earlier run")
     args = parser.parse_args()
     text = TEXT.read_text()
     tokens = llama_cpp_tokens(text)
@@ -165,8 +168,15 @@ def main() -> None:
 
     results: dict[str, tuple[np.ndarray, np.ndarray, float]] = {}
     for name, make in runners.items():
+        cached = CACHE / f"{args.ctx}x{count}-{''.join(c if c.isalnum() else '_' for c in name)}.npz"
         start = time.perf_counter()
-        nll, top = scored(chunks, make())
+        if args.reuse and cached.exists():
+            saved = np.load(cached)
+            nll, top = saved["nll"], saved["top"]
+        else:
+            nll, top = scored(chunks, make())
+            CACHE.mkdir(parents=True, exist_ok=True)
+            np.savez(cached, nll=nll, top=top)
         results[name] = (nll, top, time.perf_counter() - start)
         print(f"{name:48s} PPL {math.exp(nll.mean()):8.4f}  ({results[name][2]:.0f} s)", flush=True)
 
