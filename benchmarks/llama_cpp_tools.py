@@ -33,7 +33,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 CACHE = HERE / ".llama.cpp"
-TARGETS = ("llama-server", "llama-batched-bench", "llama-perplexity")
+TARGETS = ("llama-batched-bench", "llama-perplexity", "llama-server")  # the small ones first
 
 
 def log(message: str) -> None:

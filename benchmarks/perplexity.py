@@ -154,8 +154,9 @@ def main() -> None:
     notes = []
     own = LLM("smollm2-135m", progress=False, kv_cache_memory="16MiB").get_tokenizer().encode(text)
     notes.append(f"Text: {len(text):,} characters, {len(tokens):,} llama.cpp tokens (kvserve's tokenizer: "
-                 f"{len(own):,}, {'identical' if own == tokens else 'different'} ids); {count} chunks of "
-                 f"{args.ctx}, {count * (args.ctx - 1 - args.ctx // 2):,} scored tokens.")
+                 f"{len(own):,}, {'identical' if own == tokens else 'different'} ids; every runner gets "
+                 f"llama.cpp's); {count} chunks of {args.ctx}, {count * (args.ctx - 1 - args.ctx // 2):,} scored "
+                 "tokens.")
 
     runners: dict[str, Callable[[], Logits]] = {}
     for name, variant in KVSERVE_VARIANTS.items():
@@ -181,21 +182,26 @@ def main() -> None:
         print(f"{name:48s} PPL {math.exp(nll.mean()):8.4f}  ({results[name][2]:.0f} s)", flush=True)
 
     references = ["transformers fp32", "llama.cpp Q4_1 (llama-cpp-python, logits_all)", "kvserve dense fp32"]
-    header = ["runner", "PPL", "± (1 s.e.)", *(f"top-1 = {r}" for r in references)]
+    header = ["runner", "PPL", "± (1 s.e.)", "NLL − transformers' (mean, max abs)",
+              *(f"top-1 = {r}" for r in references)]
     rows = []
+    base = results["transformers fp32"][0]
     for name, (nll, top, _) in results.items():
         error = math.exp(nll.mean()) * nll.std(ddof=1) / math.sqrt(len(nll))
-        rows.append([name, math.exp(nll.mean()), error,
+        delta = nll - base
+        rows.append([name, f"{math.exp(nll.mean()):.4f}", f"{error:.4f}",
+                     f"{delta.mean():+.5f}, {np.abs(delta).max():.5f}",
                      *(f"{100 * float((top == results[r][1]).mean()):.2f}%" for r in references)])
     if not args.no_tool:
         ppl, error, why = llama_perplexity_tool(args.ctx, count)
-        rows.append(["llama.cpp Q4_1 (its llama-perplexity tool)", ppl, error, "–", "–", "–"])
+        rows.append(["llama.cpp Q4_1 (its llama-perplexity tool)", f"{ppl:.4f}", f"{error:.4f}", "–", "–", "–", "–"])
         if why:
             notes.append(why)
     notes.append("PPL: exp(mean NLL) over the second half of each chunk, as llama-perplexity scores; ± is the "
-                 "standard error of the mean NLL carried through exp. The llama-cpp-python and llama-perplexity "
-                 "rows are the same llama.cpp version: they should agree closely. The machine is a shared 2-core "
-                 "VM; perplexities do not depend on its load.")
+                 "standard error of the mean NLL carried through exp (the spread of the text's tokens: the runners "
+                 "score the same tokens, so compare them by the paired NLL difference). The llama-cpp-python "
+                 "and llama-perplexity rows are the same llama.cpp version: they should agree closely. The "
+                 "machine is a shared 2-core VM; perplexities do not depend on its load.")
     write_result("perplexity", "Perplexity and top-1 agreement on a fixed text", markdown_table(header, rows),
                  "\n\n".join(notes))
     print(markdown_table(header, rows))
