@@ -58,7 +58,6 @@ class LlamaCppToolsRunner:
     all_at_once = True  # kernels.py sends it all 16 shared-prefix requests at once, as kvserve
 
     def __init__(self, threads: int | None = None) -> None:
-        tools.build()
         self.model = resolve_model("smollm2-135m")
         self.threads = threads or torch.get_num_threads()
         self.rows: list[tools.BatchedBench] = []  # every batched-bench row run, for the record
@@ -143,62 +142,81 @@ class KvservePeer:
         return {key: statistics.median(values) for key, values in times.items()}
 
 
+def batched_table(peer: LlamaCppToolsRunner, ours: KvservePeer, workloads: dict, new: int) -> str:
+    rows = []
+    for size, prompts in (("1", [workloads["prefill"]["128"]]), ("8", workloads["batch"]["8"]["prompts"]),
+                          ("32", workloads["batch"]["32"]["prompts"])):
+        wall, decode = ours.batch(prompts, new)
+        row = peer._bench(round(statistics.mean(len(p) for p in prompts)), new, len(prompts))
+        rows.append([size, wall, row.generated_per_wall_s, wall / row.generated_per_wall_s, decode,
+                     row.decode_tok_s, decode / row.decode_tok_s])
+        print(f"batch {size}: kvserve {wall:.1f} / {decode:.1f}, llama.cpp {row.generated_per_wall_s:.1f} / "
+              f"{row.decode_tok_s:.1f} tok/s", flush=True)
+    return (f"Batched decode, {new} new tokens per sequence (tok/s; higher is better; ratio = kvserve / "
+            "llama.cpp):\n\n" + markdown_table(
+                ["batch", "kvserve generated / wall", "llama.cpp generated / wall", "ratio",
+                 "kvserve decode only (≈)", "llama.cpp decode only (S_TG)", "ratio"], rows))
+
+
+def shared_table(peer: LlamaCppToolsRunner, ours: KvservePeer, prefix: list[int], suffixes: list[list[int]],
+                 new: int) -> str:
+    ours_s = ours.shared_prefix(prefix, suffixes, new)
+    print(f"shared prefix: kvserve {ours_s:.1f} s", flush=True)
+    peer_s = peer.shared_prefix(prefix, suffixes, new)
+    print(f"shared prefix: llama-server {peer_s:.1f} s", flush=True)
+    return (f"Shared prefix, {len(suffixes)} requests ({len(prefix):,}-token prefix + {len(suffixes[0])} own "
+            f"tokens, {new} new each), all sent at once (seconds; lower is better):\n\n" + markdown_table(
+                ["kvserve `LLM.generate`", f"llama-server, {len(suffixes)} slots", "llama.cpp / kvserve"],
+                [[ours_s, peer_s, peer_s / ours_s]]))
+
+
+def seed_table(runners: list, prefix: list[int], suffixes: list[list[int]], repeats: int) -> str:
+    seed = {runner.name: runner.cached_ttft(prefix, suffixes, repeats) for runner in runners}
+    print(seed, flush=True)
+    rows = [[name, t["cold"], t["cached"], t["fresh"], t["cached"] / t["fresh"]] for name, t in seed.items()]
+    extra = "".join(f" {name} reprocessed a median of {t['cached prompt_n']:.0f} prompt tokens for the cached "
+                    "request." for name, t in seed.items() if "cached prompt_n" in t)
+    return (f"The seed's example, one-token request wall time in seconds (median of {repeats}; target: cached "
+            f"≤ 1.2 × fresh):\n\n" + markdown_table(
+                ["runner", f"cold {len(prefix) + len(suffixes[0]):,} tokens",
+                 f"{len(prefix) + len(suffixes[0]):,} with {len(prefix):,} cached", f"fresh {len(suffixes[0])} tokens",
+                 "cached / fresh"], rows) + extra)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--new", type=int, default=32, help="generated tokens per batched sequence")
     parser.add_argument("--repeats", type=int, default=3, help="repeats of the seed's TTFT example")
+    parser.add_argument("--parts", nargs="+", choices=["batched", "shared", "seed"],
+                        default=["batched", "shared", "seed"])
+    parser.add_argument("--prefix-tokens", type=int, default=0,
+                        help="reduced run: keep only the first N prefix tokens (0: the whole 1,900)")
     args = parser.parse_args()
     workloads = load_workloads()
     shared = workloads["shared_prefix"]
+    prefix = shared["prefix"][: args.prefix_tokens or None]
     peer, ours = LlamaCppToolsRunner(), KvservePeer()
     ours.batch(workloads["batch"]["8"]["prompts"][:2], 4)  # warm-up
-    batch_rows = []
-    for size, prompts in (("1", [workloads["prefill"]["128"]]), ("8", workloads["batch"]["8"]["prompts"]),
-                          ("32", workloads["batch"]["32"]["prompts"])):
-        wall, decode = ours.batch(prompts, args.new)
-        row = peer._bench(round(statistics.mean(len(p) for p in prompts)), args.new, len(prompts))
-        batch_rows.append([size, wall, row.generated_per_wall_s, wall / row.generated_per_wall_s, decode,
-                           row.decode_tok_s, decode / row.decode_tok_s])
-        print(f"batch {size}: kvserve {wall:.1f} / {decode:.1f}, llama.cpp {row.generated_per_wall_s:.1f} / "
-              f"{row.decode_tok_s:.1f} tok/s", flush=True)
-    ours_shared = ours.shared_prefix(shared["prefix"], shared["suffixes"], shared["new_tokens"])
-    print(f"shared prefix: kvserve {ours_shared:.1f} s", flush=True)
-    peer_shared = peer.shared_prefix(shared["prefix"], shared["suffixes"], shared["new_tokens"])
-    print(f"shared prefix: llama-server {peer_shared:.1f} s", flush=True)
-    seed = {runner.name: runner.cached_ttft(shared["prefix"], shared["suffixes"], args.repeats)
-            for runner in (ours, peer)}
-    print(seed, flush=True)
-
-    tables = [
-        f"Batched decode, {args.new} new tokens per sequence (tok/s; higher is better):\n",
-        markdown_table(["batch", "kvserve generated / wall", "llama.cpp generated / wall", "ratio",
-                        "kvserve decode only (≈)", "llama.cpp decode only (S_TG)", "ratio"], batch_rows),
-        f"\nShared prefix, 16 requests (1,900-token prefix + 100 own tokens, {shared['new_tokens']} new each), "
-        "all sent at once (seconds; lower is better):\n",
-        markdown_table(["kvserve `LLM.generate`", "llama-server, 16 slots", "llama.cpp / kvserve"],
-                       [[ours_shared, peer_shared, peer_shared / ours_shared]]),
-        "\nThe seed's example, one-token request wall time in seconds (median of "
-        f"{args.repeats}; target: cached ≤ 1.2 × fresh):\n",
-        markdown_table(["runner", "cold 2,000 tokens", "2,000 with 1,900 cached", "fresh 100 tokens",
-                        "cached / fresh"],
-                       [[name, t["cold"], t["cached"], t["fresh"], t["cached"] / t["fresh"]]
-                        for name, t in seed.items()]),
-    ]
+    tables = []
+    if "batched" in args.parts:
+        tables.append(batched_table(peer, ours, workloads, args.new))
+    if "shared" in args.parts:
+        tables.append(shared_table(peer, ours, prefix, shared["suffixes"], shared["new_tokens"]))
+    if "seed" in args.parts:
+        tables.append(seed_table([ours, peer], prefix, shared["suffixes"], args.repeats))
     notes = (
         f"llama.cpp {tools.bindings_version()} (the llama-cpp-python sdist's vendored source), built by "
         "`benchmarks/llama_cpp_tools.py`: CPU only, -march=native, Release. Threads: "
         f"{torch.get_num_threads()} for both. llama-batched-bench gets one prompt length (the batch's mean); "
-        "kvserve the workload's own 64-128-token prompts. llama-server: `--parallel 16 --cont-batching -c "
-        f"{16 * _ctx_per_slot(shared['prefix'], shared['suffixes'], shared['new_tokens'])}`, requests with "
-        "`cache_prompt` on (its prompt cache cannot help requests that arrive together: each slot prefills its "
-        "own 2,000 tokens). In the seed's example llama-server reprocessed a median of "
-        f"{seed[peer.name]['cached prompt_n']:.0f} prompt tokens for the cached request. The machine is a "
-        "shared 2-core VM that other jobs were loading during the run: compare the ratios measured side by "
-        "side, not the absolute numbers."
+        "kvserve the workload's own 64-128-token prompts. llama-server: `--parallel 16 --cont-batching`, "
+        f"{_ctx_per_slot(prefix, shared['suffixes'], shared['new_tokens'])} tokens of context per slot, "
+        "requests with `cache_prompt` on (its prompt cache cannot help requests that arrive together: each slot "
+        "prefills its own copy of the prefix). The machine is a shared 2-core VM that other jobs were loading "
+        "heavily during the run (load average 10-20): compare the ratios measured side by side, not the "
+        "absolute numbers."
     )
-    seed[peer.name].pop("cached prompt_n")
-    write_result("llama_cpp_peers", "kvserve beside llama.cpp's own batched tools", "\n".join(tables), notes)
-    print("\n".join(tables))
+    write_result("llama_cpp_peers", "kvserve beside llama.cpp's own batched tools", "\n\n".join(tables), notes)
+    print("\n\n".join(tables))
 
 
 if __name__ == "__main__":

@@ -99,15 +99,15 @@ def tool(name: str) -> Path:
     """The path of a built tool; builds everything first if it is missing."""
     path = build_dir(bindings_version()) / "bin" / name
     if not path.exists():
-        build()
+        build(targets=(name,))
     return path
 
 
-def build(jobs: int = 2) -> Path:
-    """Configure and build only TARGETS (CPU, -march=native, Release); idempotent."""
+def build(jobs: int = 2, targets: tuple[str, ...] = TARGETS) -> Path:
+    """Configure and build only `targets` (CPU, -march=native, Release); idempotent."""
     version = bindings_version()
     out = build_dir(version)
-    if all((out / "bin" / name).exists() for name in TARGETS):
+    if all((out / "bin" / name).exists() for name in targets):
         log(f"already built in {out.relative_to(HERE.parent)}")
         return out
     source = source_dir(version)
@@ -118,7 +118,9 @@ def build(jobs: int = 2) -> Path:
                         "-DGGML_NATIVE=ON", "-DGGML_CUDA=OFF", "-DGGML_METAL=OFF", "-DGGML_VULKAN=OFF",
                         "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
                         "-DBUILD_SHARED_LIBS=OFF"], check=True)
-    for name in TARGETS:
+    for name in targets:
+        if (out / "bin" / name).exists():
+            continue
         log(f"building {name} (-j{jobs})")
         start = time.perf_counter()
         subprocess.run([cmake, "--build", str(out), "--target", name, f"-j{jobs}"], check=True)
