@@ -19,7 +19,7 @@ Figures (kvserve: native kernels on the GGUF's own Q4_1 weights, the default `LL
   one; median of `--repeats`.
 
     python benchmarks/llama_cpp_peers.py            # builds the tools first if needed (10-20 min once)
-    python benchmarks/llama_cpp_peers.py --new 32 --repeats 3
+    python benchmarks/llama_cpp_peers.py --parts batched seed --prefix-tokens 400   # a reduced run
 """
 
 from __future__ import annotations
