@@ -180,7 +180,7 @@ def seed_table(runners: list, prefix: list[int], suffixes: list[list[int]], repe
             f"≤ 1.2 × fresh):\n\n" + markdown_table(
                 ["runner", f"cold {len(prefix) + len(suffixes[0]):,} tokens",
                  f"{len(prefix) + len(suffixes[0]):,} with {len(prefix):,} cached", f"fresh {len(suffixes[0])} tokens",
-                 "cached / fresh"], rows) + extra)
+                 "cached / fresh"], rows) + ("\n\n" + extra.strip() if extra else ""))
 
 
 def main() -> None:
