@@ -139,6 +139,29 @@ class LlamaCppRunner:
         return timer.seconds
 
 
+def llama_cpp_tools_runner(notes: list[str]) -> list:
+    """llama.cpp's own batched-bench and server (benchmarks/llama_cpp_peers.py), when its tools are built."""
+    import llama_cpp_tools
+
+    if not llama_cpp_tools.built():
+        notes.append("llama.cpp's own tools: not built (`python benchmarks/llama_cpp_tools.py --build`).")
+        return []
+    from llama_cpp_peers import LlamaCppToolsRunner
+
+    notes.append("llama.cpp (batched-bench, server): decode and batch figures from llama-batched-bench (batch "
+                 "prompts of the workload's mean length), prefill its S_PP, shared prefix all 16 at once to "
+                 "llama-server with 16 slots.")
+    return [LlamaCppToolsRunner()]
+
+
+def seed_example(args: dict[str, str], workloads: dict, repeats: int) -> dict[str, float]:
+    """The seed's example: a 2,000-token prompt with 1,900 tokens cached vs a fresh 100-token one."""
+    from llama_cpp_peers import KvservePeer
+
+    shared = workloads["shared_prefix"]
+    return KvservePeer(args).cached_ttft(shared["prefix"], shared["suffixes"], repeats)
+
+
 def ready_time(args: dict[str, str], repeats: int) -> float:
     """Seconds from a fresh interpreter to a ready `LLM()` (imports included), median of `repeats`."""
     options = ", ".join(f"{k}={v!r}" for k, v in args.items())
@@ -183,7 +206,8 @@ def figures(runners: list, workloads: dict, new: int) -> dict[str, dict[str, flo
         "prefill512": lambda r: r.prefill(workloads["prefill"]["512"]),
         "prefill2048": lambda r: r.prefill(workloads["prefill"]["2048"]),
         "shared": lambda r: (
-            r.shared_prefix(shared["prefix"], shared["suffixes"], 32) if isinstance(r, KvserveRunner)
+            r.shared_prefix(shared["prefix"], shared["suffixes"], 32)
+            if isinstance(r, KvserveRunner) or getattr(r, "all_at_once", False)
             else r.shared_prefix(shared["prefix"], shared["suffixes"][:PEER_SHARED_REQUESTS], 32)
             * len(shared["suffixes"]) / PEER_SHARED_REQUESTS
         ),
@@ -274,6 +298,7 @@ def main() -> None:
         runners.append(LlamaCppRunner())
     except ImportError:
         notes.append("llama.cpp: not installed (`pip install -e .[bench]` builds llama-cpp-python).")
+    runners += llama_cpp_tools_runner(notes)
     results = figures(runners, workloads, new)
     del runners
     startup = {name: VARIANTS[name] for name in ("kvserve native Q4_1", "kvserve torch fp32 (before)")}
@@ -299,6 +324,7 @@ def main() -> None:
         "after: native kernels, Q4_1": step_breakdown(VARIANTS["kvserve native Q4_1"], workloads),
     }
     plot(breakdowns, ROOT / "docs" / "kernels_step.png")
+    seed = seed_example(VARIANTS["kvserve native Q4_1"], workloads, 1 if args.quick else 3)
     parts = list(next(iter(breakdowns.values())))
     step_rows = [[name] + [b[p] for p in parts] + [sum(b.values())] for name, b in breakdowns.items()]
     table = (
@@ -308,6 +334,10 @@ def main() -> None:
                          ratio_rows)
         + "\n\nPer-step breakdown, ms per batch-8 decode step (![plot](docs/kernels_step.png)):\n\n"
         + markdown_table(["", *parts, "total"], step_rows)
+        + "\n\nThe seed's example, kvserve native Q4_1, one-token request wall seconds (target: cached ≤ 1.2 × "
+        "fresh):\n\n"
+        + markdown_table(["cold 2,000 tokens", "2,000 with 1,900 cached", "fresh 100 tokens", "cached / fresh"],
+                         [[seed["cold"], seed["cached"], seed["fresh"], seed["cached"] / seed["fresh"]]])
     )
     notes.append(f"Decode figures: {new} new tokens; threads: {torch.get_num_threads()}. transformers batches with "
                  "padding; llama.cpp's Python API runs batch requests one at a time. Shared prefix: kvserve gets all "
