@@ -225,10 +225,12 @@ def figures(runners: list, workloads: dict, new: int) -> dict[str, dict[str, flo
 def step_breakdown(args: dict[str, str], workloads: dict, steps: int = 16) -> dict[str, float]:
     """Milliseconds per batch-8 decode step by part, from timers wrapped around the model's calls."""
     from kvserve.model import llama
+    from kvserve.model.layer_loop import LayerLoop
 
     llm = LLM("smollm2-135m", progress=False, kv_cache_memory="256MiB", **args)
     model, kernels = llm.engine.model, llm.engine.model.kernels
-    totals = {"matmuls": 0.0, "attention": 0.0, "norms": 0.0, "lm head": 0.0}
+    # The native layer loop runs every layer (matmuls, attention, norms, RoPE) in one C call: timed whole.
+    totals = {"matmuls": 0.0, "attention": 0.0, "norms": 0.0, "layer loop (C, all layers)": 0.0, "lm head": 0.0}
     depth = [0]  # only the outermost timed call counts (the lm head's matmul is the lm head's)
 
     def timed(part: str, function):
@@ -248,18 +250,21 @@ def step_breakdown(args: dict[str, str], workloads: dict, steps: int = 16) -> di
         engine.add(engine.make_request(prompt, greedy(steps + 4)))
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
         engine.step()
-    originals = (type(kernels).linear, type(kernels).rms_norm, llama.paged_attention, type(model).compute_logits)
+    originals = (type(kernels).linear, type(kernels).rms_norm, llama.paged_attention, type(model).compute_logits,
+                 LayerLoop.forward)
     type(kernels).linear = timed("matmuls", originals[0])
     type(kernels).rms_norm = timed("norms", originals[1])
     llama.paged_attention = timed("attention", originals[2])
     type(model).compute_logits = timed("lm head", originals[3])
+    LayerLoop.forward = timed("layer loop (C, all layers)", originals[4])
     try:
         start = time.perf_counter()
         for _ in range(steps):
             engine.step()
         total = time.perf_counter() - start
     finally:
-        type(kernels).linear, type(kernels).rms_norm, llama.paged_attention, type(model).compute_logits = originals
+        (type(kernels).linear, type(kernels).rms_norm, llama.paged_attention, type(model).compute_logits,
+         LayerLoop.forward) = originals
     result = {part: 1000 * seconds / steps for part, seconds in totals.items()}
     result["other (python, rope, sampler, scheduler)"] = 1000 * total / steps - sum(result.values())
     return result
@@ -322,6 +327,7 @@ def main() -> None:
     breakdowns = {
         "before: torch kernels, fp32": step_breakdown(VARIANTS["kvserve torch fp32 (before)"], workloads),
         "after: native kernels, Q4_1": step_breakdown(VARIANTS["kvserve native Q4_1"], workloads),
+        "after: native Q4_1, int8 activations": step_breakdown(VARIANTS["kvserve native Q4_1 int8"], workloads),
     }
     plot(breakdowns, ROOT / "docs" / "kernels_step.png")
     seed = seed_example(VARIANTS["kvserve native Q4_1"], workloads, 1 if args.quick else 3)

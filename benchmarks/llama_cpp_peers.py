@@ -25,6 +25,7 @@ Figures (kvserve: native kernels on the GGUF's own Q4_1 weights, the default `LL
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -211,9 +212,8 @@ def main() -> None:
         "kvserve the workload's own 64-128-token prompts. llama-server: `--parallel 16 --cont-batching`, "
         f"{_ctx_per_slot(prefix, shared['suffixes'], shared['new_tokens'])} tokens of context per slot, "
         "requests with `cache_prompt` on (its prompt cache cannot help requests that arrive together: each slot "
-        "prefills its own copy of the prefix). The machine is a shared 2-core VM that other jobs were loading "
-        "heavily during the run (load average 10-20): compare the ratios measured side by side, not the "
-        "absolute numbers."
+        f"prefills its own copy of the prefix). Load average when the run ended: {os.getloadavg()[0]:.1f} on "
+        f"{os.cpu_count()} cores: on a busy machine compare the ratios measured side by side, not absolute numbers."
     )
     write_result("llama_cpp_peers", "kvserve beside llama.cpp's own batched tools", "\n\n".join(tables), notes)
     print("\n\n".join(tables))
