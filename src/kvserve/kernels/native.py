@@ -82,30 +82,25 @@ class NativeLibrary:
 
     def qmatmul(self, x: torch.Tensor, data: torch.Tensor, qtype: int, in_features: int) -> torch.Tensor:
         """``x [rows, in] @ W.T`` -> float32 ``[rows, out]``; W is ``data`` (uint8 blocks, one row per output)."""
-        _check(x, torch.float32, "x")
-        _check(data, torch.uint8, "weight")
-        rows, width = x.shape
-        if width != in_features:
-            raise ValueError(f"x has {width} features, weight expects {in_features}")
-        out = torch.empty(rows, data.shape[0], dtype=torch.float32)
-        _ok(self.lib.kv_qmatmul(
-            self.code, qtype, x.data_ptr(), rows, width, data.data_ptr(), data.shape[0], data.shape[1],
-            out.data_ptr(), out.shape[1],
-        ), "qmatmul")
-        return out
+        return self._quant_matmul("kv_qmatmul", x, data, qtype, in_features)
 
     def qmatmul_i8(self, x: torch.Tensor, data: torch.Tensor, qtype: int, in_features: int) -> torch.Tensor:
         """As `qmatmul`, with the rows of x quantized to int8 blocks first (`reference.qlinear_i8`)."""
+        return self._quant_matmul("kv_qmatmul_i8", x, data, qtype, in_features)
+
+    def _quant_matmul(
+        self, entry: str, x: torch.Tensor, data: torch.Tensor, qtype: int, in_features: int
+    ) -> torch.Tensor:
         _check(x, torch.float32, "x")
         _check(data, torch.uint8, "weight")
         rows, width = x.shape
         if width != in_features:
             raise ValueError(f"x has {width} features, weight expects {in_features}")
         out = torch.empty(rows, data.shape[0], dtype=torch.float32)
-        _ok(self.lib.kv_qmatmul_i8(
+        _ok(getattr(self.lib, entry)(
             self.code, qtype, x.data_ptr(), rows, width, data.data_ptr(), data.shape[0], data.shape[1],
             out.data_ptr(), out.shape[1],
-        ), "qmatmul_i8")
+        ), entry.removeprefix("kv_"))
         return out
 
     def quantize_i8(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
