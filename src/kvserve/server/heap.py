@@ -11,11 +11,12 @@ temporaries) in a few milliseconds. So the server calls it every `interval` seco
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import ctypes
 import ctypes.util
 from collections.abc import AsyncIterator
+
+from kvserve.server.periodic import every
 
 TRIM_INTERVAL_S = 30.0
 
@@ -40,19 +41,5 @@ def trim_heap() -> bool:
 @contextlib.asynccontextmanager
 async def periodic_trim(interval: float = TRIM_INTERVAL_S) -> AsyncIterator[None]:
     """Run `trim_heap()` on a worker thread every `interval` seconds while the context is open (0: never)."""
-    if interval <= 0 or _malloc_trim() is None:
+    async with every(interval if _malloc_trim() is not None else 0, trim_heap, in_thread=True):
         yield
-        return
-
-    async def loop() -> None:
-        while True:
-            await asyncio.sleep(interval)
-            await asyncio.to_thread(trim_heap)
-
-    task = asyncio.create_task(loop())
-    try:
-        yield
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task

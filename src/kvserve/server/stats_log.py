@@ -9,7 +9,6 @@ when idle so an idle server's log stays quiet -- as vLLM's `LoggingStatLogger`.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import time
@@ -17,6 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from kvserve.server.metrics import Stats, TokenTotals
+from kvserve.server.periodic import every
 
 LOG_FORMAT = ("kvserve: Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
               "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%")
@@ -58,19 +58,5 @@ class StatsLogger:
 @contextlib.asynccontextmanager
 async def periodic_stats(stats_logger: StatsLogger, interval: float) -> AsyncIterator[None]:
     """Run `stats_logger.log()` every `interval` seconds while the context is open (0: never)."""
-    if interval <= 0:
+    async with every(interval, stats_logger.log):
         yield
-        return
-
-    async def loop() -> None:
-        while True:
-            await asyncio.sleep(interval)
-            stats_logger.log()
-
-    task = asyncio.create_task(loop())
-    try:
-        yield
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
