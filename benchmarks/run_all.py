@@ -25,6 +25,9 @@ HEADER = """# Benchmarks
 Every number below was produced by the command printed under its heading, on the machine named there
 (2-core VM, shared and noisy: compare ratios measured side by side in one run, not absolute numbers
 across sections). Peer baselines for the same workloads: `benchmarks/data/PEERS.md`.
+The dev VM this session's sections ran on (`lscpu`): Intel(R) Xeon(R) Processor, 2 cores; SIMD flags
+fma f16c avx2 avx512f avx512dq avx512bw avx512vl avx512_vnni -- no avx512_bf16, no amx (so `--dtype auto`
+picks float32 and the native kernels take their AVX-512 + VNNI path). Sections from another machine say so.
 Re-run everything with `python benchmarks/run_all.py` (or `make bench`); plots are redrawn from the
 result tables by `benchmarks/plot_results.py`.
 
