@@ -147,7 +147,10 @@ class ModelRunner:
         meta.decode_key_mask = (key_positions.unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]
         if self.cascade and len(decodes) > 1:
             tables = [item.request.block_table for item in decodes]
-            meta.decode_cascade = plan_cascade(tables, context_lens, self.block_size, device=self.device)
+            plan = plan_cascade(tables, context_lens, self.block_size, device=self.device)
+            if plan is not None:  # derived from these very tables and lengths: valid by construction
+                plan.checked_with = (meta.decode_block_tables, lens)
+            meta.decode_cascade = plan
 
 
 def _padded(block_table: list[int], length: int) -> list[int]:

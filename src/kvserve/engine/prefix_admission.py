@@ -75,12 +75,9 @@ class PrefixHold:
         if leader is request or leader.namespace != request.namespace:
             return False
         limit = min(len(request.block_hashes), len(leader.block_hashes), leader.num_prompt_tokens // self.block_size)
-        if limit <= max(num_matched_blocks, leader.num_published_blocks):
-            return False
-        ours, theirs = request.block_hashes, leader.block_hashes
-        # Shared blocks past both the hit and what the leader already published, still to come.
+        # The first block past both the hit and what the leader already published: shared and still to come?
         index = max(num_matched_blocks, leader.num_published_blocks)
-        return ours[index] == theirs[index]
+        return index < limit and request.block_hashes[index] == leader.block_hashes[index]
 
 
 def _unpublished_prompt_blocks(request: Request, block_size: int) -> bool:
