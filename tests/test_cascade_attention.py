@@ -18,11 +18,9 @@ from kvserve.kernels import reference
 from kvserve.kernels.cascade_plan import CascadeTensors, check_cascade_plan
 from kvserve.kernels.ops import Kernels
 from kvserve.kv.cascade import plan_cascade
+from test_kernels import ISA_PARAMS
 
-_BEST = Kernels.create("native")
-ISAS = ["avx512", "avx2"] if _BEST.isa == "avx512" else ["avx2"] if _BEST.isa == "avx2" else []
 SETTINGS = settings(max_examples=30, deadline=None)
-_UNAVAILABLE = pytest.param("none", marks=pytest.mark.skip(reason="native kernels unavailable"))
 
 # One group: (shared blocks, [own tokens of each member]); own tokens 0 ends a row at the shared boundary.
 GROUPS = st.lists(
@@ -30,7 +28,7 @@ GROUPS = st.lists(
 )
 
 
-@pytest.fixture(scope="module", params=ISAS or [_UNAVAILABLE])
+@pytest.fixture(scope="module", params=ISA_PARAMS)
 def kernels(request) -> Kernels:
     return Kernels.create("native", isa=request.param)
 

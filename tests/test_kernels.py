@@ -22,10 +22,11 @@ ISAS = ["avx512", "avx2"] if _BEST.isa == "avx512" else ["avx2"] if _BEST.isa ==
 SETTINGS = settings(max_examples=25, deadline=None)
 
 
-_UNAVAILABLE = pytest.param("none", marks=pytest.mark.skip(reason="native kernels unavailable"))
+# Every ISA this CPU runs (the forced AVX2 path too), or one skipped param: shared by the kernel test modules.
+ISA_PARAMS = ISAS or [pytest.param("none", marks=pytest.mark.skip(reason="native kernels unavailable"))]
 
 
-@pytest.fixture(scope="module", params=ISAS or [_UNAVAILABLE])
+@pytest.fixture(scope="module", params=ISA_PARAMS)
 def kernels(request) -> Kernels:
     forced = Kernels.create("native", isa=request.param)
     assert forced.isa == request.param

@@ -18,13 +18,12 @@ from kvserve.config import EngineConfig
 from kvserve.kernels import reference
 from kvserve.kernels.ops import Kernels
 from kvserve.kernels.quant import QTYPES
-from test_kernels import ISAS, random_quant
+from test_kernels import ISA_PARAMS, random_quant
 
 SETTINGS = settings(max_examples=25, deadline=None)
-_UNAVAILABLE = pytest.param("none", marks=pytest.mark.skip(reason="native kernels unavailable"))
 
 
-@pytest.fixture(scope="module", params=ISAS or [_UNAVAILABLE])
+@pytest.fixture(scope="module", params=ISA_PARAMS)
 def kernels(request) -> Kernels:
     forced = Kernels.create("native", isa=request.param, activation_quant="int8")
     assert forced.isa == request.param and forced.activation_quant == "int8"

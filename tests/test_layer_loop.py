@@ -24,14 +24,12 @@ from kvserve.kv.pool import KVPool, KVPoolShape
 from kvserve.model.hf import load_hf_dir
 from kvserve.model.layer_loop import LayerLoop
 from kvserve.model.llama import LlamaModel
+from test_kernels import ISA_PARAMS
 
-_BEST = Kernels.create("native")
-ISAS = ["avx512", "avx2"] if _BEST.isa == "avx512" else ["avx2"] if _BEST.isa == "avx2" else []
 SETTINGS = settings(max_examples=25, deadline=None)
-_UNAVAILABLE = pytest.param("none", marks=pytest.mark.skip(reason="native kernels unavailable"))
 
 
-@pytest.fixture(scope="module", params=ISAS or [_UNAVAILABLE])
+@pytest.fixture(scope="module", params=ISA_PARAMS)
 def kernels(request) -> Kernels:
     forced = Kernels.create("native", isa=request.param)
     assert forced.isa == request.param
