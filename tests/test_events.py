@@ -83,6 +83,8 @@ async def _publisher_to_index() -> None:
     # Published before anyone subscribes: a late subscriber must get these by replay.
     publisher.publish([AllBlocksCleared()])
     publisher.publish([BlockStored(hashes[:2], None, tokens[:8], 4)])
+    # publish() only queues (the publisher's thread sends): make sure both went out before subscribing.
+    await wait_until(lambda: publisher.num_published == 2)
     index = BlockIndex()
     handler = WorkerEvents(index, "w0")
     stream = EventStream(pub_endpoint, handler, replay_endpoint)
