@@ -346,7 +346,7 @@ def test_on_evict_reports_block_and_hash_before_the_free_list(kind: str) -> None
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("policy", ["lru", "glru"])
+@pytest.mark.parametrize("policy", ["lru", "glru", "alru"])
 def test_glru_keeps_a_recomputed_run_over_a_newer_one_off(kind: str, policy: str) -> None:
     """glru's ghosts: a run that was evicted and then recomputed has proven reuse, so it outranks a newer
     prompt used once (LRU takes the older one)."""
@@ -363,7 +363,7 @@ def test_glru_keeps_a_recomputed_run_over_a_newer_one_off(kind: str, policy: str
     finish(cache, back)
     newer = run(cache, seq_tokens(200, 32) + [1])
     finish(cache, newer)
-    expected = newer.blocks[:2] if policy == "glru" else back.blocks[:2]
+    expected = back.blocks[:2] if policy == "lru" else newer.blocks[:2]
     assert sorted(cache.evict(2)) == sorted(expected)
     cache.check_invariants()
 

@@ -13,6 +13,7 @@ from dataclasses import asdict
 from kvserve.config import parse_size
 from kvserve.prefix.eviction import EVICTION_POLICIES
 from kvserve.replay.driver import Replay, ReplayConfig, ReplayResult, distinct_blocks
+from kvserve.replay.oracles import ORACLE_POLICIES
 from kvserve.replay.report import plot, rows, text_table
 from kvserve.replay.trace import read_trace
 
@@ -32,7 +33,7 @@ def add_replay_parser(commands: argparse._SubParsersAction,
     replay.add_argument("--kv-bytes-per-token", type=int, default=SMOLLM2_FP32_BYTES_PER_TOKEN,
                         help="KV bytes per token (default: smollm2-135m in fp32)")
     replay.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    replay.add_argument("--eviction", nargs="+", default=["lru"], choices=EVICTION_POLICIES,
+    replay.add_argument("--eviction", nargs="+", default=["lru"], choices=EVICTION_POLICIES + ORACLE_POLICIES,
                         help="policies to replay (belady is always added unless --no-belady)")
     replay.add_argument("--no-belady", action="store_true", help="skip the offline optimum")
     replay.add_argument("--prefix-cache", default="radix", choices=("radix", "hash"), help="which cache to drive")

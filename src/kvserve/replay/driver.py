@@ -27,10 +27,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvserve.kv.block_allocator import BlockAllocator
-from kvserve.prefix.eviction import NextUse, make_policy
+from kvserve.prefix.eviction import EvictionPolicy, make_policy
 from kvserve.prefix.hashed import HashCache
 from kvserve.prefix.radix import RadixCache
 from kvserve.replay.expand import ExpandedPrompt, expand
+from kvserve.replay.oracles import ORACLE_POLICIES, make_oracle
 from kvserve.replay.trace import TraceRequest
 
 
@@ -128,8 +129,7 @@ class Replay:
         self.requests, self.config = requests, config
         self.now = 0.0
         self.oracle = NextUseOracle(requests, config.block_size, config.cache_blocks)
-        next_use: NextUse | None = self.oracle if config.eviction == "belady" else None
-        policy = make_policy(config.eviction, next_use)
+        policy = self._policy(config.eviction)
         self.allocator = BlockAllocator(config.cache_blocks)
         clock: Callable[[], float] = lambda: self.now
         if config.prefix_cache == "radix":
@@ -142,6 +142,16 @@ class Replay:
         self._running: list[tuple[float, int, list[int]]] = []  # (finish time, index, blocks)
         self._waiting: deque[int] = deque()
         self._head: tuple[int, ExpandedPrompt] | None = None  # the queue head's expansion, kept
+
+    def _policy(self, name: str) -> EvictionPolicy:
+        if name in ORACLE_POLICIES:
+            return make_oracle(name, self._next_use_time, lambda: self.now)
+        return make_policy(name, self.oracle if name == "belady" else None)
+
+    def _next_use_time(self, block_hash: bytes) -> float:
+        """Arrival time (s) of the block's next use; inf when never."""
+        index = self.oracle(block_hash)
+        return math.inf if index == math.inf else self.requests[int(index)].timestamp_ms / 1000.0
 
     def run(self, on_request: Callable[[], None] | None = None) -> ReplayResult:
         start = time.perf_counter()
