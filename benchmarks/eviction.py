@@ -113,10 +113,12 @@ def plot(panels: dict[str, dict], path: Path) -> None:
                             for r in results if r["eviction"] == policy)
             style = {"color": "black", "linestyle": "--"} if policy == "belady" else {}
             if policy in ORACLE_POLICIES:
-                style = {"color": "grey", "linestyle": "-.", "alpha": 0.7}
+                marker = "sv^<>"[ORACLE_POLICIES.index(policy) % 5]
+                style = {"color": "grey", "linestyle": "-.", "alpha": 0.8, "marker": marker}
             if policy.endswith(" seq"):
                 style = {"color": "black" if policy.startswith("belady") else "grey", "linestyle": ":"}
-            ax.plot([100 * b / distinct for b, _ in points], [h for _, h in points], marker="o", label=policy, **style)
+            style = {"marker": "o", **style}
+            ax.plot([100 * b / distinct for b, _ in points], [h for _, h in points], label=policy, **style)
         ax.set_title(name)
         ax.set_xlabel("cache (% of distinct blocks)")
         ax.set_ylabel("prefix hit ratio (tokens)")
