@@ -1,12 +1,13 @@
 """The decode roofline: this machine's read bandwidth, and the bytes one decode step of the default GGUF
 must read, so a single-request decode rate can be set against its floor (ms / token = bytes / bandwidth).
 
-Bandwidth is a streaming read (a small C loop, built here with g++: 64-byte vector loads XOR-ed into four
-accumulators, split over OpenMP threads; best of several passes), with 1 and 2 threads, at two sizes: the model's own working set (~100 MB: on a CPU whose last-level cache holds
-it, decode streams from cache, not DRAM) and 1 GiB (DRAM). Bytes per step: every weight tensor in its
-stored GGUF format (the layers' Q4_1 blocks and the Q8_0 token embedding, which is also the lm head), the
-norms, and the KV cache read by attention at the benchmark's context (kvserve keeps float32 KV; llama.cpp
-float16).
+Bandwidth is a streaming read (a small C loop, built here with g++: 32-byte vector loads XOR-ed into four
+accumulators, split over OpenMP threads; best of several passes), with 1 and 2 threads, at three sizes:
+32 MiB (inside the last-level cache), the model's own working set (96 MiB: a CPU whose last-level cache
+holds it streams decode weights from cache, not DRAM) and 1 GiB (DRAM). Bytes per step: every weight
+tensor in its stored GGUF format (the layers' Q4_1 blocks and the Q8_0 token embedding, which is also the
+lm head), the norms, and the KV cache attention reads at the benchmark's context (kvserve keeps float32 KV,
+llama.cpp float16).
 
     python benchmarks/membw.py
 """
