@@ -30,12 +30,16 @@ static inline void dot_tile(const float* x, int64_t xstride, const float* xsum, 
         for (int c = 0; c < NC; ++c) {
             const uint8_t* blk = w + c * row_bytes + b * BB;
             V q[QK / W];
-            const float d = half_to_float(blk);
+            // d (and Q4_1's m, the next half) converted in one instruction; d broadcast from the vector.
+            uint32_t dm_bits = 0;
+            __builtin_memcpy(&dm_bits, blk, QT == QT_Q4_1 ? 4 : 2);
+            const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(dm_bits)));
+            const float d = _mm_cvtss_f32(dm);
             float m = 0.0f;
-            if (QT == QT_Q4_1) { m = half_to_float(blk + 2); q4_1_block(blk + 4, q); }
+            if (QT == QT_Q4_1) { m = _mm_cvtss_f32(_mm_movehdup_ps(dm)); q4_1_block(blk + 4, q); }
             else if (QT == QT_Q4_0) { m = -8.0f * d; q4_1_block(blk + 2, q); }
             else { q8_0_block(reinterpret_cast<const int8_t*>(blk + 2), q); }
-            const V dv = vset1(d);
+            const V dv = vbroadcast0(dm);
             for (int r = 0; r < R; ++r) {
                 const float* xr = x + r * xstride + b * QK;
                 V t = vmul(vload(xr), q[0]);

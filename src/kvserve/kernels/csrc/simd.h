@@ -8,6 +8,7 @@ static inline V vload(const float* p) { return _mm512_loadu_ps(p); }
 static inline void vstore(float* p, V v) { _mm512_storeu_ps(p, v); }
 static inline V vzero() { return _mm512_setzero_ps(); }
 static inline V vset1(float x) { return _mm512_set1_ps(x); }
+static inline V vbroadcast0(__m128 x) { return _mm512_broadcastss_ps(x); }  // lane 0 everywhere
 static inline V vadd(V a, V b) { return _mm512_add_ps(a, b); }
 static inline V vmul(V a, V b) { return _mm512_mul_ps(a, b); }
 static inline V vfma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
@@ -49,6 +50,7 @@ static inline V vload(const float* p) { return _mm256_loadu_ps(p); }
 static inline void vstore(float* p, V v) { _mm256_storeu_ps(p, v); }
 static inline V vzero() { return _mm256_setzero_ps(); }
 static inline V vset1(float x) { return _mm256_set1_ps(x); }
+static inline V vbroadcast0(__m128 x) { return _mm256_broadcastss_ps(x); }
 static inline V vadd(V a, V b) { return _mm256_add_ps(a, b); }
 static inline V vmul(V a, V b) { return _mm256_mul_ps(a, b); }
 static inline V vfma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
