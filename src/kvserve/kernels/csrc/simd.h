@@ -33,11 +33,12 @@ static inline V vexp(V x) {
 }
 
 // 32 quantized weights of one block as float vectors q[0..32/W).
+// Q4: the 16 bytes widened once to 32-bit lanes (byte i = weights i and 16 + i), then the low nibbles masked
+// and the high ones shifted down (5 vector ops per block instead of 7 for two separate widenings).
 static inline void q4_1_block(const uint8_t* qs, V* q) {
-    __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-    __m128i mask = _mm_set1_epi8(0x0F);
-    q[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, mask)));
-    q[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), mask)));
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+    q[0] = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(0x0F)));
+    q[1] = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
 }
 static inline void q8_0_block(const int8_t* qs, V* q) {
     q[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs))));
