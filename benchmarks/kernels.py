@@ -11,11 +11,19 @@ decode step (matmuls, attention, norms, lm head, the rest) before (torch kernels
 
     python benchmarks/kernels.py            # about 10 minutes on 2 busy cores
     python benchmarks/kernels.py --quick    # smaller decode lengths
+    python benchmarks/kernels.py --decode-only 5 --before 5733328   # single-request decode only, 5 rounds
+
+`--decode-only ROUNDS` measures single-request decode alone: kvserve native Q4_1 with exact and int8
+activations, llama-cpp-python and llama-batched-bench, interleaved round by round (the machine's load hits
+all alike), median per runner, to benchmarks/results/kernels_decode.md. `--before REV` adds the same two
+kvserve variants running the native kernels as built from git revision REV (its csrc/, compiled with
+today's flags into a temporary library, same C ABI), for a paired before/after in one process.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -42,9 +50,17 @@ def greedy(n: int) -> SamplingParams:
 
 
 class KvserveRunner:
-    def __init__(self, name: str, args: dict[str, str]) -> None:
+    def __init__(self, name: str, args: dict[str, str], library: Path | None = None) -> None:
         self.name = name
         self.llm = LLM("smollm2-135m", progress=False, kv_cache_memory="1GiB", max_num_seqs=64, **args)
+        if library is not None:  # another build of the native kernels (same ABI): swap it in everywhere
+            from kvserve.kernels.native import NativeLibrary
+
+            model = self.llm.engine.model
+            native = NativeLibrary.load(library, model.kernels.native.isa)
+            model.kernels.native = native
+            if model.layer_loop is not None:
+                model.layer_loop.native = native
 
     def decode(self, prompt: list[int], new: int) -> float:
         out = self.llm.generate([prompt], greedy(new))[0]
@@ -289,11 +305,74 @@ def plot(breakdowns: dict[str, dict[str, float]], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def build_revision(rev: str, workdir: Path) -> Path:
+    """The native library as built from git revision `rev`'s csrc/ (today's compiler flags)."""
+    from kvserve.kernels import build
+
+    csrc = workdir / "csrc"
+    csrc.mkdir()
+    listing = subprocess.run(["git", "-C", str(ROOT), "ls-tree", "--name-only", f"{rev}:src/kvserve/kernels/csrc"],
+                             capture_output=True, text=True, check=True).stdout.split()
+    for name in listing:
+        source = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:src/kvserve/kernels/csrc/{name}"],
+                                capture_output=True, check=True).stdout
+        (csrc / name).write_bytes(source)
+    target = workdir / "before.so"
+    subprocess.run([build.compiler(), *build.FLAGS, "-o", str(target), str(csrc / "kernels.cpp")], check=True)
+    return target
+
+
+def load_average() -> str:
+    return " / ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def decode_only(rounds: int, before: str | None, new: int) -> None:
+    """Single-request decode, every runner once per round, interleaved; medians."""
+    import tempfile
+
+    workloads = load_workloads()
+    prompt = workloads["prefill"]["128"]
+    names = ("kvserve native Q4_1", "kvserve native Q4_1 int8")
+    with tempfile.TemporaryDirectory() as workdir:
+        runners: list = [KvserveRunner(name, VARIANTS[name]) for name in names]
+        if before:
+            library = build_revision(before, Path(workdir))
+            runners += [KvserveRunner(f"{name} (before: {before})", VARIANTS[name], library) for name in names]
+        notes = [f"Load average (1 / 5 / 15 min) before: {load_average()}."]
+        try:
+            runners.append(LlamaCppRunner())
+        except ImportError:
+            notes.append("llama-cpp-python: not installed (`pip install -e .[bench]`).")
+        runners += llama_cpp_tools_runner(notes)
+        for runner in runners:
+            runner.decode(prompt, 8)  # warm-up
+        samples: dict[str, list[float]] = {runner.name: [] for runner in runners}
+        for round_index in range(rounds):
+            for runner in runners:
+                samples[runner.name].append(runner.decode(prompt, new))
+            print(f"round {round_index + 1}: " + ", ".join(f"{n} {v[-1]:.1f}" for n, v in samples.items()), flush=True)
+    notes.append(f"Load average after: {load_average()}. {rounds} rounds, {new} new tokens after the 128-token "
+                 f"prompt, threads: {torch.get_num_threads()}; every runner once per round, in turn.")
+    median = {name: statistics.median(values) for name, values in samples.items()}
+    reference = "llama.cpp (batched-bench, server)" if "llama.cpp (batched-bench, server)" in median else None
+    header = ["runner", "median tok/s", "ms / token", "min", "max"] + ([f"vs {reference}"] if reference else [])
+    rows = [[name, median[name], 1e3 / median[name], min(values), max(values)]
+            + ([median[name] / median[reference]] if reference else []) for name, values in samples.items()]
+    write_result("kernels_decode", "Single-request decode beside llama.cpp, paired rounds",
+                 markdown_table(header, rows), "\n".join(notes))
+    print(markdown_table(header, rows))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="32 new tokens per decode instead of 128")
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--decode-only", type=int, metavar="ROUNDS", help="single-request decode only")
+    parser.add_argument("--before", metavar="REV", help="with --decode-only: also the kernels of git REV")
     args = parser.parse_args()
+    if args.decode_only:
+        decode_only(args.decode_only, args.before, 32 if args.quick else 128)
+        return
     new = 32 if args.quick else 128
     workloads = load_workloads()
     runners = [KvserveRunner(name, variant) for name, variant in VARIANTS.items()]

@@ -17,9 +17,11 @@ ROOT = HERE.parent
 ORDER = [
     "throughput", "memory_efficiency", "prefix_cache", "prefix_lookup", "parallel_memory",
     "server_load", "serve_sweep", "side_channel", "dashboard", "soak", "router", "eviction", "structured",
-    "tiers", "kernels", "llama_cpp_peers", "int8", "perplexity", "step_profile", "shared_prefix", "vmm", "disagg",
-    "lora", "fairness", "scheduler_overhead",
+    "tiers", "kernels", "membw", "kernels_decode", "decode_step", "llama_cpp_peers", "int8", "perplexity",
+    "step_profile", "shared_prefix", "vmm", "disagg", "lora", "fairness", "scheduler_overhead",
 ]
+# Sections written by another script's mode: (script, its arguments).
+SCRIPTS = {"kernels_decode": ("kernels", ["--decode-only", "5"])}
 HEADER = """# Benchmarks
 
 Every number below was produced by the command printed under its heading, on the machine named there
@@ -64,8 +66,8 @@ def main() -> None:
     if not args.assemble:
         for name in args.only or ORDER:
             print(f"== {name}", flush=True)
-            extra = ["--write"] if name == "prefix_lookup" else []
-            subprocess.run([sys.executable, str(HERE / f"{name}.py"), *extra], check=True, cwd=ROOT)
+            script, extra = SCRIPTS.get(name, (name, ["--write"] if name == "prefix_lookup" else []))
+            subprocess.run([sys.executable, str(HERE / f"{script}.py"), *extra], check=True, cwd=ROOT)
     subprocess.run([sys.executable, str(HERE / "plot_results.py")], check=True, cwd=ROOT)
     print(f"wrote {assemble()}")
 

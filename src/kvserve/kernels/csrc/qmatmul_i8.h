@@ -169,6 +169,7 @@ static void qmatmul_i8_t(const Q8Rows& x, int64_t rows, int64_t k, const uint8_t
 #pragma omp for schedule(static)
         for (int64_t c = 0; c < nchunks; ++c) {
             const int64_t c0 = c * CHUNK, ncols = c0 + CHUNK < n ? CHUNK : n - c0;
+            if (c0 + 2 * CHUNK <= n) prefetch_span(w + (c0 + CHUNK) * row_bytes, CHUNK * row_bytes);  // next task's
             if (pk)
                 for (int64_t j = 0; j < ncols; ++j)
                     for (int64_t b = 0; b < nb; ++b) pk[j * nb + b] = pack_block<QT>(w + (c0 + j) * row_bytes + b * BB);
@@ -203,8 +204,10 @@ struct Interleaved {
     __m512i corr;
 };
 
+// pf (optional): the next chunk's ICOLS * row_bytes bytes, prefetched a block's share per block (impl.h).
 template <int QT>
-static void interleave_columns(const uint8_t* w, int64_t row_bytes, int64_t ncols, int64_t nb, Interleaved* out) {
+static void interleave_columns(const uint8_t* w, int64_t row_bytes, int64_t ncols, int64_t nb, Interleaved* out,
+                               const uint8_t* pf) {
     constexpr int64_t BB = QT == QT_Q4_0 ? 18 : QT == QT_Q4_1 ? 20 : 34;
     constexpr int64_t QOFF = QT == QT_Q4_1 ? 4 : 2;
     // Lanes past ncols repeat the last column (their outputs are never stored).
@@ -213,6 +216,7 @@ static void interleave_columns(const uint8_t* w, int64_t row_bytes, int64_t ncol
     const __m512i offsets = _mm512_mullo_epi32(cols, _mm512_set1_epi32(static_cast<int>(row_bytes)));
     const __m512i nibble = _mm512_set1_epi8(0x0F);
     for (int64_t b = 0; b < nb; ++b) {
+        if (pf) prefetch_span(pf + b * ICOLS * BB, ICOLS * BB);
         const uint8_t* base = w + b * BB;
         Interleaved& o = out[b];
         const __m512i scales = _mm512_i32gather_epi32(offsets, base, 1);  // d | m << 16 per column
@@ -298,7 +302,9 @@ static void qmatmul_i8_interleaved(const Q8Rows& x, int64_t rows, int64_t k, con
 #pragma omp for schedule(static)
         for (int64_t c = 0; c < nchunks; ++c) {
             const int64_t c0 = c * ICOLS, ncols = c0 + ICOLS < n ? ICOLS : n - c0;
-            interleave_columns<QT>(w + c0 * row_bytes, row_bytes, ncols, nb, pk);
+            const bool next_full = c0 + 2 * ICOLS <= n;
+            interleave_columns<QT>(w + c0 * row_bytes, row_bytes, ncols, nb, pk,
+                                   next_full ? w + (c0 + ICOLS) * row_bytes : nullptr);
             interleaved_rows<QT>(x, rows, k, nb, pk, y + c0, ystride, ncols);
         }
         delete[] pk;

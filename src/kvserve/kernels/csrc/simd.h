@@ -8,6 +8,7 @@ static inline V vload(const float* p) { return _mm512_loadu_ps(p); }
 static inline void vstore(float* p, V v) { _mm512_storeu_ps(p, v); }
 static inline V vzero() { return _mm512_setzero_ps(); }
 static inline V vset1(float x) { return _mm512_set1_ps(x); }
+static inline V vbroadcast0(__m128 x) { return _mm512_broadcastss_ps(x); }  // lane 0 everywhere
 static inline V vadd(V a, V b) { return _mm512_add_ps(a, b); }
 static inline V vmul(V a, V b) { return _mm512_mul_ps(a, b); }
 static inline V vfma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
@@ -32,11 +33,12 @@ static inline V vexp(V x) {
 }
 
 // 32 quantized weights of one block as float vectors q[0..32/W).
+// Q4: the 16 bytes widened once to 32-bit lanes (byte i = weights i and 16 + i), then the low nibbles masked
+// and the high ones shifted down (5 vector ops per block instead of 7 for two separate widenings).
 static inline void q4_1_block(const uint8_t* qs, V* q) {
-    __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-    __m128i mask = _mm_set1_epi8(0x0F);
-    q[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, mask)));
-    q[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), mask)));
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+    q[0] = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(0x0F)));
+    q[1] = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
 }
 static inline void q8_0_block(const int8_t* qs, V* q) {
     q[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs))));
@@ -49,6 +51,7 @@ static inline V vload(const float* p) { return _mm256_loadu_ps(p); }
 static inline void vstore(float* p, V v) { _mm256_storeu_ps(p, v); }
 static inline V vzero() { return _mm256_setzero_ps(); }
 static inline V vset1(float x) { return _mm256_set1_ps(x); }
+static inline V vbroadcast0(__m128 x) { return _mm256_broadcastss_ps(x); }
 static inline V vadd(V a, V b) { return _mm256_add_ps(a, b); }
 static inline V vmul(V a, V b) { return _mm256_mul_ps(a, b); }
 static inline V vfma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
