@@ -153,6 +153,21 @@ def test_cache_aware_never_matches_across_tenants():
     assert policy.choose(key(prompt, ("alice", "salt")), pool).matched_tokens == 0
 
 
+def test_cache_aware_tree_holds_no_more_than_its_workers_kv_pool():
+    """A tree that outlived the worker's evictions predicts hits that are gone: bounded by num_blocks ×
+    block_size from `/load` (the configured budget when that is smaller, or unknown)."""
+    policy, pool = CacheAwarePolicy(CacheAwareSettings(tree_budget=1000)), workers(2)
+    pool[0].load.num_blocks = 8  # 32 tokens
+    for start in range(0, 400, 20):
+        policy.on_routed(key(range(start, start + 20)), pool[0])
+        policy.on_routed(key(range(start, start + 20)), pool[1])
+    assert policy.tree(pool[0]).num_tokens <= 32
+    assert 32 < policy.tree(pool[1]).num_tokens <= 1000
+    assert policy.choose(key(range(0, 20)), [pool[0]]).matched_tokens == 0  # evicted long ago
+    pool[1].load.num_blocks = 4  # learned later (or the worker shrank): the tree shrinks at once
+    assert policy.tree(pool[1]).num_tokens <= 16
+
+
 def test_rejoined_worker_starts_with_an_empty_tree():
     policy, pool = CacheAwarePolicy(), workers(2)
     policy.on_routed(key(range(64)), pool[0])
@@ -244,14 +259,20 @@ def test_kv_events_policy_keeps_a_conversation_whose_history_only_its_worker_hol
     assert policy.choose(key(tokens), pool).worker is pool[1]
 
 
-def test_kv_events_request_cost_tracks_the_uncached_tokens_of_routed_requests():
+def test_kv_events_request_cost_tracks_the_uncached_tokens_of_warm_requests():
     policy, pool = KvEventsPolicy(), workers(2, block_size=4)
     assert policy.request_cost.tokens(4) == 4  # nothing routed yet: one block
-    policy.choose(key(range(100, 140)), pool)  # 40 tokens, cached nowhere
-    assert policy.request_cost.mean == 40
-    policy.index.store(pool[0].url, block_hashes(list(range(100, 140)), 4, ALICE, "sha256"))
-    policy.choose(key(range(100, 148)), pool)  # 8 uncached on w0
-    assert 8 < policy.request_cost.mean < 40
+    doc = list(range(100, 140))
+    first = policy.choose(key(doc + [1, 2, 3, 4]), pool)  # a first read: cached nowhere, not counted
+    assert first.reason == "least_load" and policy.request_cost.mean is None
+    policy.on_routed(key(doc + [1, 2, 3, 4]), first.worker)  # pending on its worker from now on
+    pool[0].in_flight = pool[1].in_flight = 0
+    pool[pool.index(first.worker)].in_flight = 1  # its worker is busy with the document's prefill
+    second = policy.choose(key(doc + [5, 6, 7, 8]), pool)  # 4 uncached there + 1 × 4 < 44 elsewhere
+    assert second.worker is first.worker and second.reason == "cache_hit"
+    assert policy.request_cost.mean == 4
+    policy.choose(key(range(100, 180)), pool)  # 40 uncached on the warm worker
+    assert 4 < policy.request_cost.mean < 40
 
 
 def test_kv_events_policy_counts_what_it_just_sent_until_the_worker_reports():

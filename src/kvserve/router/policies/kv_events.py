@@ -9,9 +9,10 @@ estimated work, in tokens of prefill:
 
 where load is `Worker.load_score` (the requests this router has outstanding there, or the polled
 running + waiting when higher: known at once, not a poll later) and tokens per request is the running
-mean of the uncached tokens of the requests routed so far (what one request queued ahead costs a
-worker). Only the cache a worker has beyond the others counts against the load: a prefix every worker
-holds (a shared system prompt) cancels out, so a conversation whose history only its own worker holds
+mean of the uncached tokens of the warm requests routed so far (`RequestCost`: what one request queued
+ahead typically costs a worker). A prompt cached nowhere goes to the least loaded worker. Only the
+cache a worker has beyond the others counts against the load: a prefix every worker holds (a shared
+system prompt) cancels out, so a conversation whose history only its own worker holds
 stays there unless its worker is busier by more requests than that history is worth. (An earlier score,
 cached fraction − load gap as a fraction, let a one-request gap outweigh a chat history that is short
 next to the shared system prompt, and moved conversations: 7-9 points of hit rate lost.) SGLang's
@@ -51,8 +52,11 @@ REQUEST_COST_DECAY = 0.05  # weight of the newest request in the running mean of
 
 @dataclass(slots=True)
 class RequestCost:
-    """The running mean of the uncached prompt tokens of routed requests: what one request waiting
-    ahead costs a worker, in the unit cached blocks save (tokens of prefill)."""
+    """The running mean of the uncached prompt tokens of routed requests that some worker had cached in
+    part: what one request waiting ahead typically costs a worker, in the unit cached blocks save (tokens
+    of prefill). First reads of a new prefix are left out: they are rare once a workload is warm, and
+    counting them priced load so high at the start (every request is cold then) that the second question
+    about a document was sent to copy the document rather than wait one request."""
 
     mean: float | None = None
 
@@ -92,14 +96,12 @@ class KvEventsPolicy(Policy):
             return Decision(self._ties.least_loaded(workers), "unkeyed")
         assert key.tokens is not None
         if max(runs.values()) == 0:
-            chosen, reason = self._ties.least_loaded(workers), "least_load"
-        else:
-            costs = self.costs(len(key.tokens), runs, workers)
-            least = min(costs.values())
-            chosen = self._ties.least_loaded([worker for worker in workers if costs[worker] == least])
-            reason = "rebalance" if runs[chosen] < max(runs.values()) else "cache_hit"
+            return Decision(self._ties.least_loaded(workers), "least_load")
+        costs = self.costs(len(key.tokens), runs, workers)
+        least = min(costs.values())
+        chosen = self._ties.least_loaded([worker for worker in workers if costs[worker] == least])
         self.request_cost.add(len(key.tokens) - runs[chosen])
-        return Decision(chosen, reason, runs[chosen])
+        return Decision(chosen, "rebalance" if runs[chosen] < max(runs.values()) else "cache_hit", runs[chosen])
 
     def costs(self, prompt_tokens: int, runs: dict[Worker, int], workers: list[Worker]) -> dict[Worker, float]:
         """Each worker's estimated work for this request, in tokens of prefill: its uncached prompt tokens
