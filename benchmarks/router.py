@@ -7,12 +7,16 @@ router: the same cores as the cluster, one cache), and 2 and 4 workers behind th
 (token-id prompts, so no tokenizer is involved):
 
 - chat: --users users × --turns turns. Every user's conversation starts with the app's system prompt
-  (--system tokens, shared by all users; --private-system gives each user their own), and each turn
-  resends the whole conversation: the previous prompt, the assistant's reply (--reply tokens, carried
-  into the history, as a client does; the benchmark's own output is --max-tokens) and a new question
-  (--user tokens). Users start spread over --ramp seconds and think --think seconds on average
+  (--system tokens, shared by all users; workload chat-private, or --private-system, gives each user their
+  own), and each turn resends the whole conversation: the previous prompt, the assistant's reply (--reply
+  tokens, carried into the history, as a client does; the benchmark's own output is --max-tokens) and a new
+  question (--user tokens). Users start spread over --ramp seconds and think --think seconds on average
   (exponential) between turns;
 - rag:  --queries questions (--user tokens), each after one of --docs shared documents (--doc-len tokens).
+
+Default sizes follow the Mooncake conversation trace in benchmarks/data/ (see results/router.md: every
+request there starts with the same 512-token block, and a continued conversation adds hundreds of tokens
+per turn), scaled down so the default run takes about 20 minutes on an idle 2-core machine.
 
 Offered load is bounded: at most --concurrency requests are in flight at once in either workload, so a
 policy that makes the workers do more prefill work shows up as longer TTFTs, not as an ever-growing queue.
@@ -23,8 +27,8 @@ are met. Then the router alone: one routing decision (cache_aware tree lookup + 
 + index lookup) with 100k tokens in each of 4 workers' indexes, p50/p99; and TTFT of the same small
 requests direct vs. through the router.
 
-    python benchmarks/router.py                                   # full sizes (about 10 min idle)
-    python benchmarks/router.py --system 256 --reply 32 --doc-len 512   # reduced
+    python benchmarks/router.py                                  # the default (quoted) run, ~20 min idle
+    python benchmarks/router.py --workloads chat-private --worker-counts 2 4   # adds the private-system rows
 """
 
 from __future__ import annotations
@@ -102,10 +106,10 @@ def random_ids(rng: random.Random, count: int) -> list[int]:
     return [rng.randrange(*TOKEN_RANGE) for _ in range(count)]
 
 
-async def chat_workload(url: str, model: str, args: argparse.Namespace) -> RunStats:
+async def chat_workload(url: str, model: str, args: argparse.Namespace, private: bool = False) -> RunStats:
     stats, rng = RunStats(), random.Random(1)
     shared = random_ids(rng, args.system)
-    users = [(list(shared) if not args.private_system else random_ids(rng, args.system),
+    users = [(list(shared) if not private else random_ids(rng, args.system),
               [random_ids(rng, args.user) for _ in range(args.turns)],
               [random_ids(rng, args.reply) for _ in range(args.turns)],
               [rng.uniform(0, args.ramp)] + [rng.expovariate(1 / args.think) for _ in range(args.turns - 1)])
@@ -142,7 +146,12 @@ async def rag_workload(url: str, model: str, args: argparse.Namespace) -> RunSta
     return stats
 
 
-WORKLOADS = {"chat": chat_workload, "rag": rag_workload}
+async def private_chat_workload(url: str, model: str, args: argparse.Namespace) -> RunStats:
+    return await chat_workload(url, model, args, private=True)
+
+
+WORKLOADS = {"chat": chat_workload, "chat-private": private_chat_workload, "rag": rag_workload}
+DEFAULT_WORKLOADS = ["chat", "rag"]
 
 
 def reset_caches(urls: list[str]) -> None:
@@ -165,20 +174,27 @@ def served_per_worker(router_url: str, urls: list[str]) -> list[int]:
     return [counts[url] for url in urls]
 
 
-def compare_policies(cluster: Cluster, single: str, model: str, args: argparse.Namespace) -> list[list[object]]:
+def progress(started: float, message: str) -> None:
+    print(f"[{time.perf_counter() - started:7.1f} s] {message}", flush=True)
+
+
+def compare_policies(cluster: Cluster, single: str, model: str, args: argparse.Namespace,
+                     began: float) -> list[list[object]]:
     rows: list[list[object]] = []
     for name, workload in WORKLOADS.items():
         if name not in args.workloads:
             continue
+        progress(began, f"{name}: one worker (direct)")
         reset_caches([single])
         started = time.perf_counter()
         stats = asyncio.run(workload(single, model, args))
         rows.append(_row(name, 1, f"one worker (direct, {args.single_threads} threads)", stats, [len(stats.ttfts)],
                          time.perf_counter() - started))
-        print(rows[-1], flush=True)
+        progress(began, f"  {rows[-1]}")
         for num_workers in sorted({min(2, args.max_workers), args.max_workers} & set(args.worker_counts)):
             urls = cluster.urls[:num_workers]
             for policy in POLICIES:
+                progress(began, f"{name}: {num_workers} workers, {policy}")
                 reset_caches(urls)
                 config = RouterConfig(workers=urls, policy=policy, poll_interval=0.25)
                 with RouterThread(config) as router:
@@ -188,7 +204,7 @@ def compare_policies(cluster: Cluster, single: str, model: str, args: argparse.N
                     stats = asyncio.run(workload(router.url, model, args))
                     elapsed = time.perf_counter() - started
                     rows.append(_row(name, num_workers, policy, stats, served_per_worker(router.url, urls), elapsed))
-                print(rows[-1], flush=True)
+                progress(began, f"  {rows[-1]}")
     return rows
 
 
@@ -226,16 +242,16 @@ def merge_rows(saved: Path, rows: list[list[object]], sizes: str, command: str) 
 
 
 def sizes_note(args: argparse.Namespace) -> str:
-    system = "a private system prompt per user" if args.private_system else "one system prompt shared by all users"
     return (
-        f"Sizes: chat {args.users} users × {args.turns} turns ({system} of {args.system} tokens, questions of "
-        f"{args.user}, replies of {args.reply} carried into the history; users start within {args.ramp:g} s and "
-        f"think {args.think:g} s on average between turns); RAG {args.queries} questions of {args.user} tokens over "
-        f"{args.docs} shared documents of {args.doc_len} tokens; at most {args.concurrency} requests in flight; "
-        f"{args.max_tokens} output tokens per request; {args.num_blocks} KV blocks and 1 torch thread per cluster "
-        f"worker, {args.single_threads} threads for the single worker; model {args.model}. All workers share the "
-        "same 2 cores, so more workers add no compute here: TTFT differences come from cache hits and queueing, "
-        "not from parallel hardware."
+        f"Sizes: chat {args.users} users × {args.turns} turns (chat: one system prompt shared by all users; "
+        f"chat-private: a private one per user; system prompts of {args.system} tokens, "
+        f"questions of {args.user}, replies of {args.reply} carried into the history; users start within "
+        f"{args.ramp:g} s and think {args.think:g} s on average between turns); RAG {args.queries} questions of "
+        f"{args.user} tokens over {args.docs} shared documents of {args.doc_len} tokens; at most {args.concurrency} "
+        f"requests in flight; {args.max_tokens} output tokens per request; {args.num_blocks} KV blocks and 1 torch "
+        f"thread per cluster worker, {args.single_threads} threads for the single worker; model {args.model}. All "
+        "workers share the same 2 cores, so more workers add no compute here: TTFT differences come from cache "
+        "hits and queueing, not from parallel hardware."
     )
 
 
@@ -328,16 +344,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--max-workers", type=int, default=4)
-    parser.add_argument("--num-blocks", type=int, default=1024,
-                        help="KV blocks per worker (16 tokens each: room for every conversation, no eviction)")
+    parser.add_argument("--num-blocks", type=int, default=2048,
+                        help="KV blocks per worker (16 tokens each: room for every conversation, no eviction, "
+                             "with private system prompts too)")
     parser.add_argument("--single-threads", type=int, default=2,
                         help="torch threads of the single worker (the cluster's workers have 1 each)")
     parser.add_argument("--users", type=int, default=16)
     parser.add_argument("--turns", type=int, default=6)
-    parser.add_argument("--system", type=int, default=384, help="tokens of the system prompt")
-    parser.add_argument("--private-system", action="store_true", help="a different system prompt per user")
-    parser.add_argument("--user", type=int, default=24, help="tokens per question")
-    parser.add_argument("--reply", type=int, default=48, help="tokens per assistant reply carried into the history")
+    parser.add_argument("--system", type=int, default=512, help="tokens of the system prompt")
+    parser.add_argument("--private-system", action="store_true",
+                        help="run the chat with a different system prompt per user (workload chat-private) "
+                             "instead of one shared by all users")
+    parser.add_argument("--user", type=int, default=48, help="tokens per question")
+    parser.add_argument("--reply", type=int, default=192, help="tokens per assistant reply carried into the history")
     parser.add_argument("--think", type=float, default=1.0, help="mean seconds a user thinks between turns")
     parser.add_argument("--ramp", type=float, default=4.0, help="users start within this many seconds")
     parser.add_argument("--docs", type=int, default=4)
@@ -347,7 +366,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=2)
     parser.add_argument("--tree-tokens", type=int, default=100_000)
     parser.add_argument("--overhead-requests", type=int, default=40)
-    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS),
+    parser.add_argument("--workloads", nargs="+", default=DEFAULT_WORKLOADS, choices=list(WORKLOADS),
                         help="re-measure only these workloads ...")
     parser.add_argument("--worker-counts", nargs="+", type=int, default=[2, 4],
                         help="... at these cluster sizes: with either flag narrowed, the new rows replace their "
@@ -357,25 +376,30 @@ def main() -> None:
     parser.add_argument("--token-range", type=int, nargs=2, default=TOKEN_RANGE, help="prompt ids: [low, high)")
     args = parser.parse_args()
     TOKEN_RANGE[:] = args.token_range
+    if args.private_system:
+        args.workloads = ["chat-private" if name == "chat" else name for name in args.workloads]
+    began = time.perf_counter()
+    progress(began, f"router benchmark: workloads {', '.join(args.workloads)} over {args.worker_counts} workers")
 
     decisions = decision_latency(args.tree_tokens)
-    print(decisions, flush=True)
+    progress(began, f"decision latency: {decisions}")
     argv = ["--model", args.model, "--num-blocks", str(args.num_blocks), "--num-threads", "1"]
     single_argv = ["--model", args.model, "--num-blocks", str(args.num_blocks), "--num-threads",
                    str(args.single_threads)]
     with Cluster.start_args(argv, args.max_workers, kv_events=True) as cluster, \
             Cluster.start_args(single_argv, 1) as single:
         model = httpx.get(f"{cluster.urls[0]}/v1/models").json()["data"][0]["id"]
+        progress(began, "workers up; proxied vs direct TTFT")
         overhead = proxy_overhead(cluster, model, args.overhead_requests)
-        print(overhead, flush=True)
+        progress(began, f"  {overhead}")
         saved = RESULTS / "router.json"
         if args.reuse_policies:
             previous = json.loads(saved.read_text())
             rows, sizes = previous["rows"], previous["sizes"]
         else:
-            rows, sizes = compare_policies(cluster, single.urls[0], model, args), sizes_note(args)
+            rows, sizes = compare_policies(cluster, single.urls[0], model, args, began), sizes_note(args)
             command = command_line()
-            if set(args.workloads) != set(WORKLOADS) or not {2, args.max_workers} <= set(args.worker_counts):
+            if set(args.workloads) != set(DEFAULT_WORKLOADS) or not {2, args.max_workers} <= set(args.worker_counts):
                 rows, command = merge_rows(saved, rows, sizes, command)
             saved.write_text(json.dumps({"command": command, "rows": rows, "sizes": sizes}))
 
@@ -394,6 +418,7 @@ def main() -> None:
     )
     path = write_result("router", "Router: policies over replicas", table, notes)
     print(path.read_text())
+    progress(began, f"done: total runtime {(time.perf_counter() - began) / 60:.1f} min")
 
 
 if __name__ == "__main__":

@@ -233,8 +233,77 @@ def test_chat_turns_stay_on_their_worker_and_users_spread(name, seed):
     cluster = Cluster.of(POLICIES[name]())
     moves = list(chat(cluster, seed))
     assert len(moves) == 16 * 5
-    moved = sum(1 for _, worker in moves if worker is not None)
-    # Seen: 3-9 of 80 (the imbalance guard or the load term moving a user when its worker is 3+ busier).
-    assert moved <= 0.15 * len(moves), f"{moved} of {len(moves)} continuations left their worker"
+    # A move recomputes the history only its old worker holds: after the first turn that is a block or
+    # two (the shared system prompt is everywhere), cheaper than queueing behind a request, so kv_events
+    # may move it; later turns carry a whole question and reply per turn and should stay.
+    late = [worker for turn, worker in moves if turn >= 2]
+    moved = sum(1 for worker in late if worker is not None)
+    # Seen: cache_aware 3-9 of 64 (the imbalance guard); kv_events 12-13 of 64 (a load gap of 2 is worth
+    # more than two turns of history at its cost model), with a hit rate at or above cache_aware's here.
+    assert moved <= 0.25 * len(late), f"{moved} of {len(late)} later continuations left their worker"
     assert cluster.busiest_share() <= 0.60, cluster.routed
     assert cluster.cached_tokens / cluster.prompt_tokens >= 0.7
+
+
+def gated_chat(cluster: Cluster, seed: int, users: int = 16, turns: int = 6, system: int = 256,
+               concurrency: int = 4, think: float = 150.0) -> None:
+    """The benchmark's chat: at most `concurrency` requests in flight (the rest queue at the client), so
+    the workers are busy and a load gap of a request or two is the normal state, not an imbalance."""
+    rng = random.Random(seed)
+    shared = ids(rng, system)
+    queued: list[tuple[list[int], Callable[[Worker], None]]] = []
+    busy = 0
+
+    def submit(prompt: list[int], answered: Callable[[Worker], None]) -> None:
+        nonlocal busy
+        if busy >= concurrency:
+            queued.append((prompt, answered))
+            return
+        busy += 1
+
+        def finished(worker: Worker) -> None:
+            nonlocal busy
+            busy -= 1
+            if queued:
+                submit(*queued.pop(0))
+            answered(worker)
+
+        cluster.send(prompt, finished)
+
+    def user() -> Callable[[], None]:
+        history, turn = list(shared), 0
+
+        def next_turn() -> None:
+            prompt = history + ids(rng, 16)
+
+            def answered(_: Worker) -> None:
+                nonlocal history, turn
+                history, turn = prompt + ids(rng, 32), turn + 1
+                if turn < turns:
+                    cluster.at(cluster.now + rng.expovariate(1 / think), next_turn)
+
+            submit(prompt, answered)
+
+        return next_turn
+
+    for _ in range(users):
+        cluster.at(rng.uniform(0, 4 * think), user())
+    cluster.run()
+
+
+@pytest.mark.parametrize("name", POLICIES)
+@pytest.mark.parametrize("count", [2, 4])
+def test_busy_chat_keeps_the_single_workers_hit_rate(name, count):
+    """Within 5 points of one worker's hit rate (the issue's target) with the workers kept busy. kv_events'
+    old score (cached fraction − load gap / 4) moved conversations on a one-request gap, since the shared
+    system prompt makes every worker's fraction similar: 6.7 points below one worker at 4 workers."""
+    def hit_rate(policy: Policy, workers: int, seed: int) -> float:
+        cluster = Cluster.of(policy, workers)
+        gated_chat(cluster, seed)
+        return cluster.cached_tokens / cluster.prompt_tokens
+
+    single, routed = [], []
+    for seed in range(3):
+        single.append(hit_rate(CacheAwarePolicy(), 1, seed))
+        routed.append(hit_rate(POLICIES[name](), count, seed))
+    assert sum(routed) / 3 >= sum(single) / 3 - 0.05, (single, routed)

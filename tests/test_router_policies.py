@@ -153,6 +153,21 @@ def test_cache_aware_never_matches_across_tenants():
     assert policy.choose(key(prompt, ("alice", "salt")), pool).matched_tokens == 0
 
 
+def test_cache_aware_tree_holds_no_more_than_its_workers_kv_pool():
+    """A tree that outlived the worker's evictions predicts hits that are gone: bounded by num_blocks ×
+    block_size from `/load` (the configured budget when that is smaller, or unknown)."""
+    policy, pool = CacheAwarePolicy(CacheAwareSettings(tree_budget=1000)), workers(2)
+    pool[0].load.num_blocks = 8  # 32 tokens
+    for start in range(0, 400, 20):
+        policy.on_routed(key(range(start, start + 20)), pool[0])
+        policy.on_routed(key(range(start, start + 20)), pool[1])
+    assert policy.tree(pool[0]).num_tokens <= 32
+    assert 32 < policy.tree(pool[1]).num_tokens <= 1000
+    assert policy.choose(key(range(0, 20)), [pool[0]]).matched_tokens == 0  # evicted long ago
+    pool[1].load.num_blocks = 4  # learned later (or the worker shrank): the tree shrinks at once
+    assert policy.tree(pool[1]).num_tokens <= 16
+
+
 def test_rejoined_worker_starts_with_an_empty_tree():
     policy, pool = CacheAwarePolicy(), workers(2)
     policy.on_routed(key(range(64)), pool[0])
@@ -210,17 +225,54 @@ def test_kv_events_policy_follows_the_index_within_the_tenant():
 
 
 def test_kv_events_policy_weighs_load_against_cached_blocks():
-    policy, pool = KvEventsPolicy(load_weight=1.0, balance_abs=8, load_scale=4), workers(2, block_size=4)
+    policy, pool = KvEventsPolicy(load_weight=1.0, balance_abs=8), workers(2, block_size=4)
+    policy.request_cost.mean = 8.0  # one request of load gap costs 8 tokens of prefill
     tokens = list(range(16))
     hashes = block_hashes(tokens, 4, ALICE, "sha256")
-    policy.index.store(pool[0].url, hashes[:1])  # a quarter of the prompt cached on w0
-    pool[0].in_flight = 2  # and w0 is the busier one: 0.25 − 1 × 2 / max(2, 4) < 0 − 0
+    policy.index.store(pool[0].url, hashes[:1])  # 4 tokens cached on w0 only
+    pool[0].in_flight = 2  # and w0 is 2 requests busier: 12 + 2 × 8 > 16 + 0
     decision = policy.choose(key(tokens), pool)
     assert decision.worker is pool[1] and decision.reason == "rebalance"
-    policy.index.store(pool[0].url, hashes)  # the whole prompt: 1 − 0.5 > 0
+    policy.index.store(pool[0].url, hashes)  # the whole prompt: 0 + 2 × 6 < 16 + 0
+    policy.request_cost.mean = 6.0
     assert policy.choose(key(tokens), pool).worker is pool[0]
     pool[0].in_flight = 3  # 3 − 0 > balance_abs 2: SGLang's guard, before any score
     assert KvEventsPolicy(balance_abs=2).choose(key(tokens), pool).reason == "imbalance"
+
+
+def test_kv_events_policy_keeps_a_conversation_whose_history_only_its_worker_holds():
+    """A chat turn: both workers hold the shared system prompt, only w0 the conversation's history. A
+    one-request load gap is worth less than the history: the turn stays (the old score, cached fraction
+    − gap / 4, moved it: 320/336 − 0.25 < 256/336)."""
+    policy, pool = KvEventsPolicy(), workers(2, block_size=16)
+    system, history, question = list(range(256)), list(range(1000, 1064)), list(range(2000, 2016))
+    tokens = system + history + question
+    hashes = block_hashes(tokens, 16, ALICE, "sha256")
+    policy.index.store(pool[0].url, hashes[:20])  # system + history
+    policy.index.store(pool[1].url, hashes[:16])  # system only
+    pool[0].in_flight, pool[1].in_flight = 2, 1
+    policy.request_cost.mean = 48.0  # a chat turn's question and reply
+    decision = policy.choose(key(tokens), pool)
+    assert decision.worker is pool[0] and decision.reason == "cache_hit" and decision.matched_tokens == 320
+    pool[0].in_flight = 3  # two requests busier (the guard stays off at 3 − 1): 16 + 2 × 48 > 80
+    policy.request_cost.mean = 48.0
+    assert policy.choose(key(tokens), pool).worker is pool[1]
+
+
+def test_kv_events_request_cost_tracks_the_uncached_tokens_of_warm_requests():
+    policy, pool = KvEventsPolicy(), workers(2, block_size=4)
+    assert policy.request_cost.tokens(4) == 4  # nothing routed yet: one block
+    doc = list(range(100, 140))
+    first = policy.choose(key(doc + [1, 2, 3, 4]), pool)  # a first read: cached nowhere, not counted
+    assert first.reason == "least_load" and policy.request_cost.mean is None
+    policy.on_routed(key(doc + [1, 2, 3, 4]), first.worker)  # pending on its worker from now on
+    pool[0].in_flight = pool[1].in_flight = 0
+    pool[pool.index(first.worker)].in_flight = 1  # its worker is busy with the document's prefill
+    second = policy.choose(key(doc + [5, 6, 7, 8]), pool)  # 4 uncached there + 1 × 4 < 44 elsewhere
+    assert second.worker is first.worker and second.reason == "cache_hit"
+    assert policy.request_cost.mean == 4
+    policy.choose(key(range(100, 180)), pool)  # 40 uncached on the warm worker
+    assert 4 < policy.request_cost.mean < 40
 
 
 def test_kv_events_policy_counts_what_it_just_sent_until_the_worker_reports():

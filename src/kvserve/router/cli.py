@@ -54,9 +54,9 @@ def _add_common_flags(parser: argparse.ArgumentParser, port: int) -> None:
     group.add_argument("--balance-rel", type=float, default=defaults.BALANCE_REL)
     group.add_argument("--cache-threshold", type=float, default=defaults.CACHE_THRESHOLD)
     group.add_argument("--tree-budget", type=int, default=defaults.TREE_BUDGET, help="tokens per worker tree")
-    group.add_argument("--load-weight", type=float, default=defaults.LOAD_WEIGHT, help="kv_events load weight")
-    group.add_argument("--load-scale", type=int, default=defaults.LOAD_SCALE,
-                       help="kv_events: a load gap of this many requests counts in full against cached blocks")
+    group.add_argument("--load-weight", type=float, default=defaults.LOAD_WEIGHT,
+                       help="kv_events: each request of load gap costs this many times the mean uncached "
+                            "tokens of a request, against the tokens a worker's cache saves")
     group.add_argument("--pd-min-prompt", type=int, default=defaults.PD_MIN_PROMPT,
                        help="pd: prompts shorter than this (tokens) skip the prefill workers")
 
@@ -66,7 +66,7 @@ def router_config(args: argparse.Namespace, workers: list[str]) -> RouterConfig:
         workers=workers, policy=args.policy, host=args.host, port=args.port, model=args.model,
         api_keys=args.api_keys, poll_interval=args.poll_interval, max_attempts=args.max_attempts,
         balance_abs=args.balance_abs, balance_rel=args.balance_rel, cache_threshold=args.cache_threshold,
-        tree_budget=args.tree_budget, load_weight=args.load_weight, load_scale=args.load_scale,
+        tree_budget=args.tree_budget, load_weight=args.load_weight,
         pd_min_prompt=args.pd_min_prompt, open_metrics=args.open_metrics,
     )
 

@@ -9,8 +9,7 @@ BALANCE_ABS = 2  # load difference (requests) beyond which cache affinity is ign
 BALANCE_REL = 1.5  # ... if the busiest worker also has this many times the least busy one's load
 CACHE_THRESHOLD = 0.5  # cache_aware: follow the best match only if it covers more than this of the prompt
 TREE_BUDGET = 1_000_000  # tokens per worker tree
-LOAD_WEIGHT = 1.0  # kv_events: score = cached fraction − LOAD_WEIGHT × (load − min load) / max(max load, LOAD_SCALE)
-LOAD_SCALE = 4  # kv_events: a load gap of this many requests (or the busiest worker's load, if more) counts in full
+LOAD_WEIGHT = 1.0  # kv_events: cost = uncached tokens + LOAD_WEIGHT × (load − min load) × mean uncached per request
 PD_MIN_PROMPT = 128  # pd: shorter prompts skip the prefill pool (a chat turn is cheaper to compute than to ship)
 
 
@@ -30,7 +29,6 @@ class RouterConfig:
     cache_threshold: float = CACHE_THRESHOLD
     tree_budget: int = TREE_BUDGET
     load_weight: float = LOAD_WEIGHT
-    load_scale: int = LOAD_SCALE
     pd_min_prompt: int = PD_MIN_PROMPT
 
     def __post_init__(self) -> None:
@@ -40,7 +38,7 @@ class RouterConfig:
             raise ValueError(f"poll_interval must be > 0, got {self.poll_interval}")
         if self.pd_min_prompt < 0:
             raise ValueError(f"pd_min_prompt must be >= 0, got {self.pd_min_prompt}")
-        if self.load_weight < 0 or self.load_scale < 1:
-            raise ValueError(f"load_weight must be >= 0 and load_scale >= 1, got {self.load_weight}, {self.load_scale}")
+        if self.load_weight < 0:
+            raise ValueError(f"load_weight must be >= 0, got {self.load_weight}")
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")

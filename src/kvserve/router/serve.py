@@ -48,7 +48,7 @@ def build_policy(config: RouterConfig) -> Policy:
     if config.policy == "least_load":
         return LeastLoadPolicy()
     if config.policy == "kv_events":
-        return KvEventsPolicy(config.load_weight, config.balance_abs, config.balance_rel, config.load_scale)
+        return KvEventsPolicy(config.load_weight, config.balance_abs, config.balance_rel)
     settings = CacheAwareSettings(config.balance_abs, config.balance_rel, config.cache_threshold, config.tree_budget)
     if config.policy == "pd":
         return PdPolicy(settings, config.pd_min_prompt)

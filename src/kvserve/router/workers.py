@@ -32,6 +32,7 @@ class WorkerLoad:
     running: int = 0
     waiting: int = 0
     kv_usage: float = 0.0
+    num_blocks: int | None = None  # the worker's KV pool: with block_size, how many tokens it can cache
     block_size: int | None = None
     prefix_hash: str | None = None
     kv_events_endpoint: str | None = None
@@ -44,7 +45,8 @@ class WorkerLoad:
     def from_json(cls, data: dict[str, Any]) -> WorkerLoad:
         return cls(
             running=int(data.get("running", 0)), waiting=int(data.get("waiting", 0)),
-            kv_usage=float(data.get("kv_usage", 0.0)), block_size=data.get("block_size"),
+            kv_usage=float(data.get("kv_usage", 0.0)), num_blocks=data.get("num_blocks"),
+            block_size=data.get("block_size"),
             prefix_hash=data.get("prefix_hash"), kv_events_endpoint=data.get("kv_events_endpoint"),
             kv_events_replay_endpoint=data.get("kv_events_replay_endpoint"), instance=data.get("instance"),
             role=str(data.get("role", "mixed")), remote_tier=data.get("remote_tier"),
@@ -65,6 +67,13 @@ class Worker:
     @property
     def name(self) -> str:
         return self.url
+
+    @property
+    def capacity_tokens(self) -> int | None:
+        """Tokens the worker's KV pool holds at most (None until its `/load` says)."""
+        if self.load.num_blocks and self.load.block_size:
+            return self.load.num_blocks * self.load.block_size
+        return None
 
     @property
     def load_score(self) -> int:

@@ -59,19 +59,9 @@ def _load_key(worker: Worker) -> tuple[int, float]:
     return worker.load_score, round(worker.load.kv_usage, 2)
 
 
-def load_penalties(workers: list[Worker], scale: int) -> dict[Worker, float]:
-    """Each worker's load above the least loaded one, as a fraction: (load − min) / max(max load, `scale`).
-
-    0 for the least loaded, at most 1. The floor `scale` keeps a gap of one or two requests at low load
-    from counting as much as a real imbalance: with `scale` 4, loads 1 / 0 give 0.25, 4 / 0 give 1,
-    6 / 2 give 0.67, 9 / 7 give 0.22."""
-    loads = {worker: worker.load_score for worker in workers}
-    low, denominator = min(loads.values()), max(max(loads.values()), scale, 1)
-    return {worker: (load - low) / denominator for worker, load in loads.items()}
-
-
 def is_imbalanced(workers: list[Worker], abs_threshold: int, rel_threshold: float) -> bool:
     """SGLang's test: max − min load above `abs_threshold` and max above `rel_threshold` × min."""
     loads = [worker.load_score for worker in workers]
     high, low = max(loads), min(loads)
     return high - low > abs_threshold and high > rel_threshold * low
+

@@ -4,7 +4,8 @@
 2. Else, if the best tree match covers more than `cache_threshold` of the prompt → that worker.
 3. Else → the worker with the smallest tree (then the least loaded): new prefixes spread out.
 
-The chosen worker's tree then gets the prompt. Tree keys start with the namespace marker, so a
+The chosen worker's tree then gets the prompt. A tree holds at most `tree_budget` tokens and never more
+than its worker's KV pool (`num_blocks` × `block_size` from `/load`). Tree keys start with the namespace marker, so a
 tenant's prompt can only ever match what was sent for the same tenant (and cache_salt).
 """
 
@@ -49,9 +50,16 @@ class CacheAwarePolicy(Policy):
         self._ties = LoadTieBreaker()
 
     def tree(self, worker: Worker) -> TokenTree:
+        """The worker's tree, bounded by what the worker can hold: a tree that remembered more than the
+        worker's KV pool would predict hits the worker evicted long ago."""
+        budget = min(self.settings.tree_budget, worker.capacity_tokens or self.settings.tree_budget)
         tree = self._trees.get(worker)
         if tree is None:
-            tree = self._trees[worker] = TokenTree(self.settings.tree_budget)
+            tree = self._trees[worker] = TokenTree(budget)
+        elif tree.budget != budget:
+            tree.budget = budget
+            if tree.num_tokens > budget:
+                tree.evict(budget)
         return tree
 
     def choose(self, key: RouteKey, workers: list[Worker]) -> Decision:
