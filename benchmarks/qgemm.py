@@ -8,6 +8,12 @@ The crossovers `kernels/ops.py` dispatches on come from this table.
 
     python benchmarks/qgemm.py                 # about 2 minutes on 2 cores
     python benchmarks/qgemm.py --threads 1     # the kernels alone, without the second core's noise
+    python benchmarks/qgemm.py --end-to-end    # the default model: native Q4_1 vs dense fp32 weights
+
+`--end-to-end` runs the engine instead (benchmarks/kernels.py's runner): generated tokens / wall second
+for batches of 8, 32 and 64 greedy requests (the `batch` workloads; 64 = the 32 prompts twice) and prefill
+tok/s at 512 and 2,048 tokens, for `--weights native` (the GGUF's Q4_1/Q8_0 as stored, fp32 activations)
+and `--weights dense` (float32), interleaved; each figure the best of `--repeats`.
 """
 
 from __future__ import annotations
@@ -67,13 +73,52 @@ def measure(kernels: Kernels, qtype: int, rows: int, rounds: int) -> dict[str, f
     return {name: statistics.median(values) for name, values in times.items()}
 
 
+def end_to_end(new: int, repeats: int) -> None:
+    from common import load_workloads
+    from kernels import KvserveRunner
+
+    workloads = load_workloads()
+    prompts = workloads["batch"]["32"]["prompts"]
+    runners = [KvserveRunner(f"--weights {w}", {"kernels": "native", "weights": w}) for w in ("native", "dense")]
+    tasks = {
+        "batch 8 tok/s": lambda r: r.batch(workloads["batch"]["8"]["prompts"], new),
+        "batch 32 tok/s": lambda r: r.batch(prompts, new),
+        "batch 64 tok/s": lambda r: r.batch(prompts + prompts, new),
+        "prefill 512 tok/s": lambda r: r.prefill(workloads["prefill"]["512"]),
+        "prefill 2048 tok/s": lambda r: r.prefill(workloads["prefill"]["2048"]),
+    }
+    for runner in runners:
+        runner.decode(workloads["prefill"]["128"], 8)  # warm-up
+    best: dict[str, dict[str, float]] = {runner.name: {} for runner in runners}
+    for key, task in tasks.items():
+        for _ in range(repeats):
+            for runner in runners:
+                value = task(runner)
+                best[runner.name][key] = max(best[runner.name].get(key, 0.0), value)
+                print(f"{key:20s} {runner.name:18s} {value:9.2f}", flush=True)
+    native, dense = (best[r.name] for r in runners)
+    rows = [[name, *best[name].values()] for name in best]
+    rows.append(["native / dense", *(native[k] / dense[k] for k in tasks)])
+    notes = (f"{new} new tokens per request; best of {repeats} interleaved runs; native kernels "
+             f"({runners[0].llm.engine.model.kernels.describe()}).")
+    path = write_result("qgemm_end_to_end", "Native quantized weights vs dense fp32, default model",
+                        markdown_table(["weights", *tasks], rows), notes)
+    print(path)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--rows", default=",".join(map(str, ROWS)))
+    parser.add_argument("--end-to-end", action="store_true", help="the engine, native vs dense weights")
+    parser.add_argument("--new", type=int, default=32, help="--end-to-end: new tokens per request")
+    parser.add_argument("--repeats", type=int, default=2, help="--end-to-end: runs per figure")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.end_to_end:
+        end_to_end(args.new, args.repeats)
+        return
     kernels = Kernels.create("native")
     if kernels.native is None:
         raise SystemExit("the native kernels are unavailable on this machine")

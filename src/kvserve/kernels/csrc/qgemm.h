@@ -20,7 +20,7 @@ constexpr int GM_NR = 6;   // 2 x 6 accumulators of 16 registers
 constexpr int GM_MV = 2;           // vectors per activation tile (tiles of fewer rows run with 1)
 constexpr int GM_MT = GM_MV * W;   // activation rows per tile (32 on AVX-512, 16 on AVX2)
 constexpr int64_t GM_KC = 128;     // inputs per panel block: the panel (6 KiB) and MC rows of x (32 KiB) stay in L1
-constexpr int64_t GM_MC = 64;      // activation rows per M block (each re-dequantizes the panels)
+constexpr int64_t GM_MC = 64;      // activation rows per M block (a multiple of GM_MT; each re-dequantizes a panel)
 
 // panel[j * kc + i] = W[n0 + j][k0 + i] for j < nr (as dequantize() computes it); rows nr..NR are zero.
 template <int QT>
@@ -104,32 +104,35 @@ static inline void gm_store_tile(const float* acc, int64_t nrows, int nr, float*
 #endif
 }
 
+// Two barriers per call whatever the row count (on a busy machine each one can wait out a descheduled peer):
+// every tile of x is packed, then each thread runs its panels over every M block.
 template <int QT>
 static void qgemm_t(const float* x, int64_t rows, int64_t k, const uint8_t* w, int64_t n, int64_t row_bytes,
                     float* y, int64_t ystride) {
     const int64_t npanels = (n + GM_NR - 1) / GM_NR;
-    const int64_t mc_max = rows < GM_MC ? rows : GM_MC;
-    const int64_t tiles_max = (mc_max + GM_MT - 1) / GM_MT;
-    float* xp = static_cast<float*>(_mm_malloc(tiles_max * k * GM_MT * sizeof(float) + 64, 64));
+    const int64_t tiles_all = (rows + GM_MT - 1) / GM_MT;
+    constexpr int64_t TILES_MC = GM_MC / GM_MT;
+    float* xp = static_cast<float*>(_mm_malloc(tiles_all * k * GM_MT * sizeof(float) + 64, 64));
 #pragma omp parallel num_threads(kv_threads())
     {
         const int64_t kc_max = k < GM_KC ? k : GM_KC;
         float* panel = static_cast<float*>(_mm_malloc(GM_NR * kc_max * sizeof(float) + 64, 64));
-        float* acc = static_cast<float*>(_mm_malloc(tiles_max * GM_NR * GM_MT * sizeof(float) + 64, 64));
-        for (int64_t m0 = 0; m0 < rows; m0 += GM_MC) {
-            const int64_t mc = rows - m0 < GM_MC ? rows - m0 : GM_MC;
-            const int64_t tiles = (mc + GM_MT - 1) / GM_MT;
+        float* acc = static_cast<float*>(_mm_malloc(TILES_MC * GM_NR * GM_MT * sizeof(float) + 64, 64));
 #pragma omp for schedule(static)
-            for (int64_t t = 0; t < tiles; ++t) gm_pack_x(x, k, m0, mc, xp, t);
+        for (int64_t t = 0; t < tiles_all; ++t) gm_pack_x(x, k, 0, rows, xp, t);
 #pragma omp for schedule(static)
-            for (int64_t p = 0; p < npanels; ++p) {
-                const int64_t n0 = p * GM_NR;
-                const int nr = static_cast<int>(n - n0 < GM_NR ? n - n0 : GM_NR);
+        for (int64_t p = 0; p < npanels; ++p) {
+            const int64_t n0 = p * GM_NR;
+            const int nr = static_cast<int>(n - n0 < GM_NR ? n - n0 : GM_NR);
+            for (int64_t m0 = 0; m0 < rows; m0 += GM_MC) {
+                const int64_t mc = rows - m0 < GM_MC ? rows - m0 : GM_MC;
+                const int64_t tiles = (mc + GM_MT - 1) / GM_MT;
+                const float* xb = xp + (m0 / GM_MT) * k * GM_MT;
                 for (int64_t k0 = 0; k0 < k; k0 += GM_KC) {
                     const int64_t kc = k - k0 < GM_KC ? k - k0 : GM_KC;
                     gm_dequant_panel<QT>(w, row_bytes, n0, nr, k0, kc, panel);
                     for (int64_t t = 0; t < tiles; ++t) {
-                        const float* xt = xp + t * k * GM_MT + k0 * GM_MT;
+                        const float* xt = xb + t * k * GM_MT + k0 * GM_MT;
                         float* at = acc + t * GM_NR * GM_MT;
                         if (mc - t * GM_MT > W) gm_tile<GM_MV>(xt, panel, kc, at, k0 == 0);
                         else gm_tile<1>(xt, panel, kc, at, k0 == 0);
@@ -139,7 +142,7 @@ static void qgemm_t(const float* x, int64_t rows, int64_t k, const uint8_t* w, i
                     const int64_t r0 = t * GM_MT, nrows = mc - r0 < GM_MT ? mc - r0 : GM_MT;
                     gm_store_tile(acc + t * GM_NR * GM_MT, nrows, nr, y + (m0 + r0) * ystride + n0, ystride);
                 }
-            }  // the implicit barrier: every thread is done with xp before the next M block repacks it
+            }
         }
         _mm_free(panel);
         _mm_free(acc);
