@@ -30,7 +30,6 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import markdown_table, write_result  # noqa: E402
-
 from kvserve.kernels import reference  # noqa: E402
 from kvserve.kernels.ops import Kernels  # noqa: E402
 from kvserve.kernels.quant import QTYPES, QuantWeight  # noqa: E402

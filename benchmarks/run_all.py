@@ -17,7 +17,8 @@ ROOT = HERE.parent
 ORDER = [
     "throughput", "memory_efficiency", "prefix_cache", "prefix_lookup", "parallel_memory",
     "server_load", "serve_sweep", "side_channel", "dashboard", "soak", "router", "eviction", "structured",
-    "tiers", "kernels", "llama_cpp_peers", "int8", "perplexity", "step_profile", "shared_prefix", "vmm", "disagg",
+    "tiers", "kernels", "qgemm", "qgemm_end_to_end", "llama_cpp_peers", "int8", "perplexity", "step_profile",
+    "shared_prefix", "vmm", "disagg",
     "lora", "fairness", "scheduler_overhead",
 ]
 HEADER = """# Benchmarks

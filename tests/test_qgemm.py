@@ -12,11 +12,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_kernels import ISA_PARAMS, random_quant
 
 from kvserve.kernels import ops, reference
 from kvserve.kernels.ops import Kernels
 from kvserve.kernels.quant import QTYPES
+from test_kernels import ISA_PARAMS, random_quant
 
 SETTINGS = settings(max_examples=30, deadline=None)
 
