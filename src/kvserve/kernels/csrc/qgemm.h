@@ -3,9 +3,9 @@
 //
 // impl.h's qmatmul converts every weight block to floats once per 4 activation rows; at 32+ rows that
 // conversion is most of its work, and dequantizing the whole matrix for torch's GEMM streams a float32 copy
-// of every weight on every call. Here each panel of NR weight rows x KC inputs is dequantized ONCE per call
-// (per MC-row block of x) into a small float buffer that stays in L1, and an outer-product micro-kernel
-// runs over every activation tile against it: vectors run along the activation rows (x is packed transposed,
+// of every weight on every call. Here each panel of NR weight rows is dequantized ONCE per call into a
+// per-thread float buffer (NR x K: L2-resident; each KC-wide slice of it stays in L1 while used), and an
+// outer-product micro-kernel runs over every activation tile against it: vectors run along the activation rows (x is packed transposed,
 // [k][MT rows], once per call), each dequantized weight is a broadcast, so neither side needs a transpose of
 // the weights, and the accumulators never need a horizontal sum. Threads split the panels (output columns).
 //
@@ -19,8 +19,8 @@ constexpr int GM_NR = 6;   // 2 x 6 accumulators of 16 registers
 #endif
 constexpr int GM_MV = 2;           // vectors per activation tile (tiles of fewer rows run with 1)
 constexpr int GM_MT = GM_MV * W;   // activation rows per tile (32 on AVX-512, 16 on AVX2)
-constexpr int64_t GM_KC = 128;     // inputs per panel block: the panel (6 KiB) and MC rows of x (32 KiB) stay in L1
-constexpr int64_t GM_MC = 64;      // activation rows per M block (a multiple of GM_MT; each re-dequantizes a panel)
+constexpr int64_t GM_KC = 128;     // inputs per block: that slice of the panel (6 KiB) and of MC rows of x (32 KiB) in L1
+constexpr int64_t GM_MC = 64;      // activation rows per M block (a multiple of GM_MT)
 
 // panel[j * kc + i] = W[n0 + j][k0 + i] for j < nr (as dequantize() computes it); rows nr..NR are zero.
 template <int QT>
@@ -54,10 +54,10 @@ static inline void gm_dequant_panel(const uint8_t* w, int64_t row_bytes, int64_t
     }
 }
 
-// acc[j][r] (+)= sum_i xp[i][r] * panel[j][i] for one tile of MV*W activation rows and the panel's NR weight
-// rows; xp is the tile's packed block ([kc][GM_MT]), acc the tile's [NR][GM_MT] accumulator.
+// acc[j][r] (+)= sum_i xp[i][r] * panel[j * pstride + i] for one tile of MV*W activation rows and the panel's
+// NR weight rows over kc inputs; xp is the tile's packed block ([kc][GM_MT]), acc its [NR][GM_MT] accumulator.
 template <int MV>
-static inline void gm_tile(const float* xp, const float* panel, int64_t kc, float* acc, bool first) {
+static inline void gm_tile(const float* xp, const float* panel, int64_t pstride, int64_t kc, float* acc, bool first) {
     V c[MV][GM_NR];
     for (int j = 0; j < GM_NR; ++j)
         for (int v = 0; v < MV; ++v) c[v][j] = first ? vzero() : vload(acc + j * GM_MT + v * W);
@@ -67,7 +67,7 @@ static inline void gm_tile(const float* xp, const float* panel, int64_t kc, floa
         for (int v = 0; v < MV; ++v) a[v] = vload(xp + i * GM_MT + v * W);
 #pragma GCC unroll 16
         for (int j = 0; j < GM_NR; ++j) {
-            const V b = vset1(panel[j * kc + i]);
+            const V b = vset1(panel[j * pstride + i]);
 #pragma GCC unroll 4
             for (int v = 0; v < MV; ++v) c[v][j] = vfma(a[v], b, c[v][j]);
         }
@@ -105,7 +105,8 @@ static inline void gm_store_tile(const float* acc, int64_t nrows, int nr, float*
 }
 
 // Two barriers per call whatever the row count (on a busy machine each one can wait out a descheduled peer):
-// every tile of x is packed, then each thread runs its panels over every M block.
+// every tile of x is packed, then each thread dequantizes each of its panels once, over the whole width, and
+// runs it against every M block.
 template <int QT>
 static void qgemm_t(const float* x, int64_t rows, int64_t k, const uint8_t* w, int64_t n, int64_t row_bytes,
                     float* y, int64_t ystride) {
@@ -115,8 +116,7 @@ static void qgemm_t(const float* x, int64_t rows, int64_t k, const uint8_t* w, i
     float* xp = static_cast<float*>(_mm_malloc(tiles_all * k * GM_MT * sizeof(float) + 64, 64));
 #pragma omp parallel num_threads(kv_threads())
     {
-        const int64_t kc_max = k < GM_KC ? k : GM_KC;
-        float* panel = static_cast<float*>(_mm_malloc(GM_NR * kc_max * sizeof(float) + 64, 64));
+        float* panel = static_cast<float*>(_mm_malloc(GM_NR * k * sizeof(float) + 64, 64));
         float* acc = static_cast<float*>(_mm_malloc(TILES_MC * GM_NR * GM_MT * sizeof(float) + 64, 64));
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tiles_all; ++t) gm_pack_x(x, k, 0, rows, xp, t);
@@ -124,18 +124,18 @@ static void qgemm_t(const float* x, int64_t rows, int64_t k, const uint8_t* w, i
         for (int64_t p = 0; p < npanels; ++p) {
             const int64_t n0 = p * GM_NR;
             const int nr = static_cast<int>(n - n0 < GM_NR ? n - n0 : GM_NR);
+            gm_dequant_panel<QT>(w, row_bytes, n0, nr, 0, k, panel);  // once per call: [NR][k], L2-resident
             for (int64_t m0 = 0; m0 < rows; m0 += GM_MC) {
                 const int64_t mc = rows - m0 < GM_MC ? rows - m0 : GM_MC;
                 const int64_t tiles = (mc + GM_MT - 1) / GM_MT;
                 const float* xb = xp + (m0 / GM_MT) * k * GM_MT;
                 for (int64_t k0 = 0; k0 < k; k0 += GM_KC) {
                     const int64_t kc = k - k0 < GM_KC ? k - k0 : GM_KC;
-                    gm_dequant_panel<QT>(w, row_bytes, n0, nr, k0, kc, panel);
                     for (int64_t t = 0; t < tiles; ++t) {
                         const float* xt = xb + t * k * GM_MT + k0 * GM_MT;
                         float* at = acc + t * GM_NR * GM_MT;
-                        if (mc - t * GM_MT > W) gm_tile<GM_MV>(xt, panel, kc, at, k0 == 0);
-                        else gm_tile<1>(xt, panel, kc, at, k0 == 0);
+                        if (mc - t * GM_MT > W) gm_tile<GM_MV>(xt, panel + k0, k, kc, at, k0 == 0);
+                        else gm_tile<1>(xt, panel + k0, k, kc, at, k0 == 0);
                     }
                 }
                 for (int64_t t = 0; t < tiles; ++t) {
