@@ -17,8 +17,9 @@ ROOT = HERE.parent
 ORDER = [
     "throughput", "memory_efficiency", "prefix_cache", "prefix_lookup", "parallel_memory",
     "server_load", "serve_sweep", "side_channel", "dashboard", "soak", "router", "eviction", "structured",
-    "tiers", "kernels", "membw", "kernels_decode", "decode_step", "llama_cpp_peers", "int8", "perplexity",
-    "step_profile", "shared_prefix", "vmm", "disagg", "lora", "fairness", "scheduler_overhead",
+    "tiers", "kernels", "membw", "kernels_decode", "decode_step", "qgemm", "qgemm_end_to_end",
+    "llama_cpp_peers", "int8", "perplexity", "step_profile", "shared_prefix", "vmm", "disagg", "lora",
+    "fairness", "scheduler_overhead",
 ]
 # Sections written by another script's mode: (script, its arguments).
 SCRIPTS = {"kernels_decode": ("kernels", ["--decode-only", "5"])}

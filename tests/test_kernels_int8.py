@@ -107,8 +107,9 @@ def test_option_is_one_flag_through_config_and_refused_without_quantized_weights
     args = parser.parse_args(["generate", "hi", "--weights", "native", "--activation-quant", "int8"])
     assert engine_config_from_args(args).activation_quant == "int8"
     assert EngineConfig().activation_quant == "none"
+    assert EngineConfig(activation_quant="int8").weights == "native"  # the default weights allow it
     with pytest.raises(ValueError, match="needs weights='native'"):
-        EngineConfig(activation_quant="int8")
+        EngineConfig(activation_quant="int8", weights="dense")
     with pytest.raises(ValueError, match="activation_quant must be one of"):
         EngineConfig(activation_quant="fp8", weights="native")
     # An HF directory has no quantized tensors: refused by name, not silently run in fp32.

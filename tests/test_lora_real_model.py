@@ -48,7 +48,7 @@ def _peft_model(out_dir):
 
 def test_smollm2_with_adapters_matches_peft(tmp_path):
     oracle = _peft_model(tmp_path)
-    llm = LLM("smollm2-135m", progress=False, num_blocks=256, enable_lora=True, max_lora_rank=8)
+    llm = LLM("smollm2-135m", progress=False, num_blocks=256, enable_lora=True, max_lora_rank=8, weights="dense")
     prompts = [llm.tokenizer.encode(text) for text in TEXTS]
     names = ["attn", None, "mlp"]
     loras = [None if n is None else LoRARequest(n, i + 1, str(tmp_path / n)) for i, n in enumerate(names)]

@@ -105,6 +105,13 @@ def test_batched(llm, prompts, reference):
     assert_pool_drained(llm.engine)
 
 
+def test_wide_batch(prompts, reference, variant):
+    """32 sequences at once: decode steps of 32 rows, past the layer loop (quantized weights: csrc/qgemm.h)."""
+    wide = LLM("smollm2-135m", progress=False, num_blocks=512, max_num_seqs=32, **variant)
+    assert [o.token_ids for o in wide.generate(prompts * 4, GREEDY)] == reference * 4
+    assert_pool_drained(wide.engine)
+
+
 def test_chunked_prefill(prompts, reference, variant):
     chunked = LLM("smollm2-135m", progress=False, num_blocks=512, max_num_batched_tokens=24,
                   prefix_cache="off", **variant)

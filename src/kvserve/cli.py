@@ -59,7 +59,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kernels", default=defaults.kernels, choices=KERNEL_BACKENDS,
                        help="native C++ kernels (torch if they cannot load) or the torch reference")
     group.add_argument("--weights", default=defaults.weights, choices=WEIGHT_FORMATS,
-                       help="dense float32, or run a GGUF's quantized tensors as stored")
+                       help="native (default): run a GGUF's quantized tensors as stored (fp32 activations; a "
+                       "file without quantized tensors loads dense anyway); dense: float32 weights, the "
+                       "transformers-exact reference")
     group.add_argument("--activation-quant", default=defaults.activation_quant, choices=ACTIVATION_QUANTS,
                        help="int8: quantize the activations of quantized-weight matmuls to int8 blocks (as "
                        "llama.cpp's Q8_1; faster, approximate; needs --weights native); none: exact fp32")

@@ -75,7 +75,7 @@ class EngineConfig:
     remote_cache_ttl: float | None = None  # seconds; None: blocks stay until Redis evicts them
     kv_load_timeout: float = 5.0  # seconds a disk/remote load may take before the prompt is recomputed
     kernels: str = "native"
-    weights: str = "dense"
+    weights: str = "native"  # a quantized GGUF runs as stored; "dense": float32, the transformers-exact reference
     activation_quant: str = "none"  # int8 needs quantized weights (weights="native")
     enable_lora: bool = False
     max_loras: int = 4

@@ -24,6 +24,7 @@ _SIGNATURES = {
     "kv_cpu_features": [],
     "kv_set_num_threads": [ctypes.c_int],
     "kv_qmatmul": [ctypes.c_int, ctypes.c_int, _P, _I, _I, _P, _I, _I, _P, _I],
+    "kv_qgemm": [ctypes.c_int, ctypes.c_int, _P, _I, _I, _P, _I, _I, _P, _I],
     "kv_qmatmul_i8": [ctypes.c_int, ctypes.c_int, _P, _I, _I, _P, _I, _I, _P, _I],
     "kv_quantize_i8": [ctypes.c_int, _P, _I, _I, _P, _P, _P],
     "kv_dequantize": [ctypes.c_int, ctypes.c_int, _P, _I, _I, _P, _I, _P],
@@ -83,6 +84,10 @@ class NativeLibrary:
     def qmatmul(self, x: torch.Tensor, data: torch.Tensor, qtype: int, in_features: int) -> torch.Tensor:
         """``x [rows, in] @ W.T`` -> float32 ``[rows, out]``; W is ``data`` (uint8 blocks, one row per output)."""
         return self._quant_matmul("kv_qmatmul", x, data, qtype, in_features)
+
+    def qgemm(self, x: torch.Tensor, data: torch.Tensor, qtype: int, in_features: int) -> torch.Tensor:
+        """As `qmatmul`, for many rows: each weight panel is dequantized once per call (csrc/qgemm.h)."""
+        return self._quant_matmul("kv_qgemm", x, data, qtype, in_features)
 
     def qmatmul_i8(self, x: torch.Tensor, data: torch.Tensor, qtype: int, in_features: int) -> torch.Tensor:
         """As `qmatmul`, with the rows of x quantized to int8 blocks first (`reference.qlinear_i8`)."""

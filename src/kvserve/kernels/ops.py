@@ -28,10 +28,15 @@ from kvserve.kernels.quant import QuantWeight
 KERNEL_BACKENDS = ("native", "torch")
 ACTIVATION_QUANTS = ("none", "int8")  # int8: quantized weights see int8 activation blocks (llama.cpp's Q8_1)
 ISA_ENV = "KVSERVE_ISA"
-# Up to this many activation rows the register-dequantizing kernel wins; beyond it, dequantizing the
-# weight once per call and using torch's GEMM does -- except for very large weights (the 49k-row lm head),
-# where materialising float32 copies costs more than the kernel's slower per-row rate.
+# Up to this many activation rows the per-row kernel (csrc/impl.h) runs the layer loop's matmuls.
 NATIVE_QMATMUL_MAX_ROWS = 16
+# Which quantized matmul `Kernels.linear` runs by row count (benchmarks/qgemm.py measures the crossovers):
+# the per-row kernel converts each weight block once per 4 rows and wins below QGEMM_MIN_ROWS; the wide
+# GEMM (csrc/qgemm.h) dequantizes each weight panel once per call and wins from there up to
+# QGEMM_MAX_ROWS; beyond, dequantizing the whole weight for torch's GEMM does -- except for very large
+# weights (the 49k-row lm head), where a float32 copy costs more than it saves.
+QGEMM_MIN_ROWS = 10
+QGEMM_MAX_ROWS = 256
 ALWAYS_NATIVE_ELEMENTS = 8 * 1024 * 1024
 
 logger = logging.getLogger(__name__)
@@ -106,9 +111,11 @@ class Kernels:
         if self.native is None:
             return reference.qlinear(x, weight).to(x.dtype)
         x32 = x.float().contiguous()
-        large = weight.out_features * weight.in_features >= ALWAYS_NATIVE_ELEMENTS
-        if x32.shape[0] <= NATIVE_QMATMUL_MAX_ROWS or large:
+        rows = x32.shape[0]
+        if rows < QGEMM_MIN_ROWS:
             out = self.native.qmatmul(x32, weight.data, weight.qtype, weight.in_features)
+        elif rows <= QGEMM_MAX_ROWS or weight.out_features * weight.in_features >= ALWAYS_NATIVE_ELEMENTS:
+            out = self.native.qgemm(x32, weight.data, weight.qtype, weight.in_features)
         else:
             out = F.linear(x32, self.dequantize(weight))
         return out.to(x.dtype)

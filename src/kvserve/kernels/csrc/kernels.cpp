@@ -21,6 +21,7 @@ namespace isa_avx2 {
 #include "cascade.h"
 #include "fused.h"
 #include "layer.h"
+#include "qgemm.h"
 #undef KV_AVX512
 }  // namespace isa_avx2
 #pragma GCC pop_options
@@ -35,6 +36,7 @@ namespace isa_avx512 {
 #include "cascade.h"
 #include "fused.h"
 #include "layer.h"
+#include "qgemm.h"
 #undef KV_AVX512
 }  // namespace isa_avx512
 #pragma GCC pop_options
@@ -72,6 +74,12 @@ int kv_cpu_features() {
 int kv_qmatmul(int isa, int qt, const float* x, int64_t rows, int64_t k, const uint8_t* w, int64_t n,
                int64_t row_bytes, float* y, int64_t ystride) {
     KV_DISPATCH(qmatmul(qt, x, rows, k, w, n, row_bytes, y, ystride));
+}
+
+// As kv_qmatmul, for many rows: each weight panel dequantized once per call (qgemm.h).
+int kv_qgemm(int isa, int qt, const float* x, int64_t rows, int64_t k, const uint8_t* w, int64_t n,
+             int64_t row_bytes, float* y, int64_t ystride) {
+    KV_DISPATCH(qgemm(qt, x, rows, k, w, n, row_bytes, y, ystride));
 }
 
 // As kv_qmatmul, with the activation rows quantized to int8 blocks first (qmatmul_i8.h).

@@ -1,0 +1,70 @@
+"""The wide quantized GEMM (csrc/qgemm.h) against its torch twin, dequantize + matmul, on random shapes.
+
+Row counts cover a single row, partial tiles (1..W and W+1..2W rows left over), several M blocks (over
+64 rows) and more; widths cover one block and several 128-input panel blocks with a remainder; output
+counts cover partial panels (any N, odd included). Each runs for every ISA the CPU has, the forced AVX2
+path included (`test_kernels.ISA_PARAMS`).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvserve.kernels import ops, reference
+from kvserve.kernels.ops import Kernels
+from kvserve.kernels.quant import QTYPES
+from test_kernels import ISA_PARAMS, random_quant
+
+SETTINGS = settings(max_examples=30, deadline=None)
+
+
+@pytest.fixture(scope="module", params=ISA_PARAMS)
+def kernels(request) -> Kernels:
+    forced = Kernels.create("native", isa=request.param)
+    assert forced.isa == request.param
+    return forced
+
+
+@SETTINGS
+@given(
+    rows=st.one_of(st.integers(1, 40), st.integers(41, 300)), out_features=st.integers(1, 75),
+    blocks=st.integers(1, 13), qtype=st.sampled_from(sorted(QTYPES)), seed=st.integers(0, 2**16),
+)
+def test_qgemm_matches_dequantize_then_matmul(kernels, rows, out_features, blocks, qtype, seed):
+    weight = random_quant(out_features, blocks * 32, qtype, seed)
+    x = torch.randn(rows, blocks * 32, generator=torch.Generator().manual_seed(seed))
+    expected = reference.qlinear(x, weight)
+    got = kernels.native.qgemm(x, weight.data, weight.qtype, weight.in_features)
+    assert got.shape == (rows, out_features)
+    # Exact to the dequantized weights up to summation order: a few fp32 ulps of outputs reaching ~100.
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [ops.QGEMM_MIN_ROWS - 1, ops.QGEMM_MIN_ROWS, ops.QGEMM_MAX_ROWS,
+                                  ops.QGEMM_MAX_ROWS + 1])
+def test_linear_dispatch_is_exact_on_both_sides_of_each_crossover(kernels, rows):
+    weight = random_quant(37, 160, 3, seed=rows)
+    x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows))
+    torch.testing.assert_close(kernels.linear(x, weight), reference.qlinear(x, weight), rtol=1e-5, atol=1e-4)
+
+
+def test_qgemm_agrees_with_the_per_row_kernel_on_the_model_shapes(kernels):
+    """The fused q/k/v shape of the default model, 32 decode rows: both native kernels, same answer."""
+    weight = random_quant(960, 576, 3, seed=7)
+    x = torch.randn(32, 576, generator=torch.Generator().manual_seed(7))
+    per_row = kernels.native.qmatmul(x, weight.data, weight.qtype, weight.in_features)
+    wide = kernels.native.qgemm(x, weight.data, weight.qtype, weight.in_features)
+    torch.testing.assert_close(wide, per_row, rtol=1e-5, atol=1e-4)
+
+
+def test_qgemm_rejects_mismatched_shapes(kernels):
+    weight = random_quant(8, 64, 8, seed=1)
+    with pytest.raises(ValueError, match="features"):
+        kernels.native.qgemm(torch.randn(3, 96), weight.data, weight.qtype, weight.in_features)
+    with pytest.raises(ValueError, match="contiguous"):
+        kernels.native.qgemm(torch.randn(64, 3).t(), weight.data, weight.qtype, weight.in_features)
+    with pytest.raises(ValueError, match="unsupported quantization type"):
+        kernels.native.qgemm(torch.randn(3, 64), weight.data, 14, weight.in_features)
