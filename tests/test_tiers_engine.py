@@ -125,6 +125,22 @@ def test_disk_cache_survives_engine_restart(tiny_model_dir, tiny_hf_model, tmp_p
     second.engine.close()
 
 
+def test_disk_blocks_not_shared_across_kernel_arithmetic(tiny_model_dir, tiny_hf_model, tmp_path, request):
+    """Blocks written under one arithmetic (native kernels) are not loaded by an engine computing with
+    another (torch kernels): the floats differ by summation order, and a tier must never change an output."""
+    prompt = random_prompts(1, 41, 41, seed=11)[0]
+    expected = hf_greedy(tiny_hf_model, prompt, MAX_TOKENS)
+    first = make_llm(tiny_model_dir, tmp_path, request, disk="disk", kernels="native")
+    assert run(first, prompt).token_ids == expected
+    _flood(first, seed=12)
+    first.engine.close()
+    second = make_llm(tiny_model_dir, tmp_path, request, disk="disk", kernels="torch")
+    output = run(second, prompt)
+    assert output.token_ids == expected
+    assert nonzero(output.cached_tokens_by_source) == {}
+    second.engine.close()
+
+
 def test_replica_serves_another_replicas_prefix_from_redis(tiny_model_dir, tiny_hf_model, tmp_path, request):
     prompt = random_prompts(1, 41, 41, seed=13)[0]
     expected = hf_greedy(tiny_hf_model, prompt, MAX_TOKENS)

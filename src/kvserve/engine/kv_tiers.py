@@ -201,6 +201,15 @@ class EngineTiers:
         self.policy.close()
 
 
+def arithmetic_config(config: EngineConfig, model_config: ModelConfig) -> dict:
+    """The model's config plus the flags that change the KV's floats (weights format, activation
+    quantization, kernels): replicas that differ in them must not exchange blocks through a shared tier,
+    or loading from the tier would change outputs (native and dense agree only up to summation order)."""
+    return asdict(model_config) | {
+        "weights": config.weights, "activation_quant": config.activation_quant, "kernels": config.kernels,
+    }
+
+
 def make_engine_tiers(
     config: EngineConfig, model_config: ModelConfig, tensor_shapes: dict[str, tuple[int, ...]],
     weights_path: Path, block_manager: BlockManager, pool_tensor: torch.Tensor,
@@ -213,8 +222,9 @@ def make_engine_tiers(
     if not settings.any or config.prefix_cache == "off":
         return None
     fingerprint = engine_fingerprint(
-        model_config=asdict(model_config), tensor_shapes=tensor_shapes, kv_dtype=pool_tensor.dtype,
-        block_size=config.block_size, weights_path=weights_path if settings.persistent else None,
+        model_config=arithmetic_config(config, model_config), tensor_shapes=tensor_shapes,
+        kv_dtype=pool_tensor.dtype, block_size=config.block_size,
+        weights_path=weights_path if settings.persistent else None,
     )
     policy = make_offload_policy(settings, pool_tensor, fingerprint)
     return EngineTiers(policy, block_manager, pool_tensor, config.kv_load_timeout)
