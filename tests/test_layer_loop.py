@@ -173,12 +173,13 @@ def test_layer_loop_decode_is_bit_identical(kernels, tiny_model_dir):
     assert all(torch.equal(ours, theirs) for ours, theirs in zip(native, python, strict=True))
 
 
-def test_layer_loop_int8_covers_wide_decode_steps(kernels, tiny_model_dir, monkeypatch):
-    """With int8 activations the loop takes decode-only steps beyond 16 rows, and agrees with the Python
-    loop running the same int8 matmuls."""
-    int8 = Kernels("native", kernels.native, activation_quant="int8")
-    model = quantized_tiny_llama(tiny_model_dir, int8)
-    assert model.layer_loop is not None and model.layer_loop.act_quant == 1
+@pytest.mark.parametrize("activation_quant", ["none", "int8"])
+def test_layer_loop_covers_wide_decode_steps(kernels, tiny_model_dir, monkeypatch, activation_quant):
+    """The loop takes decode-only steps beyond 16 rows (exact: the wide GEMM of qgemm.h; int8: the int8
+    matmul), and agrees with the Python loop running the same matmuls."""
+    chosen = Kernels("native", kernels.native, activation_quant=activation_quant)
+    model = quantized_tiny_llama(tiny_model_dir, chosen)
+    assert model.layer_loop is not None and model.layer_loop.act_quant == (activation_quant == "int8")
     calls = []
     original = LayerLoop.forward
     monkeypatch.setattr(

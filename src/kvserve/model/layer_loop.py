@@ -9,10 +9,11 @@ decode steps are bit-identical to it; prefill rows attend through the pool (page
 Python loop runs torch's SDPA on a fresh prompt: logits agree within 1e-4 relative.
 
 It applies to: native kernels, float32 on the CPU, every layer projection quantized (GGUF blocks), hidden
-and head sizes a multiple of the SIMD width, no LoRA in the step, and at most `MAX_ROWS` tokens (beyond,
-the Python loop's dequantize-then-GEMM matmuls win, and long prefills want tiled flash attention). With
-int8 activations (`--activation-quant int8`) the int8 matmul stays the fast one at any row count, so a
-step of decodes only runs here up to `MAX_DECODE_ROWS_INT8` rows. Everything else runs the Python loop.
+and head sizes a multiple of the SIMD width, no LoRA in the step, and at most `MAX_ROWS` tokens, or a
+step of decodes only up to `MAX_DECODE_ROWS` rows (from 10 rows its exact matmuls run the wide GEMM of
+csrc/qgemm.h, as `Kernels.linear` does; int8 activations run the int8 matmul at any row count). Longer
+prefills run the Python loop: they want tiled flash attention, and their matmuls the dequantize-then-GEMM
+path. Everything else runs the Python loop.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
     from kvserve.model.llama import LlamaModel
 
 MAX_ROWS = NATIVE_QMATMUL_MAX_ROWS
-MAX_DECODE_ROWS_INT8 = 256
+MAX_DECODE_ROWS = 256  # decode-only steps up to this many rows (wide ones through csrc/qgemm.h)
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 
@@ -94,7 +95,7 @@ class LayerLoop:
             return False
         if num_tokens <= MAX_ROWS:
             return True
-        return bool(self.act_quant) and meta is not None and not meta.prefills and num_tokens <= MAX_DECODE_ROWS_INT8
+        return meta is not None and not meta.prefills and num_tokens <= MAX_DECODE_ROWS
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_pool: KVPool, meta: AttentionMetadata

@@ -20,8 +20,8 @@ namespace isa_avx2 {
 #include "qmatmul_i8.h"
 #include "cascade.h"
 #include "fused.h"
-#include "layer.h"
 #include "qgemm.h"
+#include "layer.h"
 #undef KV_AVX512
 }  // namespace isa_avx2
 #pragma GCC pop_options
@@ -35,8 +35,8 @@ namespace isa_avx512 {
 #include "qmatmul_i8.h"
 #include "cascade.h"
 #include "fused.h"
-#include "layer.h"
 #include "qgemm.h"
+#include "layer.h"
 #undef KV_AVX512
 }  // namespace isa_avx512
 #pragma GCC pop_options
