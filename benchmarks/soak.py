@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -112,6 +114,13 @@ def targets(ratio: float, slope: float, ok: bool) -> str:
     return "; ".join(f"{name}: {'met' if good else '**not met**'}" for name, good in met.items())
 
 
+def write_client_trace(directory: str, phases: dict) -> None:
+    """Each phase's well-behaved requests (response id, sent, TTFT) for benchmarks/soak_trace.py."""
+    data = {name: list(zip(tally.ids, tally.sent, tally.ttfts, strict=True)) for name, tally in phases.items()}
+    with open(os.path.join(directory, "clients.json"), "w", encoding="utf-8") as handle:
+        json.dump(data, handle)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
@@ -123,11 +132,25 @@ def main() -> int:
     parser.add_argument("--warmup", type=float, default=120.0, help="RSS slope is fitted after this many s")
     parser.add_argument("--rss-every", type=float, default=30.0, help="seconds between RSS samples")
     parser.add_argument("--kv-cache-memory", default="256MiB", help="small on purpose: the adversary fills it")
+    parser.add_argument("--weights", default=None, help="the server's --weights (default: the server's own)")
+    parser.add_argument("--quick", action="store_true",
+                        help="a 2-3 minute iteration: capacity 20 s, control 45 s, soak 60 s; implies --no-write")
+    parser.add_argument("--trace", default=None, metavar="DIR", help="write the server's step trace and the "
+                        "clients' TTFTs there (benchmarks/soak_trace.py reads them)")
     parser.add_argument("--no-write", action="store_true", help="print only; leave results/ untouched")
     args = parser.parse_args()
+    if args.quick:
+        args.capacity, args.control, args.duration, args.warmup, args.rss_every = 20.0, 45.0, 60.0, 20.0, 10.0
+        args.no_write = True
 
     print(f"starting server with {args.model} ...", file=sys.stderr)
-    server = launch_server(["--model", args.model, "--kv-cache-memory", args.kv_cache_memory])
+    server_args = ["--model", args.model, "--kv-cache-memory", args.kv_cache_memory]
+    server_args += ["--weights", args.weights] if args.weights else []
+    env = {}
+    if args.trace:
+        os.makedirs(args.trace, exist_ok=True)
+        env["KVSERVE_STEP_TRACE"] = os.path.join(args.trace, "steps.jsonl")
+    server = launch_server(server_args, env=env)
     pid, phases = server.process.pid, {}
     try:
         model = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]["id"]
@@ -150,11 +173,14 @@ def main() -> int:
         alive = server.process.poll() is None and httpx.get(f"{server.url}/health", timeout=10).status_code == 200
     finally:
         exit_code = server.terminate()
+    if args.trace:
+        write_client_trace(args.trace, phases)
     table, ok = report(phases, solo_ttft, think, counts, args, alive)
     tally = phases["soak"]
     samples = ", ".join(f"{t:.0f}s {m:.0f}" for t, m in tally.rss)
-    notes = (f"Model `{model}`, KV pool {args.kv_cache_memory}, loopback only. Well-behaved requests: streaming "
-             f"chat, max_tokens 4, temperature 0; TTFT is client-side (request sent → first content event). "
+    weights = f", weights {args.weights}" if args.weights else ""
+    notes = (f"Model `{model}`{weights}, KV pool {args.kv_cache_memory}, loopback only. Well-behaved requests: "
+             f"streaming chat, max_tokens 4, temperature 0; TTFT is client-side (request sent → first content event). "
              f"Server exit status after SIGTERM: {exit_code}.\n\nServer RSS during the soak (MiB): {samples}.")
     if tally.errors:
         notes += "\n\nFirst client-side errors:\n" + "\n".join(f"- {e}" for e in tally.errors[:5])

@@ -38,6 +38,8 @@ BAD_BODIES = [
 @dataclass(slots=True)
 class Tally:
     ttfts: list[float] = field(default_factory=list)
+    sent: list[float] = field(default_factory=list)  # perf_counter() when each of `ttfts` was sent
+    ids: list[str] = field(default_factory=list)  # their response ids (the engine's: id + "-0")
     completed: dict[str, int] = field(default_factory=dict)
     status: dict[int, int] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
@@ -59,25 +61,30 @@ class Tally:
         return self.completed.get(role, 0) / self.elapsed if self.elapsed else float("nan")
 
 
-async def short_request(http: httpx.AsyncClient, model: str) -> tuple[int, float | None, float]:
-    """Status, TTFT (request sent -> first content event) and total time of one short streaming chat."""
+async def short_request(http: httpx.AsyncClient, model: str, tally: Tally | None = None
+                        ) -> tuple[int, float | None, float]:
+    """Status, TTFT (request sent -> first content event) and total time of one short streaming chat;
+    with `tally`, the TTFT and send time are recorded there."""
     start = time.perf_counter()
     async with http.stream("POST", "/v1/chat/completions", json={"model": model, **SHORT}) as response:
         if response.status_code != 200:
             await response.aread()
             return response.status_code, None, time.perf_counter() - start
-        ttft = None
+        ttft, response_id = None, ""
         async for line in response.aiter_lines():
             if ttft is None and line.startswith("data: {") and '"content":"' in line and '"content":""' not in line:
                 ttft = time.perf_counter() - start
+                response_id = json.loads(line[6:])["id"]
+    if tally is not None and ttft is not None:
+        tally.ttfts.append(ttft)
+        tally.sent.append(start)
+        tally.ids.append(response_id)
     return 200, ttft, time.perf_counter() - start
 
 
 async def well_behaved(http: httpx.AsyncClient, model: str, tally: Tally, rng: random.Random) -> None:
-    status, ttft, _ = await short_request(http, model)
+    status, _, _ = await short_request(http, model, tally)
     tally.count("well_behaved", status)
-    if ttft is not None:
-        tally.ttfts.append(ttft)
 
 
 async def disconnector(http: httpx.AsyncClient, model: str, tally: Tally, rng: random.Random) -> None:

@@ -32,6 +32,7 @@ from kvserve.tiers.offload import SOURCES
 
 if TYPE_CHECKING:
     from kvserve.engine.kv_tiers import EngineTiers
+    from kvserve.engine.step_trace import StepTrace
 
 LPM_MAX_WAITING = 128  # beyond this many waiting requests, lpm's per-step matching costs too much
 PROTECT_WAITING = 4  # head-of-queue requests whose cached prefixes are refreshed before running ones grow
@@ -112,6 +113,7 @@ class Scheduler:
         self.counters = PrefixCacheCounters()
         self.tiers: EngineTiers | None = None  # set by the engine when a lower tier is configured
         self.prefix_hold: PrefixHold | None = None  # set by the engine: in-batch prefix sharing at admission
+        self.trace: StepTrace | None = None  # set by the server under KVSERVE_STEP_TRACE
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -136,6 +138,8 @@ class Scheduler:
             self._unblock_waiting(output)
         output.blocks_to_copy = self.block_manager.take_pending_copies()
         self._assert_end_of_step(output)
+        if self.trace is not None:
+            self.trace.step(output.scheduled, len(self.waiting))
         return output
 
     def _assert_end_of_step(self, output: SchedulerOutput) -> None:
@@ -218,16 +222,18 @@ class Scheduler:
             self.block_manager.match_prefix(request)
 
     def _yield_to_newcomers(self, output: SchedulerOutput, num_running_before: int) -> None:
-        """In a step that admits a request for the first time, running prefill chunks sit out (they keep
-        their blocks), so the newcomer's first step costs what it would alone: its TTFT is its solo TTFT
-        plus the step in flight when it arrived. Never two steps in a row, so a long prefill gets a chunk
-        at least every other step however many newcomers arrive."""
+        """In a step that admits a request for the first time, the running requests sit out (decode
+        rows and prefill chunks alike; they keep their blocks and their place), so the newcomers' first
+        step costs what one would alone: a newcomer's TTFT is its solo TTFT plus the rest of the step in
+        flight when it arrived, not a step carrying every running row (a step's time grows with its
+        rows). SGLang runs a new prefill batch ahead of the running decode batch the same way. Never two
+        steps in a row, so the running requests get a token at least every other step however many
+        newcomers arrive."""
         fresh = any(item.request.metrics.first_token_time is None for item in output.scheduled[num_running_before:])
-        yielding = [item for item in output.scheduled[:num_running_before] if item.num_new_tokens > 1]
-        if not fresh or not yielding or self._yielded_last_step:
+        if not fresh or not num_running_before or self._yielded_last_step:
             self._yielded_last_step = False
             return
-        output.scheduled = [item for item in output.scheduled if item not in yielding]
+        output.scheduled = output.scheduled[num_running_before:]
         self._yielded_last_step = True
 
     def _chunk(self, num_remaining: int, budget: int) -> int:
