@@ -114,6 +114,15 @@ def targets(ratio: float, slope: float, ok: bool) -> str:
     return "; ".join(f"{name}: {'met' if good else '**not met**'}" for name, good in met.items())
 
 
+def mib(size: str) -> float:
+    """'256MiB' / '1GiB' -> MiB (the pool's mapping is found by its size)."""
+    units = {"GiB": 1024.0, "MiB": 1.0}
+    for unit, factor in units.items():
+        if size.endswith(unit):
+            return float(size[: -len(unit)]) * factor
+    raise SystemExit(f"--kv-cache-memory: expected a size in MiB or GiB, got {size!r}")
+
+
 def write_client_trace(directory: str, phases: dict) -> None:
     """Each phase's well-behaved requests (response id, sent, TTFT) for benchmarks/soak_trace.py."""
     data = {name: list(zip(tally.ids, tally.sent, tally.ttfts, strict=True)) for name, tally in phases.items()}
@@ -168,7 +177,7 @@ def main() -> int:
         block_counts(server.url, timeout=120)
         print(f"soaking for {args.duration:.0f}s", flush=True)
         phases["soak"] = asyncio.run(
-            run_phase(server.url, model, args.duration, ROLES, think, pid, args.rss_every))
+            run_phase(server.url, model, args.duration, ROLES, think, pid, args.rss_every, mib(args.kv_cache_memory)))
         counts = block_counts(server.url, timeout=120)
         alive = server.process.poll() is None and httpx.get(f"{server.url}/health", timeout=10).status_code == 200
     finally:

@@ -46,6 +46,7 @@ class Tally:
     health_failures: int = 0
     health_max_s: float = 0.0
     rss: list[tuple[float, float]] = field(default_factory=list)  # (seconds since the phase began, MiB)
+    pool_rss: list[float] = field(default_factory=list)  # MiB of the KV pool's mapping resident, with `rss`
     elapsed: float = 0.0
 
     def count(self, role: str, status: int) -> None:
@@ -157,6 +158,21 @@ def rss_mib(pid: int) -> float:
     return float("nan")
 
 
+def pool_rss_mib(pid: int, pool_mib: float) -> float:
+    """Resident MiB of the KV pool: the server's anonymous mapping of about `pool_mib` (kv/pool.py maps a
+    large pool lazily, so its pages join the RSS as blocks are first written; nan if none is found)."""
+    best, size_kib = float("nan"), None
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        if "-" in line.split(" ", 1)[0]:  # a mapping's header line (Python's mmap(-1): shared, /dev/zero)
+            size_kib, fields = None, line.split()
+            anonymous = len(fields) < 6 or fields[5].startswith(("/dev/zero", "[anon"))
+        elif line.startswith("Size:") and anonymous:
+            size_kib = int(line.split()[1])
+        elif line.startswith("Rss:") and size_kib is not None and abs(size_kib / 1024 - pool_mib) < 0.02 * pool_mib:
+            best = int(line.split()[1]) / 1024
+    return best
+
+
 @dataclass(slots=True)
 class Monitor:
     """Polls /health every second (own thread and connection, so the clients' event loop does not delay
@@ -166,6 +182,7 @@ class Monitor:
     pid: int
     tally: Tally
     rss_every: float
+    pool_mib: float = 0.0  # the server's KV pool size: its resident part is sampled too (0: not)
     stop: threading.Event = field(default_factory=threading.Event)
 
     def run(self) -> None:
@@ -190,19 +207,22 @@ class Monitor:
     def sample(self, elapsed: float) -> None:
         tally = self.tally
         tally.rss.append((elapsed, rss_mib(self.pid)))
+        if self.pool_mib:
+            tally.pool_rss.append(pool_rss_mib(self.pid, self.pool_mib))
         p99 = percentile(tally.ttfts, 0.99) if tally.ttfts else float("nan")
-        print(f"[{elapsed:5.0f}s] RSS {tally.rss[-1][1]:.0f} MiB, requests {sum(tally.completed.values())}, "
+        pool = f" (KV pool {tally.pool_rss[-1]:.0f})" if tally.pool_rss else ""
+        print(f"[{elapsed:5.0f}s] RSS {tally.rss[-1][1]:.0f} MiB{pool}, requests {sum(tally.completed.values())}, "
               f"well-behaved TTFT p99 {p99:.2f}s, 5xx {tally.server_errors}, health failures "
               f"{tally.health_failures}", flush=True)
 
 
 async def run_phase(
     url: str, model: str, duration: float, roles: dict[str, int], think_mean: float | None, pid: int,
-    rss_every: float = 30.0,
+    rss_every: float = 30.0, pool_mib: float = 0.0,
 ) -> Tally:
     """Run the clients of `roles` for `duration` seconds, then cancel them (in-flight requests hang up)."""
     tally = Tally()
-    monitor = Monitor(url, pid, tally, rss_every)
+    monitor = Monitor(url, pid, tally, rss_every, pool_mib)
     watcher = threading.Thread(target=monitor.run)
     watcher.start()
     clients = [role for role, count in roles.items() for _ in range(count)]

@@ -44,12 +44,13 @@ def main() -> int:
     pid = server.process.pid
     try:
         model = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]["id"]
-        tally = asyncio.run(run_phase(server.url, model, args.duration, roles, None, pid, args.rss_every))
+        tally = asyncio.run(run_phase(server.url, model, args.duration, roles, None, pid, args.rss_every, 256))
         print(f"anonymous (smaps_rollup) at the end: {anonymous_mib(pid):.0f} MiB")
     finally:
         server.terminate()
     print(f"roles {roles}: answers {tally.completed}, statuses {tally.status}")
     print("RSS (MiB): " + ", ".join(f"{t:.0f}s {m:.0f}" for t, m in tally.rss))
+    print("KV pool resident (MiB): " + ", ".join(f"{m:.0f}" for m in tally.pool_rss))
     for line in log_path.read_text().splitlines():
         if "heap (MiB" in line:
             print(line.split("heap ", 1)[1])
