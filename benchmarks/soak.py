@@ -102,10 +102,24 @@ def report(phases: dict, solo_ttft: float, think: float | None, counts: dict, ar
         ["leaked blocks after drain (used)", f"{leaked:.0f} of {counts['total']:.0f}"],
         [f"server RSS (MiB): soak start, after {args.warmup:.0f} s, end", f"{start:.0f}, {warm:.0f}, {end:.0f}"],
         [f"RSS slope after warm-up (MiB/min; flat: < {RSS_FLAT_MIB_PER_MIN:g})", f"{slope:.2f}"],
+        *pool_rows(tally, args.warmup),
         ["verdict (alive, no 5xx, no leaked blocks)", "PASS" if ok else "FAIL"],
         ["targets", targets(p99 / solo_ttft, slope, ok)],
     ]
     return markdown_table(["metric", "value"], rows), ok
+
+
+def pool_rows(tally, warmup: float) -> list[list]:
+    """The KV pool's resident MiB (start, end) and the slope of RSS less the pool: the pool is a lazy
+    mapping (kv/pool.py), so blocks written for the first time add to the RSS until every block has been
+    used once, which is not a leak."""
+    if not tally.pool_rss or any(m != m for m in tally.pool_rss):  # nan: the mapping was not found
+        return []
+    rest = [(t, m - pool) for (t, m), pool in zip(tally.rss, tally.pool_rss, strict=False)]
+    *_, slope = rss_trend(rest, warmup)
+    return [["KV pool resident (MiB): soak start, end", f"{tally.pool_rss[0]:.0f}, {tally.pool_rss[-1]:.0f}"],
+            [f"RSS less the KV pool: slope after warm-up (MiB/min; flat: < {RSS_FLAT_MIB_PER_MIN:g})",
+             f"{slope:.2f}"]]
 
 
 def targets(ratio: float, slope: float, ok: bool) -> str:
@@ -137,6 +151,8 @@ def main() -> int:
     parser.add_argument("--capacity", type=float, default=30.0, help="seconds of saturated closed-loop load")
     parser.add_argument("--control", type=float, default=60.0, help="seconds of well-behaved clients alone")
     parser.add_argument("--load", type=float, default=0.5, help="control load as a fraction of capacity")
+    parser.add_argument("--think", type=float, default=None,
+                        help="mean think time (s) instead of one sized by --load: the same offered load for A/B runs")
     parser.add_argument("--stress", action="store_true", help="no think time: clients back-to-back")
     parser.add_argument("--warmup", type=float, default=120.0, help="RSS slope is fitted after this many s")
     parser.add_argument("--rss-every", type=float, default=30.0, help="seconds between RSS samples")
@@ -170,7 +186,7 @@ def main() -> int:
         block_counts(server.url, timeout=120)
         if not phases["capacity"].completed:
             raise SystemExit("no short request finished in the capacity phase: lengthen --capacity")
-        think = None if args.stress else think_mean_for(
+        think = None if args.stress else args.think if args.think is not None else think_mean_for(
             args.load, phases["capacity"].rate(), ROLES["well_behaved"], solo_total)
         print(f"capacity {phases['capacity'].rate():.1f} req/s; think time mean {think}", flush=True)
         phases["control"] = asyncio.run(run_phase(server.url, model, args.control, well_behaved, think, pid))

@@ -7,7 +7,9 @@ running sequence of the group holding the largest share of the pool (blocks x st
 `pool_share.PoolShare`; never the oldest sequence, so something always finishes) is preempted: its
 blocks are released (full ones stay in the prefix cache) and it goes back to the front of the queue,
 to be recomputed. Admission is FCFS, except that members of a group that already runs wait behind
-requests whose group does not (`unserved_groups_first`).
+requests whose group does not (`unserved_groups_first`). A step that admits a request with no token
+yet runs the newcomers alone (`_yield_to_newcomers`; not two steps in a row), so a short request's
+first token does not wait for a step carrying every running row.
 
 A running request with nothing to compute is waiting for the rest of its group (a beam whose
 siblings have not computed their logits yet); it is skipped. If nothing at all could run, such
