@@ -81,29 +81,6 @@ def test_long_prefill_alone_takes_the_whole_budget(long_model_dir):
     assert_pool_drained(engine)
 
 
-def test_decode_rows_sit_out_a_newcomers_first_step(tiny_model_dir):
-    """A newcomer's first step carries only newcomers (a step's time grows with its rows); the running
-    decode rows come back the next step, even if more newcomers arrive then (never two steps in a row)."""
-    engine = make_engine(tiny_model_dir, num_blocks=64)
-    for index in range(3):
-        engine.add_request([5, 6, 7 + index], SamplingParams(max_tokens=8, ignore_eos=True), request_id=f"r{index}")
-    engine.step()  # the three prefills
-    engine.add_request([9, 9, 9], SHORT, request_id="new")
-    first = engine.scheduler.schedule()
-    assert [item.request.request_id for item in first.scheduled] == ["new"]
-    engine._run(first)
-    engine.add_request([8, 8, 8], SHORT, request_id="newer")
-    second = engine.scheduler.schedule()
-    assert sorted(item.request.request_id for item in second.scheduled) == ["new", "newer", "r0", "r1", "r2"]
-    engine._run(second)
-    third = engine.scheduler.schedule()  # no newcomer: everyone runs
-    assert len(third.scheduled) == 5
-    engine._run(third)
-    while engine.has_unfinished_requests():
-        engine.step()
-    assert_pool_drained(engine)
-
-
 HOSTAGE = SamplingParams(n=16, best_of=16, max_tokens=700, temperature=1.0, seed=1, ignore_eos=True)
 
 

@@ -28,7 +28,7 @@ def test_step_trace_explains_a_request(tiny_model_dir, tmp_path):
     requests = {r["id"]: r for r in records if r["k"] == "req"}
     assert steps[0]["new"] == ["a"] and steps[0]["chunks"] == 1 and steps[0]["prefill"] == 3
     b_step = next(s for s in steps if "b" in s["new"])
-    assert b_step["decode"] == 0  # "a" sat out b's first step
+    assert b_step["decode"] == 1 and b_step["chunks"] == 1  # a's decode row shares b's first step
     assert [s["t"] for s in steps] == sorted(s["t"] for s in steps)
     for request_id, outputs in (("a", 3), ("b", 2)):
         record = requests[request_id]

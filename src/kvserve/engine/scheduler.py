@@ -7,9 +7,7 @@ running sequence of the group holding the largest share of the pool (blocks x st
 `pool_share.PoolShare`; never the oldest sequence, so something always finishes) is preempted: its
 blocks are released (full ones stay in the prefix cache) and it goes back to the front of the queue,
 to be recomputed. Admission is FCFS, except that members of a group that already runs wait behind
-requests whose group does not (`unserved_groups_first`). A step that admits a request with no token
-yet runs the newcomers alone (`_yield_to_newcomers`; not two steps in a row), so a short request's
-first token does not wait for a step carrying every running row.
+requests whose group does not (`unserved_groups_first`).
 
 A running request with nothing to compute is waiting for the rest of its group (a beam whose
 siblings have not computed their logits yet); it is skipped. If nothing at all could run, such
@@ -224,18 +222,18 @@ class Scheduler:
             self.block_manager.match_prefix(request)
 
     def _yield_to_newcomers(self, output: SchedulerOutput, num_running_before: int) -> None:
-        """In a step that admits a request for the first time, the running requests sit out (decode
-        rows and prefill chunks alike; they keep their blocks and their place), so the newcomers' first
-        step costs what one would alone: a newcomer's TTFT is its solo TTFT plus the rest of the step in
-        flight when it arrived, not a step carrying every running row (a step's time grows with its
-        rows). SGLang runs a new prefill batch ahead of the running decode batch the same way. Never two
-        steps in a row, so the running requests get a token at least every other step however many
-        newcomers arrive."""
+        """In a step that admits a request for the first time, running prefill chunks sit out (they keep
+        their blocks), so the newcomer's first step costs what it would alone: its TTFT is its solo TTFT
+        plus the step in flight when it arrived. Never two steps in a row, so a long prefill gets a chunk
+        at least every other step however many newcomers arrive. Decode rows stay: letting them sit out
+        too was tried and measured (benchmarks/results/soak.md): on a CPU a step's fixed cost dominates at
+        a few rows, so the extra steps and the larger step after each yield made the tail no better."""
         fresh = any(item.request.metrics.first_token_time is None for item in output.scheduled[num_running_before:])
-        if not fresh or not num_running_before or self._yielded_last_step:
+        yielding = [item for item in output.scheduled[:num_running_before] if item.num_new_tokens > 1]
+        if not fresh or not yielding or self._yielded_last_step:
             self._yielded_last_step = False
             return
-        output.scheduled = output.scheduled[num_running_before:]
+        output.scheduled = [item for item in output.scheduled if item not in yielding]
         self._yielded_last_step = True
 
     def _chunk(self, num_remaining: int, budget: int) -> int:
