@@ -76,5 +76,8 @@ def trim_heap(log: bool = False) -> bool:
 @contextlib.asynccontextmanager
 async def periodic_trim(interval: float = TRIM_INTERVAL_S, log: bool = False) -> AsyncIterator[None]:
     """Run `trim_heap()` on a worker thread every `interval` seconds while the context is open (0: never)."""
-    async with every(interval if _malloc_trim() is not None else 0, lambda: trim_heap(log), in_thread=True):
+    def job() -> bool:
+        return trim_heap(log=True) if log else trim_heap()
+
+    async with every(interval if _malloc_trim() is not None else 0, job, in_thread=True):
         yield
