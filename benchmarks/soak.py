@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -100,16 +102,55 @@ def report(phases: dict, solo_ttft: float, think: float | None, counts: dict, ar
         ["leaked blocks after drain (used)", f"{leaked:.0f} of {counts['total']:.0f}"],
         [f"server RSS (MiB): soak start, after {args.warmup:.0f} s, end", f"{start:.0f}, {warm:.0f}, {end:.0f}"],
         [f"RSS slope after warm-up (MiB/min; flat: < {RSS_FLAT_MIB_PER_MIN:g})", f"{slope:.2f}"],
+        *pool_rows(tally, args.warmup),
         ["verdict (alive, no 5xx, no leaked blocks)", "PASS" if ok else "FAIL"],
-        ["targets", targets(p99 / solo_ttft, slope, ok)],
+        ["targets", targets(p99 / solo_ttft, slope, ok, rest_slope(tally, args.warmup))],
     ]
     return markdown_table(["metric", "value"], rows), ok
 
 
-def targets(ratio: float, slope: float, ok: bool) -> str:
+def pool_rows(tally, warmup: float) -> list[list]:
+    """The KV pool's resident MiB (start, end) and the slope of RSS less the pool: the pool is a lazy
+    mapping (kv/pool.py), so blocks written for the first time add to the RSS until every block has been
+    used once, which is not a leak."""
+    slope = rest_slope(tally, warmup)
+    if slope is None:
+        return []
+    return [["KV pool resident (MiB): soak start, end", f"{tally.pool_rss[0]:.0f}, {tally.pool_rss[-1]:.0f}"],
+            [f"RSS less the KV pool: slope after warm-up (MiB/min; flat: < {RSS_FLAT_MIB_PER_MIN:g})",
+             f"{slope:.2f}"]]
+
+
+def rest_slope(tally, warmup: float) -> float | None:
+    """Slope (MiB/min, after warm-up) of RSS less the KV pool's resident pages; None if not sampled."""
+    if not tally.pool_rss or any(m != m for m in tally.pool_rss):  # nan: the mapping was not found
+        return None
+    rest = [(t, m - pool) for (t, m), pool in zip(tally.rss, tally.pool_rss, strict=False)]
+    return rss_trend(rest, warmup)[3]
+
+
+def targets(ratio: float, slope: float, ok: bool, slope_less_pool: float | None = None) -> str:
     met = {"alive, no 5xx, no leaks": ok, f"p99 ≤ {TTFT_TARGET:g}x solo": ratio <= TTFT_TARGET,
            "RSS flat": abs(slope) < RSS_FLAT_MIB_PER_MIN}
+    if slope_less_pool is not None:
+        met["RSS less the KV pool flat"] = abs(slope_less_pool) < RSS_FLAT_MIB_PER_MIN
     return "; ".join(f"{name}: {'met' if good else '**not met**'}" for name, good in met.items())
+
+
+def mib(size: str) -> float:
+    """'256MiB' / '1GiB' -> MiB (the pool's mapping is found by its size)."""
+    units = {"GiB": 1024.0, "MiB": 1.0}
+    for unit, factor in units.items():
+        if size.endswith(unit):
+            return float(size[: -len(unit)]) * factor
+    raise SystemExit(f"--kv-cache-memory: expected a size in MiB or GiB, got {size!r}")
+
+
+def write_client_trace(directory: str, phases: dict) -> None:
+    """Each phase's well-behaved requests (response id, sent, TTFT) for benchmarks/soak_trace.py."""
+    data = {name: list(zip(tally.ids, tally.sent, tally.ttfts, strict=True)) for name, tally in phases.items()}
+    with open(os.path.join(directory, "clients.json"), "w", encoding="utf-8") as handle:
+        json.dump(data, handle)
 
 
 def main() -> int:
@@ -119,15 +160,31 @@ def main() -> int:
     parser.add_argument("--capacity", type=float, default=30.0, help="seconds of saturated closed-loop load")
     parser.add_argument("--control", type=float, default=60.0, help="seconds of well-behaved clients alone")
     parser.add_argument("--load", type=float, default=0.5, help="control load as a fraction of capacity")
+    parser.add_argument("--think", type=float, default=None,
+                        help="mean think time (s) instead of one sized by --load: the same offered load for A/B runs")
     parser.add_argument("--stress", action="store_true", help="no think time: clients back-to-back")
     parser.add_argument("--warmup", type=float, default=120.0, help="RSS slope is fitted after this many s")
     parser.add_argument("--rss-every", type=float, default=30.0, help="seconds between RSS samples")
     parser.add_argument("--kv-cache-memory", default="256MiB", help="small on purpose: the adversary fills it")
+    parser.add_argument("--weights", default=None, help="the server's --weights (default: the server's own)")
+    parser.add_argument("--quick", action="store_true",
+                        help="a 2-3 minute iteration: capacity 20 s, control 45 s, soak 60 s; implies --no-write")
+    parser.add_argument("--trace", default=None, metavar="DIR", help="write the server's step trace and the "
+                        "clients' TTFTs there (benchmarks/soak_trace.py reads them)")
     parser.add_argument("--no-write", action="store_true", help="print only; leave results/ untouched")
     args = parser.parse_args()
+    if args.quick:
+        args.capacity, args.control, args.duration, args.warmup, args.rss_every = 20.0, 45.0, 60.0, 20.0, 10.0
+        args.no_write = True
 
     print(f"starting server with {args.model} ...", file=sys.stderr)
-    server = launch_server(["--model", args.model, "--kv-cache-memory", args.kv_cache_memory])
+    server_args = ["--model", args.model, "--kv-cache-memory", args.kv_cache_memory]
+    server_args += ["--weights", args.weights] if args.weights else []
+    env = {}
+    if args.trace:
+        os.makedirs(args.trace, exist_ok=True)
+        env["KVSERVE_STEP_TRACE"] = os.path.join(args.trace, "steps.jsonl")
+    server = launch_server(server_args, env=env)
     pid, phases = server.process.pid, {}
     try:
         model = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]["id"]
@@ -138,23 +195,26 @@ def main() -> int:
         block_counts(server.url, timeout=120)
         if not phases["capacity"].completed:
             raise SystemExit("no short request finished in the capacity phase: lengthen --capacity")
-        think = None if args.stress else think_mean_for(
+        think = None if args.stress else args.think if args.think is not None else think_mean_for(
             args.load, phases["capacity"].rate(), ROLES["well_behaved"], solo_total)
         print(f"capacity {phases['capacity'].rate():.1f} req/s; think time mean {think}", flush=True)
         phases["control"] = asyncio.run(run_phase(server.url, model, args.control, well_behaved, think, pid))
         block_counts(server.url, timeout=120)
         print(f"soaking for {args.duration:.0f}s", flush=True)
         phases["soak"] = asyncio.run(
-            run_phase(server.url, model, args.duration, ROLES, think, pid, args.rss_every))
+            run_phase(server.url, model, args.duration, ROLES, think, pid, args.rss_every, mib(args.kv_cache_memory)))
         counts = block_counts(server.url, timeout=120)
         alive = server.process.poll() is None and httpx.get(f"{server.url}/health", timeout=10).status_code == 200
     finally:
         exit_code = server.terminate()
+    if args.trace:
+        write_client_trace(args.trace, phases)
     table, ok = report(phases, solo_ttft, think, counts, args, alive)
     tally = phases["soak"]
     samples = ", ".join(f"{t:.0f}s {m:.0f}" for t, m in tally.rss)
-    notes = (f"Model `{model}`, KV pool {args.kv_cache_memory}, loopback only. Well-behaved requests: streaming "
-             f"chat, max_tokens 4, temperature 0; TTFT is client-side (request sent → first content event). "
+    weights = f", weights {args.weights}" if args.weights else ""
+    notes = (f"Model `{model}`{weights}, KV pool {args.kv_cache_memory}, loopback only. Well-behaved requests: "
+             f"streaming chat, max_tokens 4, temperature 0; TTFT is client-side (request sent → first content event). "
              f"Server exit status after SIGTERM: {exit_code}.\n\nServer RSS during the soak (MiB): {samples}.")
     if tally.errors:
         notes += "\n\nFirst client-side errors:\n" + "\n".join(f"- {e}" for e in tally.errors[:5])

@@ -38,12 +38,15 @@ BAD_BODIES = [
 @dataclass(slots=True)
 class Tally:
     ttfts: list[float] = field(default_factory=list)
+    sent: list[float] = field(default_factory=list)  # perf_counter() when each of `ttfts` was sent
+    ids: list[str] = field(default_factory=list)  # their response ids (the engine's: id + "-0")
     completed: dict[str, int] = field(default_factory=dict)
     status: dict[int, int] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
     health_failures: int = 0
     health_max_s: float = 0.0
     rss: list[tuple[float, float]] = field(default_factory=list)  # (seconds since the phase began, MiB)
+    pool_rss: list[float] = field(default_factory=list)  # MiB of the KV pool's mapping resident, with `rss`
     elapsed: float = 0.0
 
     def count(self, role: str, status: int) -> None:
@@ -59,25 +62,30 @@ class Tally:
         return self.completed.get(role, 0) / self.elapsed if self.elapsed else float("nan")
 
 
-async def short_request(http: httpx.AsyncClient, model: str) -> tuple[int, float | None, float]:
-    """Status, TTFT (request sent -> first content event) and total time of one short streaming chat."""
+async def short_request(http: httpx.AsyncClient, model: str, tally: Tally | None = None
+                        ) -> tuple[int, float | None, float]:
+    """Status, TTFT (request sent -> first content event) and total time of one short streaming chat;
+    with `tally`, the TTFT and send time are recorded there."""
     start = time.perf_counter()
     async with http.stream("POST", "/v1/chat/completions", json={"model": model, **SHORT}) as response:
         if response.status_code != 200:
             await response.aread()
             return response.status_code, None, time.perf_counter() - start
-        ttft = None
+        ttft, response_id = None, ""
         async for line in response.aiter_lines():
             if ttft is None and line.startswith("data: {") and '"content":"' in line and '"content":""' not in line:
                 ttft = time.perf_counter() - start
+                response_id = json.loads(line[6:])["id"]
+    if tally is not None and ttft is not None:
+        tally.ttfts.append(ttft)
+        tally.sent.append(start)
+        tally.ids.append(response_id)
     return 200, ttft, time.perf_counter() - start
 
 
 async def well_behaved(http: httpx.AsyncClient, model: str, tally: Tally, rng: random.Random) -> None:
-    status, ttft, _ = await short_request(http, model)
+    status, _, _ = await short_request(http, model, tally)
     tally.count("well_behaved", status)
-    if ttft is not None:
-        tally.ttfts.append(ttft)
 
 
 async def disconnector(http: httpx.AsyncClient, model: str, tally: Tally, rng: random.Random) -> None:
@@ -150,6 +158,21 @@ def rss_mib(pid: int) -> float:
     return float("nan")
 
 
+def pool_rss_mib(pid: int, pool_mib: float) -> float:
+    """Resident MiB of the KV pool: the server's anonymous mapping of about `pool_mib` (kv/pool.py maps a
+    large pool lazily, so its pages join the RSS as blocks are first written; nan if none is found)."""
+    best, size_kib = float("nan"), None
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        if "-" in line.split(" ", 1)[0]:  # a mapping's header line (Python's mmap(-1): shared, /dev/zero)
+            size_kib, fields = None, line.split()
+            anonymous = len(fields) < 6 or fields[5].startswith(("/dev/zero", "[anon"))
+        elif line.startswith("Size:") and anonymous:
+            size_kib = int(line.split()[1])
+        elif line.startswith("Rss:") and size_kib is not None and abs(size_kib / 1024 - pool_mib) < 0.02 * pool_mib:
+            best = int(line.split()[1]) / 1024
+    return best
+
+
 @dataclass(slots=True)
 class Monitor:
     """Polls /health every second (own thread and connection, so the clients' event loop does not delay
@@ -159,6 +182,7 @@ class Monitor:
     pid: int
     tally: Tally
     rss_every: float
+    pool_mib: float = 0.0  # the server's KV pool size: its resident part is sampled too (0: not)
     stop: threading.Event = field(default_factory=threading.Event)
 
     def run(self) -> None:
@@ -183,19 +207,22 @@ class Monitor:
     def sample(self, elapsed: float) -> None:
         tally = self.tally
         tally.rss.append((elapsed, rss_mib(self.pid)))
+        if self.pool_mib:
+            tally.pool_rss.append(pool_rss_mib(self.pid, self.pool_mib))
         p99 = percentile(tally.ttfts, 0.99) if tally.ttfts else float("nan")
-        print(f"[{elapsed:5.0f}s] RSS {tally.rss[-1][1]:.0f} MiB, requests {sum(tally.completed.values())}, "
+        pool = f" (KV pool {tally.pool_rss[-1]:.0f})" if tally.pool_rss else ""
+        print(f"[{elapsed:5.0f}s] RSS {tally.rss[-1][1]:.0f} MiB{pool}, requests {sum(tally.completed.values())}, "
               f"well-behaved TTFT p99 {p99:.2f}s, 5xx {tally.server_errors}, health failures "
               f"{tally.health_failures}", flush=True)
 
 
 async def run_phase(
     url: str, model: str, duration: float, roles: dict[str, int], think_mean: float | None, pid: int,
-    rss_every: float = 30.0,
+    rss_every: float = 30.0, pool_mib: float = 0.0,
 ) -> Tally:
     """Run the clients of `roles` for `duration` seconds, then cancel them (in-flight requests hang up)."""
     tally = Tally()
-    monitor = Monitor(url, pid, tally, rss_every)
+    monitor = Monitor(url, pid, tally, rss_every, pool_mib)
     watcher = threading.Thread(target=monitor.run)
     watcher.start()
     clients = [role for role, count in roles.items() for _ in range(count)]

@@ -32,6 +32,7 @@ from kvserve.tiers.offload import SOURCES
 
 if TYPE_CHECKING:
     from kvserve.engine.kv_tiers import EngineTiers
+    from kvserve.engine.step_trace import StepTrace
 
 LPM_MAX_WAITING = 128  # beyond this many waiting requests, lpm's per-step matching costs too much
 PROTECT_WAITING = 4  # head-of-queue requests whose cached prefixes are refreshed before running ones grow
@@ -112,6 +113,7 @@ class Scheduler:
         self.counters = PrefixCacheCounters()
         self.tiers: EngineTiers | None = None  # set by the engine when a lower tier is configured
         self.prefix_hold: PrefixHold | None = None  # set by the engine: in-batch prefix sharing at admission
+        self.trace: StepTrace | None = None  # set by the server under KVSERVE_STEP_TRACE
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -136,6 +138,8 @@ class Scheduler:
             self._unblock_waiting(output)
         output.blocks_to_copy = self.block_manager.take_pending_copies()
         self._assert_end_of_step(output)
+        if self.trace is not None:
+            self.trace.step(output.scheduled, len(self.waiting))
         return output
 
     def _assert_end_of_step(self, output: SchedulerOutput) -> None:
@@ -221,7 +225,9 @@ class Scheduler:
         """In a step that admits a request for the first time, running prefill chunks sit out (they keep
         their blocks), so the newcomer's first step costs what it would alone: its TTFT is its solo TTFT
         plus the step in flight when it arrived. Never two steps in a row, so a long prefill gets a chunk
-        at least every other step however many newcomers arrive."""
+        at least every other step however many newcomers arrive. Decode rows stay: letting them sit out
+        too was tried and measured (benchmarks/results/soak.md): on a CPU a step's fixed cost dominates at
+        a few rows, so the extra steps and the larger step after each yield made the tail no better."""
         fresh = any(item.request.metrics.first_token_time is None for item in output.scheduled[num_running_before:])
         yielding = [item for item in output.scheduled[:num_running_before] if item.num_new_tokens > 1]
         if not fresh or not yielding or self._yielded_last_step:

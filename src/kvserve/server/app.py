@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import threading
 from collections.abc import AsyncIterator, Iterator
@@ -18,6 +19,7 @@ from starlette.middleware.cors import CORSMiddleware
 
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import LLMEngine
+from kvserve.engine.step_trace import StepTrace
 from kvserve.events.engine_hook import attach_kv_events
 from kvserve.events.format import AllBlocksCleared
 from kvserve.events.publisher import KVEventPublisher
@@ -68,7 +70,8 @@ def build_app(
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         async_engine.start()
         try:
-            async with periodic_stats(stats_logger, options.stats_log_interval), periodic_trim():
+            heap_log = bool(os.environ.get("KVSERVE_HEAP_LOG"))  # one heap-statistics line per trim
+            async with periodic_stats(stats_logger, options.stats_log_interval), periodic_trim(log=heap_log):
                 yield
         finally:
             # In-flight handlers were finished or cancelled (and aborted) by uvicorn's graceful shutdown.
@@ -139,6 +142,7 @@ def run_server(
         if publisher is not None:
             publisher.publish([AllBlocksCleared()])
             attach_kv_events(llm_engine.block_manager, publisher)
+        _attach_step_trace(llm_engine)
         if request_log:
             llm_engine.finish_listeners.append(RequestLog(request_log, config.block_size, config.prefix_hash))
         adapters = {name: llm_engine.load_lora(name, path) for name, path in options.lora_modules}
@@ -169,6 +173,16 @@ def run_server(
         if server.engine_error is not None:
             logger.critical("kvserve: exiting with status 1: the engine loop died (%r)", server.engine_error)
             raise SystemExit(1)  # so a supervisor restarts the process instead of a 503 zombie living on
+
+
+def _attach_step_trace(llm_engine: LLMEngine) -> None:
+    """KVSERVE_STEP_TRACE=path: a JSON line per step and per finished request (engine/step_trace.py)."""
+    path = os.environ.get("KVSERVE_STEP_TRACE")
+    if path:
+        trace = StepTrace(path)
+        llm_engine.scheduler.trace = trace
+        llm_engine.finish_listeners.append(trace)
+        logger.info("kvserve: tracing steps to %s", path)
 
 
 def _configure_logging(level: str) -> None:

@@ -14,11 +14,39 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import logging
 from collections.abc import AsyncIterator
 
 from kvserve.server.periodic import every
 
 TRIM_INTERVAL_S = 30.0
+MALLINFO2_FIELDS = ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+                    "fordblks", "keepcost")
+logger = logging.getLogger("uvicorn.error")
+
+
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in MALLINFO2_FIELDS]
+
+
+def _libc():
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name) if name else None
+    except OSError:
+        return None
+
+
+def heap_stats() -> dict[str, int]:
+    """glibc's `mallinfo2()` summed over all arenas, in bytes (empty without glibc >= 2.33): `arena` is
+    what the arenas took from the OS by brk/mmap, `hblkhd` the large mmap'd blocks, `uordblks` in use,
+    `fordblks` free but kept."""
+    libc = _libc()
+    if libc is None or not hasattr(libc, "mallinfo2"):
+        return {}
+    libc.mallinfo2.restype = _Mallinfo2
+    info = libc.mallinfo2()
+    return {name: int(getattr(info, name)) for name in MALLINFO2_FIELDS}
 
 
 def _malloc_trim():
@@ -29,17 +57,27 @@ def _malloc_trim():
         return None
 
 
-def trim_heap() -> bool:
-    """Return free heap pages to the OS; False where the C library has no `malloc_trim`."""
+def trim_heap(log: bool = False) -> bool:
+    """Return free heap pages to the OS; False where the C library has no `malloc_trim`. `log`: one line
+    with the heap's statistics (MiB) before and after."""
     trim = _malloc_trim()
     if trim is None:
         return False
+    before = heap_stats() if log else {}
     trim(0)
+    if log:
+        after = heap_stats()
+        logger.info("heap (MiB, before -> after trim): %s", ", ".join(
+            f"{k} {before[k] / 2**20:.1f} -> {after[k] / 2**20:.1f}" for k in ("arena", "hblkhd", "uordblks",
+                                                                                "fordblks") if k in after))
     return True
 
 
 @contextlib.asynccontextmanager
-async def periodic_trim(interval: float = TRIM_INTERVAL_S) -> AsyncIterator[None]:
+async def periodic_trim(interval: float = TRIM_INTERVAL_S, log: bool = False) -> AsyncIterator[None]:
     """Run `trim_heap()` on a worker thread every `interval` seconds while the context is open (0: never)."""
-    async with every(interval if _malloc_trim() is not None else 0, trim_heap, in_thread=True):
+    def job() -> bool:
+        return trim_heap(log=True) if log else trim_heap()
+
+    async with every(interval if _malloc_trim() is not None else 0, job, in_thread=True):
         yield
