@@ -221,10 +221,19 @@ def test_rag_stream_is_balanced_and_mostly_cached(name):
 
 @pytest.mark.parametrize("name", POLICIES)
 def test_one_hot_document_is_copied_to_the_idle_worker(name):
-    cluster = Cluster.of(POLICIES[name]())
-    rag(cluster, seed=7, weights=(8, 1, 1, 1))
-    assert cluster.busiest_share() <= 0.60, cluster.routed
-    assert cluster.cached_tokens / cluster.prompt_tokens >= 0.6
+    """A document asked 8 times in 11 is copied to the other worker, so both serve it. Requests per worker
+    again follow who paid more 1,024-token prefills (the copy is one): seen 0.53-0.75 per run, means
+    0.61-0.63 with the hot-prefix guard (0.58-0.60 with the old one, which also copied the cold documents)."""
+    shares, hits = [], []
+    for seed in SEEDS:
+        cluster = Cluster.of(POLICIES[name]())
+        chosen = rag(cluster, seed=seed, weights=(8, 1, 1, 1))
+        hot = max(range(4), key=chosen.count)
+        assert len(cluster.routed) == 2 and min(cluster.routed.values()) > chosen.count(hot) // 4, cluster.routed
+        shares.append(cluster.busiest_share())
+        hits.append(cluster.cached_tokens / cluster.prompt_tokens)
+    assert sum(shares) / len(shares) <= 0.65, shares
+    assert min(hits) >= 0.6, hits
 
 
 @pytest.mark.parametrize("name", POLICIES)
@@ -307,3 +316,40 @@ def test_busy_chat_keeps_the_single_workers_hit_rate(name, count):
         single.append(hit_rate(CacheAwarePolicy(), 1, seed))
         routed.append(hit_rate(POLICIES[name](), count, seed))
     assert sum(routed) / 3 >= sum(single) / 3 - 0.05, (single, routed)
+
+
+def gated_rag(cluster: Cluster, seed: int, queries: int = 24, doc_len: int = 512, concurrency: int = 4) -> None:
+    """The benchmark's RAG: `queries` questions over 4 shared documents of random popularity, at most
+    `concurrency` in flight (a client slot is refilled as its request finishes)."""
+    rng = random.Random(seed)
+    docs = [ids(rng, doc_len) for _ in range(4)]
+    prompts = iter([docs[rng.randrange(4)] + ids(rng, 32) for _ in range(queries)])
+
+    def ask(_: Worker | None = None) -> None:
+        prompt = next(prompts, None)
+        if prompt is not None:
+            cluster.send(prompt, ask)
+
+    for slot in range(concurrency):
+        cluster.at(float(slot), ask)
+    cluster.run()
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_rag_over_four_workers_copies_no_cold_document(name):
+    """4 documents, 4 workers, 4 requests in flight: a document's requests often bunch up 3 to 1 on its
+    worker, and SGLang's guard on request counts (3 − 0 > 2) then copied the document to an idle worker, a
+    full prefill each time: 5-6 points of hit rate below one worker (12 seeds; the benchmark saw 8-12).
+    Copying only a hot prefix keeps the single worker's hit rate (seen +0.3 points) and 2 workers' balance."""
+    def hit_rate(policy: Policy, workers: int, seed: int) -> tuple[float, float]:
+        cluster = Cluster.of(policy, workers)
+        gated_rag(cluster, seed)
+        return cluster.cached_tokens / cluster.prompt_tokens, cluster.busiest_share()
+
+    seeds = range(12)
+    single = sum(hit_rate(CacheAwarePolicy(), 1, seed)[0] for seed in seeds) / len(seeds)
+    four = sum(hit_rate(POLICIES[name](), 4, seed)[0] for seed in seeds) / len(seeds)
+    assert four >= single - 0.01, (single, four)
+    two = [hit_rate(POLICIES[name](), 2, seed) for seed in seeds]
+    assert sum(hit for hit, _ in two) / len(seeds) >= single - 0.02, (single, two)
+    assert sum(share for _, share in two) / len(seeds) <= 0.60, two

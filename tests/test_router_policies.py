@@ -132,6 +132,33 @@ def test_cache_aware_ignores_affinity_when_imbalanced():
     assert policy.choose(prompt, pool).worker is pool[0]
 
 
+@pytest.mark.parametrize("make", [CacheAwarePolicy, KvEventsPolicy])
+def test_imbalance_guard_copies_only_a_hot_prefix(make):
+    """4 workers, each holding one of 4 equally asked documents: the one busy with 3 requests for its
+    document keeps the 4th (copying a cold document costs its whole prefill to save one wait); once that
+    document is asked 16 times in the last 28 it is hot and copied to an idle worker. The old guard, on
+    request counts alone, copied both."""
+    policy, pool = make(), workers(4)
+    docs = [list(range(1000 * d, 1000 * d + 64)) for d in range(1, 5)]
+
+    def route(prompt, worker):
+        policy.on_routed(key(prompt), worker)
+        if isinstance(policy, KvEventsPolicy):
+            hashes = block_hashes(prompt, 4, ALICE, "sha256")
+            policy.index.apply(worker.url, KVEventBatch(ts=0.0, events=[BlockStored(hashes, None, [], 4)]))
+
+    for round_ in range(4):
+        for doc, worker in zip(docs, pool, strict=True):
+            route(doc + [round_], worker)
+    pool[0].in_flight, pool[1].in_flight = 3, 1  # 3 − 0 > 2 and 3 > 1.5 × 0: imbalanced
+    cold = policy.choose(key(docs[0] + [99]), pool)
+    assert cold.worker is pool[0] and cold.reason == "cache_hit"
+    for round_ in range(12):
+        route(docs[0] + [200 + round_], pool[0])
+    hot = policy.choose(key(docs[0] + [98]), pool)
+    assert hot.worker in (pool[2], pool[3]) and hot.reason == "imbalance"
+
+
 def test_cache_aware_threshold_fraction():
     policy, pool = CacheAwarePolicy(CacheAwareSettings(cache_threshold=0.5)), workers(2)
     policy.on_routed(key(range(10)), pool[0])

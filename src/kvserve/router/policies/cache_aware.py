@@ -1,6 +1,10 @@
 """cache_aware: SGLang's rule over approximate per-worker token trees.
 
-1. Load imbalanced (max − min > `balance_abs` and max > `balance_rel` × min) → the least loaded.
+1. Load imbalanced (max − min > `balance_abs` and max > `balance_rel` × min) → the least loaded worker,
+   if that costs no copy worth avoiding: it holds more than `cache_threshold` of the prompt itself, or
+   what it lacks is a hot prefix (`HotPrefixes`: one bringing its holders more traffic than the other
+   workers get, such as the system prompt every chat user sends, or a document most questions name).
+   A cold prefix (one of 4 equally asked documents on 4 workers) is not copied for one request's wait.
 2. Else, if the best tree match covers more than `cache_threshold` of the prompt → that worker.
 3. Else → the worker with the smallest tree (then the least loaded): new prefixes spread out.
 
@@ -15,7 +19,7 @@ from dataclasses import dataclass
 
 from kvserve.router.config import BALANCE_ABS, BALANCE_REL, CACHE_THRESHOLD, TREE_BUDGET
 from kvserve.router.keys import RouteKey, namespace_marker
-from kvserve.router.policies.base import Decision, LoadTieBreaker, Policy, is_imbalanced
+from kvserve.router.policies.base import Decision, HotPrefixes, LoadTieBreaker, Policy, is_imbalanced
 from kvserve.router.radix import TokenTree
 from kvserve.router.workers import Worker
 
@@ -48,6 +52,7 @@ class CacheAwarePolicy(Policy):
         self.settings = settings or CacheAwareSettings()
         self._trees: dict[Worker, TokenTree] = {}
         self._ties = LoadTieBreaker()
+        self.hot = HotPrefixes()
 
     def tree(self, worker: Worker) -> TokenTree:
         """The worker's tree, bounded by what the worker can hold: a tree that remembered more than the
@@ -64,14 +69,19 @@ class CacheAwarePolicy(Policy):
 
     def choose(self, key: RouteKey, workers: list[Worker]) -> Decision:
         s = self.settings
-        if is_imbalanced(workers, s.balance_abs, s.balance_rel):
-            return Decision(self._ties.least_loaded(workers), "imbalance")
+        imbalanced = is_imbalanced(workers, s.balance_abs, s.balance_rel)
         if not key.usable:
-            return Decision(self._ties.least_loaded(workers), "unkeyed")
+            return Decision(self._ties.least_loaded(workers), "imbalance" if imbalanced else "unkeyed")
         seq = tree_key(key)
         matches = {worker: max(self.tree(worker).match(seq) - 1, 0) for worker in workers}
         best = max(matches.values())
-        if best > s.cache_threshold * len(key.tokens):
+        hit = best > s.cache_threshold * len(key.tokens)
+        if imbalanced:
+            chosen = self._ties.least_loaded(workers)
+            target = matches[chosen]
+            if target > s.cache_threshold * len(key.tokens) or self.hot.worth_copying(key, matches, target):
+                return Decision(chosen, "imbalance", target)
+        if hit:
             holders = [worker for worker in workers if matches[worker] == best]
             return Decision(self._ties.least_loaded(holders), "cache_hit", best)
         smallest = min(self.tree(worker).num_tokens for worker in workers)
@@ -80,6 +90,7 @@ class CacheAwarePolicy(Policy):
         return Decision(chosen, "smallest_tree", matches[chosen])
 
     def on_routed(self, key: RouteKey, worker: Worker) -> None:
+        self.hot.add(key)
         if key.usable:
             self.tree(worker).insert(tree_key(key))
 

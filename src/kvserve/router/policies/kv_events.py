@@ -17,8 +17,11 @@ stays there unless its worker is busier by more requests than that history is wo
 cached fraction − load gap as a fraction, let a one-request gap outweigh a chat history that is short
 next to the shared system prompt, and moved conversations: 7-9 points of hit rate lost.) SGLang's
 imbalance guard comes first (max − min load above `balance_abs` and max above `balance_rel` × min → the
-least loaded): it is what copies a hot document from a busy worker to an idle one (then both hold it
-and load splits it). Reason `rebalance`: load outweighed a better-cached worker.
+least loaded), but only for a hot prefix (`HotPrefixes`: it brings its holders more traffic than the
+other workers get): it is what copies a hot document or a shared system prompt from a busy worker to an
+idle one (then both hold it and load splits it). One of 4 equally asked documents on 4 workers is not
+copied when its requests bunch up for a moment: the copy would cost a full prefill to save one wait.
+Reason `rebalance`: load outweighed a better-cached worker.
 
 Blocks the router sent a worker moments ago count as cached there until its events report them
 (`PendingBlocks`), so a burst for one hot prefix is not spread before the first prefill finishes.
@@ -42,7 +45,7 @@ from kvserve.prefix.hashing import block_hashes
 from kvserve.router.config import BALANCE_ABS, BALANCE_REL, LOAD_WEIGHT
 from kvserve.router.index import BlockIndex, PendingBlocks, WorkerEvents
 from kvserve.router.keys import RouteKey
-from kvserve.router.policies.base import Decision, LoadTieBreaker, Policy, is_imbalanced
+from kvserve.router.policies.base import Decision, HotPrefixes, LoadTieBreaker, Policy, is_imbalanced
 from kvserve.router.workers import Worker
 
 logger = logging.getLogger("kvserve.router")
@@ -83,25 +86,31 @@ class KvEventsPolicy(Policy):
         self.balance_rel = balance_rel
         self.request_cost = RequestCost()
         self._ties = LoadTieBreaker()
+        self.hot = HotPrefixes()
         self.streams: dict[Worker, EventStream] = {}
         self._tasks: dict[Worker, asyncio.Task] = {}
         self.handlers: dict[Worker, WorkerEvents] = {}
         self._running = False
 
     def choose(self, key: RouteKey, workers: list[Worker]) -> Decision:
-        if is_imbalanced(workers, self.balance_abs, self.balance_rel):
-            return Decision(self._ties.least_loaded(workers), "imbalance")
+        imbalanced = is_imbalanced(workers, self.balance_abs, self.balance_rel)
         runs = self.cached_tokens(key, workers)
         if not runs:
-            return Decision(self._ties.least_loaded(workers), "unkeyed")
+            return Decision(self._ties.least_loaded(workers), "imbalance" if imbalanced else "unkeyed")
         assert key.tokens is not None
-        if max(runs.values()) == 0:
+        best = max(runs.values())
+        if imbalanced:
+            chosen = self._ties.least_loaded(workers)
+            target = runs[chosen]
+            if self.hot.worth_copying(key, runs, target):
+                return Decision(chosen, "imbalance", target)
+        if best == 0:
             return Decision(self._ties.least_loaded(workers), "least_load")
         costs = self.costs(len(key.tokens), runs, workers)
         least = min(costs.values())
         chosen = self._ties.least_loaded([worker for worker in workers if costs[worker] == least])
         self.request_cost.add(len(key.tokens) - runs[chosen])
-        return Decision(chosen, "rebalance" if runs[chosen] < max(runs.values()) else "cache_hit", runs[chosen])
+        return Decision(chosen, "rebalance" if runs[chosen] < best else "cache_hit", runs[chosen])
 
     def costs(self, prompt_tokens: int, runs: dict[Worker, int], workers: list[Worker]) -> dict[Worker, float]:
         """Each worker's estimated work for this request, in tokens of prefill: its uncached prompt tokens
@@ -147,6 +156,7 @@ class KvEventsPolicy(Policy):
         return hashes
 
     def on_routed(self, key: RouteKey, worker: Worker) -> None:
+        self.hot.add(key)
         hashes = self._hashes(key, [worker])  # the ones choose() computed, for the same key
         if worker in hashes:
             self.pending.add(worker.url, hashes[worker], time.monotonic())
