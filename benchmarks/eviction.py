@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, ROOT, markdown_table, write_result  # noqa: E402
-from kvserve.prefix.eviction import DEFAULT_EVICTION, EVICTION_POLICIES  # noqa: E402
+from kvserve.prefix.policies import DEFAULT_EVICTION, EVICTION_POLICIES  # noqa: E402
 from kvserve.replay.driver import Replay, ReplayConfig, distinct_blocks  # noqa: E402
 from kvserve.replay.oracles import ORACLE_POLICIES  # noqa: E402
 from kvserve.replay.trace import read_trace  # noqa: E402

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import pytest
 
 from kvserve.prefix.adaptive import AdaptiveGhostLRUPolicy
-from kvserve.prefix.eviction import ONLINE_POLICIES, make_policy
+from kvserve.prefix.policies import ONLINE_POLICIES, make_policy
 from kvserve.replay.oracles import ORACLE_POLICIES, make_oracle
 
 

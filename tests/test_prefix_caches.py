@@ -10,10 +10,10 @@ import pytest
 
 from kvserve.kv.block_allocator import BlockAllocator
 from kvserve.prefix.base import Namespace, NoPrefixCache
-from kvserve.prefix.eviction import make_policy
 from kvserve.prefix.factory import make_prefix_cache
 from kvserve.prefix.hashed import HashCache
 from kvserve.prefix.hashing import block_hashes
+from kvserve.prefix.policies import make_policy
 from kvserve.prefix.radix import RadixCache
 
 BS = 16

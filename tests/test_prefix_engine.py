@@ -6,7 +6,7 @@ import pytest
 
 from conftest import assert_pool_drained, hf_greedy, random_prompts
 from kvserve import LLM, SamplingParams
-from kvserve.prefix.eviction import DEFAULT_EVICTION, ONLINE_POLICIES
+from kvserve.prefix.policies import DEFAULT_EVICTION, ONLINE_POLICIES
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 BASE = list(range(100, 160))  # 60 distinct token ids

@@ -18,9 +18,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvserve.kv.block_allocator import BlockAllocator
 from kvserve.prefix.base import Namespace
-from kvserve.prefix.eviction import EVICTION_POLICIES, make_policy
 from kvserve.prefix.hashed import HashCache
 from kvserve.prefix.hashing import block_hashes
+from kvserve.prefix.policies import EVICTION_POLICIES, make_policy
 from kvserve.prefix.radix import RadixCache
 
 BS = 4

@@ -10,7 +10,7 @@ import pytest
 
 from kvserve import LLM, SamplingParams
 from kvserve.cli import main
-from kvserve.prefix.eviction import EVICTION_POLICIES
+from kvserve.prefix.policies import EVICTION_POLICIES
 from kvserve.replay.driver import NextUseOracle, Replay, ReplayConfig, distinct_blocks
 from kvserve.replay.expand import expand, trace_id_of
 from kvserve.replay.oracles import ORACLE_POLICIES

@@ -17,7 +17,7 @@ from kvserve.config import (
     EngineConfig,
 )
 from kvserve.engine.params import SamplingParams
-from kvserve.prefix.eviction import ONLINE_POLICIES
+from kvserve.prefix.policies import ONLINE_POLICIES
 from kvserve.settings import SettingsError, apply_sources
 
 

@@ -6,8 +6,8 @@ import os
 import re
 from dataclasses import dataclass, fields
 
-from kvserve.prefix.eviction import DEFAULT_EVICTION, ONLINE_POLICIES
 from kvserve.prefix.factory import PREFIX_CACHE_KINDS, PREFIX_HASH_KINDS
+from kvserve.prefix.policies import DEFAULT_EVICTION, ONLINE_POLICIES
 
 __all__ = [
     "ACTIVATION_QUANTS", "DTYPES", "PREFIX_CACHE_KINDS", "PREFIX_HASH_KINDS",

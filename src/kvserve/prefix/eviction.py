@@ -46,10 +46,6 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-EVICTION_POLICIES = ("lru", "lfu", "gdsf", "s2lru", "glru", "alru", "belady")
-ONLINE_POLICIES = EVICTION_POLICIES[:-1]  # belady needs the future: replay only
-DEFAULT_EVICTION = "alru"  # at or above glru everywhere measured; within 0.6 points of lru on chat
-
 DEPTH_SCALE = 256.0  # blocks: a block this deep costs twice a first block to recompute
 NextUse = Callable[[bytes], float]  # block hash -> when it is next used (inf: never)
 
@@ -247,24 +243,3 @@ class BeladyPolicy(EvictionPolicy):
         while k < min(need, len(hashes)) and next_use(hashes[-1 - k]) == far:
             k += 1
         return min(need, k)
-
-
-def _adaptive() -> type[EvictionPolicy]:
-    from kvserve.prefix.adaptive import AdaptiveGhostLRUPolicy  # imports this module: bound late
-
-    return AdaptiveGhostLRUPolicy
-
-
-def make_policy(name: str, next_use: NextUse | None = None) -> EvictionPolicy:
-    """The policy named `name`; ValueError for an unknown name or belady without a future."""
-    if name == "belady":
-        if next_use is None:
-            raise ValueError("eviction 'belady' needs the future: it is only available in `kvserve replay`")
-        return BeladyPolicy(next_use)
-    classes: dict[str, type[EvictionPolicy]] = {
-        "lru": EvictionPolicy, "lfu": LFUPolicy, "gdsf": GDSFPolicy, "s2lru": S2LRUPolicy,
-        "glru": GhostLRUPolicy, "alru": _adaptive(),
-    }
-    if name not in classes:
-        raise ValueError(f"unknown eviction policy {name!r}; expected one of {', '.join(ONLINE_POLICIES)}")
-    return classes[name]()

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from kvserve.kv.block_allocator import BlockAllocator
 from kvserve.prefix.base import NoPrefixCache, PrefixCache
-from kvserve.prefix.eviction import DEFAULT_EVICTION, make_policy
 from kvserve.prefix.hashed import HashCache
 from kvserve.prefix.hashing import HashFunction
+from kvserve.prefix.policies import DEFAULT_EVICTION, make_policy
 from kvserve.prefix.radix import RadixCache
 
 PREFIX_CACHE_KINDS = ("radix", "hash", "off")

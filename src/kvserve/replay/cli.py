@@ -11,7 +11,7 @@ import json
 from dataclasses import asdict
 
 from kvserve.config import parse_size
-from kvserve.prefix.eviction import EVICTION_POLICIES
+from kvserve.prefix.policies import EVICTION_POLICIES
 from kvserve.replay.driver import Replay, ReplayConfig, ReplayResult, distinct_blocks
 from kvserve.replay.oracles import ORACLE_POLICIES
 from kvserve.replay.report import plot, rows, text_table

@@ -27,8 +27,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvserve.kv.block_allocator import BlockAllocator
-from kvserve.prefix.eviction import EvictionPolicy, make_policy
+from kvserve.prefix.eviction import EvictionPolicy
 from kvserve.prefix.hashed import HashCache
+from kvserve.prefix.policies import make_policy
 from kvserve.prefix.radix import RadixCache
 from kvserve.replay.expand import ExpandedPrompt, expand
 from kvserve.replay.oracles import ORACLE_POLICIES, make_oracle
