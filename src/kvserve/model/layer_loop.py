@@ -33,7 +33,11 @@ if TYPE_CHECKING:
     from kvserve.model.llama import LlamaModel
 
 MAX_ROWS = NATIVE_QMATMUL_MAX_ROWS
-MAX_DECODE_ROWS = 256  # decode-only steps up to this many rows (wide ones through csrc/qgemm.h)
+MAX_STEP_ROWS = 256  # wider steps (decodes, plus short prefills) up to this many rows, matmuls through qgemm.h
+# A step over MAX_ROWS takes the loop only while its prefill tokens are at most this many: each prefill row
+# attends through the pool row by row (no query tiling), which beats the Python loop's SDPA plus ~15 ops per
+# layer up to about here (benchmarks/decode_step.py --mixed); longer prefills keep the Python loop.
+MAX_MIXED_PREFILL_TOKENS = 64
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 
@@ -95,7 +99,9 @@ class LayerLoop:
             return False
         if num_tokens <= MAX_ROWS:
             return True
-        return meta is not None and not meta.prefills and num_tokens <= MAX_DECODE_ROWS
+        if meta is None or num_tokens > MAX_STEP_ROWS:
+            return False
+        return sum(span.end - span.start for span in meta.prefills) <= MAX_MIXED_PREFILL_TOKENS
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_pool: KVPool, meta: AttentionMetadata
