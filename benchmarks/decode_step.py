@@ -142,10 +142,11 @@ class _Request:  # the fields ModelRunner reads of a scheduled request
         self.block_table, self.lora = table, None
 
 
-def mixed_step(model, prefill: int, decodes: int = 16, context: int = 128, block_size: int = 16):
-    """A ModelRunner and one step: `decodes` rows at `context` tokens (random KV) and a fresh prefill."""
+def mixed_step(model, prefill: int, cached: int = 0, decodes: int = 16, context: int = 128, block_size: int = 16):
+    """A ModelRunner and one step: `decodes` rows at `context` tokens (random KV) and a prefill chunk of
+    `prefill` tokens after `cached` ones (0: a fresh prompt)."""
     config = model.config
-    per_decode, per_prefill = -(-(context + 1) // block_size), -(-prefill // block_size)
+    per_decode, per_prefill = -(-(context + 1) // block_size), -(-(cached + prefill) // block_size)
     num_blocks = decodes * per_decode + per_prefill
     pool = KVPool(KVPoolShape(config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim),
                   torch.float32, "cpu")
@@ -156,8 +157,8 @@ def mixed_step(model, prefill: int, decodes: int = 16, context: int = 128, block
         ids = torch.randint(100, 20000, (context + 1,), generator=generator).tolist()
         table = list(range(row * per_decode, (row + 1) * per_decode))
         step.append(ScheduledRequest(_Request(ids, context, table), 1))
-    ids = torch.randint(100, 20000, (prefill,), generator=generator).tolist()
-    step.append(ScheduledRequest(_Request(ids, 0, list(range(decodes * per_decode, num_blocks))), prefill))
+    ids = torch.randint(100, 20000, (cached + prefill,), generator=generator).tolist()
+    step.append(ScheduledRequest(_Request(ids, cached, list(range(decodes * per_decode, num_blocks))), prefill))
     return ModelRunner(model, pool), step
 
 
@@ -178,7 +179,7 @@ def _pair_timings(model, loop, runner, step, reps: int) -> dict[str, dict[str, l
     return times
 
 
-def run_mixed(reps: int, threads: int, prefills: list[int]) -> None:
+def run_mixed(reps: int, threads: int, prefills: list[int], cached: int) -> None:
     torch.set_num_threads(threads)
     notes = [f"Load average (1 / 5 / 15 min) before: {load_average()}."]
     llm = LLM("smollm2-135m", progress=False, kv_cache_memory="64MiB", kernels="native", weights="native")
@@ -190,11 +191,12 @@ def run_mixed(reps: int, threads: int, prefills: list[int]) -> None:
     loop.forward = lambda *args: calls.append(args[0].shape[0]) or original(*args)
     rows = []
     for prefill in prefills:
-        runner, step = mixed_step(model, prefill)
+        runner, step = mixed_step(model, prefill, cached)
         calls.clear()
         times = _pair_timings(model, loop, runner, step, reps)
         assert calls.count(16 + prefill) == reps + 1, "the loop did not take the mixed step"
-        row = [f"16 decodes + {prefill}-token prefill", 16 + prefill]
+        after = f" after {cached} cached" if cached else ""
+        row = [f"16 decodes + {prefill}-token prefill{after}", 16 + prefill]
         for clock in ("wall", "cpu"):
             python, native = times["python"][clock], times["loop"][clock]
             pairs = statistics.median(p / n for p, n in zip(python, native, strict=True))
@@ -208,7 +210,7 @@ def run_mixed(reps: int, threads: int, prefills: list[int]) -> None:
                  "engine gives it such steps up to layer_loop.MAX_MIXED_PREFILL_TOKENS prefill tokens.")
     header = ["step", "rows", "Python loop wall", "C loop wall", "wall speedup", "Python loop CPU", "C loop CPU",
               "CPU speedup"]
-    write_result(f"decode_step_mixed_{threads}t",
+    write_result(f"decode_step_mixed_{threads}t" + (f"_cached{cached}" if cached else ""),
                  f"A mixed step (16 decodes + a newcomer's prefill): C layer loop vs Python loop, {threads} "
                  "thread(s), ms", markdown_table(header, rows), "\n".join(notes))
     print(markdown_table(header, rows))
@@ -222,9 +224,10 @@ def main() -> None:
     parser.add_argument("--mixed", action="store_true", help="time a mixed step, C loop against Python loop")
     parser.add_argument("--threads", type=int, default=2, help="--mixed: torch and native threads")
     parser.add_argument("--prefills", default="16,48,64,96,128,192", help="--mixed: prefill lengths to time")
+    parser.add_argument("--cached", type=int, default=0, help="--mixed: tokens cached before the prefill chunk")
     args = parser.parse_args()
     if args.mixed:
-        run_mixed(args.reps, args.threads, [int(n) for n in args.prefills.split(",")])
+        run_mixed(args.reps, args.threads, [int(n) for n in args.prefills.split(",")], args.cached)
         return
     torch.set_num_threads(1)
     notes = [f"Load average (1 / 5 / 15 min) before: {load_average()}."]
