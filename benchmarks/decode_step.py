@@ -11,11 +11,19 @@ repeats every row with the native kernels built from git revision REV (benchmark
 `build_revision`), in the same process, interleaved.
 
     python benchmarks/decode_step.py --before 5733328
+
+`--mixed` times instead one mixed step under load: 16 decode rows (128-token contexts) beside one fresh
+prefill of 48 tokens (and, to place the loop's prefill bound, 16-256 tokens), native weights, 2 threads,
+wall time; the step in the C layer loop against the Python loop (what such a step ran before), in paired,
+interleaved repeats (the median of each; results/decode_step_mixed.md).
+
+    python benchmarks/decode_step.py --mixed
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import tempfile
 import time
@@ -27,7 +35,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import markdown_table, write_result  # noqa: E402
 from kernels import build_revision, load_average  # noqa: E402
 from kvserve import LLM, SamplingParams  # noqa: E402
+from kvserve.engine.model_runner import ModelRunner  # noqa: E402
+from kvserve.engine.scheduler import ScheduledRequest  # noqa: E402
 from kvserve.kernels.native import NativeLibrary  # noqa: E402
+from kvserve.kv.pool import KVPool, KVPoolShape  # noqa: E402
+from kvserve.model import layer_loop  # noqa: E402
 
 PROMPT = list(range(100, 228))
 MODES = {"exact": {}, "int8": {"activation_quant": "int8"}}
@@ -124,12 +136,99 @@ class StepProbe:
         }
 
 
+class _Request:  # the fields ModelRunner reads of a scheduled request
+    def __init__(self, ids: list[int], computed: int, table: list[int]) -> None:
+        self.all_token_ids, self.num_computed_tokens, self.num_tokens = ids, computed, len(ids)
+        self.block_table, self.lora = table, None
+
+
+def mixed_step(model, prefill: int, cached: int = 0, decodes: int = 16, context: int = 128, block_size: int = 16):
+    """A ModelRunner and one step: `decodes` rows at `context` tokens (random KV) and a prefill chunk of
+    `prefill` tokens after `cached` ones (0: a fresh prompt)."""
+    config = model.config
+    per_decode, per_prefill = -(-(context + 1) // block_size), -(-(cached + prefill) // block_size)
+    num_blocks = decodes * per_decode + per_prefill
+    pool = KVPool(KVPoolShape(config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim),
+                  torch.float32, "cpu")
+    pool.tensor.normal_(0, 0.5)
+    generator = torch.Generator().manual_seed(prefill)
+    step = []
+    for row in range(decodes):
+        ids = torch.randint(100, 20000, (context + 1,), generator=generator).tolist()
+        table = list(range(row * per_decode, (row + 1) * per_decode))
+        step.append(ScheduledRequest(_Request(ids, context, table), 1))
+    ids = torch.randint(100, 20000, (cached + prefill,), generator=generator).tolist()
+    step.append(ScheduledRequest(_Request(ids, cached, list(range(decodes * per_decode, num_blocks))), prefill))
+    return ModelRunner(model, pool), step
+
+
+def _pair_timings(model, loop, runner, step, reps: int) -> dict[str, dict[str, list[float]]]:
+    """Wall and CPU ms of the step, C loop and Python loop in turn (alternating which goes first)."""
+    times = {name: {"wall": [], "cpu": []} for name in ("python", "loop")}
+    for use_loop in (True, False):  # warm-up
+        model.layer_loop = loop if use_loop else None
+        runner.run(step)
+    for rep in range(reps):
+        for name in (("python", "loop") if rep % 2 else ("loop", "python")):
+            model.layer_loop = loop if name == "loop" else None
+            wall, cpu = time.perf_counter(), time.process_time()
+            runner.run(step)
+            times[name]["wall"].append((time.perf_counter() - wall) * 1e3)
+            times[name]["cpu"].append((time.process_time() - cpu) * 1e3)
+    model.layer_loop = loop
+    return times
+
+
+def run_mixed(reps: int, threads: int, prefills: list[int], cached: int) -> None:
+    torch.set_num_threads(threads)
+    notes = [f"Load average (1 / 5 / 15 min) before: {load_average()}."]
+    llm = LLM("smollm2-135m", progress=False, kv_cache_memory="64MiB", kernels="native", weights="native")
+    model = llm.engine.model
+    loop = model.layer_loop
+    layer_loop.MAX_MIXED_PREFILL_TOKENS = 1 << 30  # measure the loop past its bound too, to place the bound
+    calls = []
+    original = loop.forward
+    loop.forward = lambda *args: calls.append(args[0].shape[0]) or original(*args)
+    rows = []
+    for prefill in prefills:
+        runner, step = mixed_step(model, prefill, cached)
+        calls.clear()
+        times = _pair_timings(model, loop, runner, step, reps)
+        assert calls.count(16 + prefill) == reps + 1, "the loop did not take the mixed step"
+        after = f" after {cached} cached" if cached else ""
+        row = [f"16 decodes + {prefill}-token prefill{after}", 16 + prefill]
+        for clock in ("wall", "cpu"):
+            python, native = times["python"][clock], times["loop"][clock]
+            pairs = statistics.median(p / n for p, n in zip(python, native, strict=True))
+            row += [statistics.median(python), statistics.median(native), pairs]
+        rows.append(row)
+        print(row, flush=True)
+    notes.append(f"Load average after: {load_average()}. ms per step (ModelRunner.run: the forward and the lm "
+                 f"head for the 17 sampled rows), {threads} thread(s), median of {reps} paired interleaved "
+                 "repeats (speedup: the median of the pairs' ratios); CPU time sums both threads. Decode contexts "
+                 "129 tokens, block size 16. The C loop column runs the loop whatever the prefill length; the "
+                 "engine gives it such steps up to layer_loop.MAX_MIXED_PREFILL_TOKENS prefill tokens.")
+    header = ["step", "rows", "Python loop wall", "C loop wall", "wall speedup", "Python loop CPU", "C loop CPU",
+              "CPU speedup"]
+    write_result(f"decode_step_mixed_{threads}t" + (f"_cached{cached}" if cached else ""),
+                 f"A mixed step (16 decodes + a newcomer's prefill): C layer loop vs Python loop, {threads} "
+                 "thread(s), ms", markdown_table(header, rows), "\n".join(notes))
+    print(markdown_table(header, rows))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--before", metavar="REV", help="also the native kernels of git revision REV")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--mixed", action="store_true", help="time a mixed step, C loop against Python loop")
+    parser.add_argument("--threads", type=int, default=2, help="--mixed: torch and native threads")
+    parser.add_argument("--prefills", default="16,48,64,96,128,192", help="--mixed: prefill lengths to time")
+    parser.add_argument("--cached", type=int, default=0, help="--mixed: tokens cached before the prefill chunk")
     args = parser.parse_args()
+    if args.mixed:
+        run_mixed(args.reps, args.threads, [int(n) for n in args.prefills.split(",")], args.cached)
+        return
     torch.set_num_threads(1)
     notes = [f"Load average (1 / 5 / 15 min) before: {load_average()}."]
     with tempfile.TemporaryDirectory() as workdir:

@@ -22,7 +22,7 @@ from kvserve.kernels.ops import Kernels
 from kvserve.kernels.quant import QuantWeight
 from kvserve.kv.pool import KVPool, KVPoolShape
 from kvserve.model.hf import load_hf_dir
-from kvserve.model.layer_loop import LayerLoop
+from kvserve.model.layer_loop import MAX_MIXED_PREFILL_TOKENS, MAX_STEP_ROWS, LayerLoop
 from kvserve.model.llama import LlamaModel
 from test_kernels import ISA_PARAMS
 
@@ -127,11 +127,11 @@ def test_layer_loop_matches_python_loop(kernels, tiny_model_dir, block_size, mon
     calls = []
     original = LayerLoop.forward
     monkeypatch.setattr(LayerLoop, "forward", lambda self, *args: calls.append(1) or original(self, *args))
-    # Steps: 5-token prefill; a decode + a 9-token prefill; two decodes + a 20-token prefill (over the loop's
-    # row limit: the Python loop in both runs); three decodes + a 1-token prompt; then four decode steps.
+    # Steps: 5-token prefill; a decode + a 9-token prefill; two decodes + a 20-token prefill (22 rows: over
+    # 16, a mixed step with a short prefill); three decodes + a 1-token prompt; then four decode steps.
     prompts = [[5, 9, 200, 31, 7], list(range(3, 12)), list(range(40, 60)), [11]]
     native = run_steps(model, prompts, block_size, steps=4)
-    assert len(calls) == 3 + 4
+    assert len(calls) == 4 + 4
     model.layer_loop = None
     python = run_steps(model, prompts, block_size, steps=4)
     torch_model = quantized_tiny_llama(tiny_model_dir, Kernels.create("torch"))
@@ -148,6 +148,18 @@ def test_layer_loop_applies_only_where_it_can(kernels, tiny_model_dir):
     model = quantized_tiny_llama(tiny_model_dir, kernels)
     blocks = torch.zeros(1, 1, dtype=torch.float32)
     assert model.layer_loop.applies(16, blocks) and not model.layer_loop.applies(17, blocks)
+    bound = MAX_MIXED_PREFILL_TOKENS
+
+    def step(*spans: int) -> SimpleNamespace:  # a step's metadata as applies reads it: its prefill spans
+        return SimpleNamespace(prefills=[SimpleNamespace(start=0, end=n) for n in spans])
+
+    assert model.layer_loop.applies(16 + bound, blocks, step(bound))  # decodes + a short prefill
+    assert model.layer_loop.applies(bound, blocks, step(bound // 2, bound - bound // 2))
+    assert not model.layer_loop.applies(16 + bound + 1, blocks, step(bound + 1))  # a long prefill
+    assert not model.layer_loop.applies(bound + 1, blocks, step(bound // 2, bound // 2 + 1))
+    assert model.layer_loop.applies(MAX_STEP_ROWS, blocks, step()) and not model.layer_loop.applies(
+        MAX_STEP_ROWS + 1, blocks, step()
+    )
     assert not model.layer_loop.applies(4, blocks.bfloat16())
     config, weights, _ = load_hf_dir(tiny_model_dir, progress=False)
     assert LlamaModel(config, weights, torch.float32, kernels=kernels).layer_loop is None  # dense weights
@@ -164,9 +176,11 @@ def test_layer_loop_rejects_bad_slots(kernels, tiny_model_dir):
 
 
 def test_layer_loop_decode_is_bit_identical(kernels, tiny_model_dir):
-    """Prompts over the row limit prefill in the Python loop; then the decodes (the loop's) match exactly."""
+    """Prompts over the loop's prefill bound prefill in the Python loop; then the decodes (the loop's) match
+    exactly."""
     model = quantized_tiny_llama(tiny_model_dir, kernels)
-    prompts = [list(range(3, 20)), list(range(40, 60)), list(range(100, 118))]
+    assert MAX_MIXED_PREFILL_TOKENS < 66
+    prompts = [list(range(3, 73)), list(range(140, 206)), list(range(300, 368))]
     native = run_steps(model, prompts, 4, steps=3)
     model.layer_loop = None
     python = run_steps(model, prompts, 4, steps=3)
@@ -187,12 +201,41 @@ def test_layer_loop_covers_wide_decode_steps(kernels, tiny_model_dir, monkeypatc
     )
     prompts = [[3 + i, 40 + i] for i in range(20)]
     native = run_steps(model, prompts, 16, steps=3)
-    assert calls.count(20) == 3  # the three 20-row decode steps ran in the loop
+    assert calls.count(20) == 4  # the three 20-row decode steps, and 18 decodes + the last 2-token prefill
+    assert len(calls) == 20 + 3  # every step ran in the loop, the mixed ones over 16 rows too
     model.layer_loop = None
     python = run_steps(model, prompts, 16, steps=3)
     for ours, theirs in zip(native, python, strict=True):
         assert (ours - theirs).abs().max() <= 1e-5 * theirs.abs().max()
         assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+
+
+@pytest.mark.parametrize("activation_quant", ["none", "int8"])
+def test_layer_loop_covers_mixed_steps(kernels, tiny_model_dir, monkeypatch, activation_quant):
+    """A step of 14 decodes beside a newcomer's 30-token prefill (44 rows) runs in the loop: its prefill rows
+    attend through the pool, causal within the chunk; its logits agree with the Python loop and the torch
+    kernels (exact: wide GEMM; int8: the int8 matmul, against the Python loop only), with equal argmax."""
+    chosen = Kernels("native", kernels.native, activation_quant=activation_quant)
+    model = quantized_tiny_llama(tiny_model_dir, chosen)
+    calls = []
+    original = LayerLoop.forward
+    monkeypatch.setattr(
+        LayerLoop, "forward", lambda self, *args: calls.append(args[0].shape[0]) or original(self, *args)
+    )
+    prompts = [[3 + i, 40 + i] for i in range(14)] + [list(range(100, 130))]
+    native = run_steps(model, prompts, 16, steps=2)
+    assert calls.count(14 + 30) == 1  # the mixed step ran in the loop
+    assert len(calls) == len(prompts) + 2  # and every other step too (at most 16 rows)
+    model.layer_loop = None
+    python = run_steps(model, prompts, 16, steps=2)
+    for ours, theirs in zip(native, python, strict=True):
+        assert (ours - theirs).abs().max() <= 1e-4 * theirs.abs().max()
+        assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+    if activation_quant == "none":  # int8 activation blocks round apart from the torch twin's (either loop)
+        oracle = run_steps(quantized_tiny_llama(tiny_model_dir, Kernels.create("torch")), prompts, 16, steps=2)
+        for ours, reference_logits in zip(native, oracle, strict=True):
+            assert (ours - reference_logits).abs().max() <= 1e-4 * reference_logits.abs().max()
+            assert torch.equal(ours.argmax(-1), reference_logits.argmax(-1))
 
 
 def test_layer_loop_runs_cascade_groups(kernels, tiny_model_dir, monkeypatch):

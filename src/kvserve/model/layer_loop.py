@@ -9,11 +9,17 @@ decode steps are bit-identical to it; prefill rows attend through the pool (page
 Python loop runs torch's SDPA on a fresh prompt: logits agree within 1e-4 relative.
 
 It applies to: native kernels, float32 on the CPU, every layer projection quantized (GGUF blocks), hidden
-and head sizes a multiple of the SIMD width, no LoRA in the step, and at most `MAX_ROWS` tokens, or a
-step of decodes only up to `MAX_DECODE_ROWS` rows (from 10 rows its exact matmuls run the wide GEMM of
-csrc/qgemm.h, as `Kernels.linear` does; int8 activations run the int8 matmul at any row count). Longer
-prefills run the Python loop: they want tiled flash attention, and their matmuls the dequantize-then-GEMM
-path. Everything else runs the Python loop.
+and head sizes a multiple of the SIMD width, no LoRA in the step, and a step of at most `MAX_ROWS` tokens or
+of up to `MAX_STEP_ROWS` rows whose prefill tokens number at most `MAX_MIXED_PREFILL_TOKENS`: decode-only
+steps and the mixed steps of a loaded server (a dozen or more decodes beside a newcomer's short chat
+prefill: that step is most of the newcomer's TTFT). From 10 rows its exact matmuls run the wide GEMM of
+csrc/qgemm.h, as `Kernels.linear` does; int8 activations run the int8 matmul at any row count. Each prefill
+row attends through the pool to its first `ctx_lens[t]` tokens (cached blocks, then its chunk causally;
+every row's K/V is written before any row attends), row by row. Whole step beside 16 decodes, 1 thread: a
+chunk of 128 tokens after 1,024 cached ones took 1.5x the Python loop's time (its gather + flash SDPA), one
+of 64 (where the Python loop also reads the pool in place) 0.93x, a fresh 48-token prompt 0.92x
+(benchmarks/decode_step.py --mixed).
+Longer prefills run the Python loop; so does everything else.
 """
 
 from __future__ import annotations
@@ -33,7 +39,11 @@ if TYPE_CHECKING:
     from kvserve.model.llama import LlamaModel
 
 MAX_ROWS = NATIVE_QMATMUL_MAX_ROWS
-MAX_DECODE_ROWS = 256  # decode-only steps up to this many rows (wide ones through csrc/qgemm.h)
+MAX_STEP_ROWS = 256  # wider steps (decodes, plus short prefills) up to this many rows, matmuls through qgemm.h
+# A step over MAX_ROWS takes the loop only while its prefill tokens are at most this many: each prefill row
+# attends through the pool row by row (no query tiling); past kv/attention.py's IN_PLACE_PREFILL_MAX_TOKENS
+# a chunk continuing a long context loses to the Python loop's flash SDPA (benchmarks/decode_step.py --mixed).
+MAX_MIXED_PREFILL_TOKENS = 64
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 
@@ -95,7 +105,9 @@ class LayerLoop:
             return False
         if num_tokens <= MAX_ROWS:
             return True
-        return meta is not None and not meta.prefills and num_tokens <= MAX_DECODE_ROWS
+        if meta is None or num_tokens > MAX_STEP_ROWS:
+            return False
+        return sum(span.end - span.start for span in meta.prefills) <= MAX_MIXED_PREFILL_TOKENS
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_pool: KVPool, meta: AttentionMetadata
