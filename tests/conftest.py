@@ -32,6 +32,29 @@ def make_tiny_llama_dir(path: Path, tie_word_embeddings: bool = False, seed: int
     return path
 
 
+def _native_isas() -> list[str]:
+    """Every ISA this CPU runs natively, best first: the forced AVX2 path too where AVX-512 exists."""
+    from kvserve.kernels.ops import Kernels
+
+    isa = Kernels.create("native").isa
+    return ["avx512", "avx2"] if isa == "avx512" else ["avx2"] if isa == "avx2" else []
+
+
+ISAS = _native_isas()
+# One param per ISA, or one skipped param (no compiler / no AVX2): shared by the kernel test modules.
+ISA_PARAMS = ISAS or [pytest.param("none", marks=pytest.mark.skip(reason="native kernels unavailable"))]
+
+
+@pytest.fixture(scope="module", params=ISA_PARAMS)
+def kernels(request):
+    """Native kernels forced to each ISA in turn (see ISA_PARAMS)."""
+    from kvserve.kernels.ops import Kernels
+
+    forced = Kernels.create("native", isa=request.param)
+    assert forced.isa == request.param
+    return forced
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_llama_dir(tmp_path_factory.mktemp("tiny-llama"))

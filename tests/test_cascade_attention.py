@@ -18,7 +18,6 @@ from kvserve.kernels import reference
 from kvserve.kernels.cascade_plan import CascadeTensors, check_cascade_plan
 from kvserve.kernels.ops import Kernels
 from kvserve.kv.cascade import plan_cascade
-from test_kernels import ISA_PARAMS
 
 SETTINGS = settings(max_examples=30, deadline=None)
 
@@ -26,11 +25,6 @@ SETTINGS = settings(max_examples=30, deadline=None)
 GROUPS = st.lists(
     st.tuples(st.integers(0, 5), st.lists(st.integers(0, 40), min_size=1, max_size=4)), min_size=1, max_size=4
 )
-
-
-@pytest.fixture(scope="module", params=ISA_PARAMS)
-def kernels(request) -> Kernels:
-    return Kernels.create("native", isa=request.param)
 
 
 def build_rows(groups: list[tuple[int, list[int]]], block_size: int, gen: torch.Generator):

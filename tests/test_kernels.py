@@ -17,20 +17,10 @@ from kvserve.kernels import reference
 from kvserve.kernels.ops import Kernels
 from kvserve.kernels.quant import QTYPES, QuantWeight
 
-_BEST = Kernels.create("native")
-ISAS = ["avx512", "avx2"] if _BEST.isa == "avx512" else ["avx2"] if _BEST.isa == "avx2" else []
 SETTINGS = settings(max_examples=25, deadline=None)
 
 
-# Every ISA this CPU runs (the forced AVX2 path too), or one skipped param: shared by the kernel test modules.
-ISA_PARAMS = ISAS or [pytest.param("none", marks=pytest.mark.skip(reason="native kernels unavailable"))]
 
-
-@pytest.fixture(scope="module", params=ISA_PARAMS)
-def kernels(request) -> Kernels:
-    forced = Kernels.create("native", isa=request.param)
-    assert forced.isa == request.param
-    return forced
 
 
 def random_quant(out_features: int, in_features: int, qtype: int, seed: int) -> QuantWeight:

@@ -13,12 +13,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import ISA_PARAMS
 from kvserve.cli import build_parser, engine_config_from_args
 from kvserve.config import EngineConfig
 from kvserve.kernels import reference
 from kvserve.kernels.ops import Kernels
 from kvserve.kernels.quant import QTYPES
-from test_kernels import ISA_PARAMS, random_quant
+from test_kernels import random_quant
 
 SETTINGS = settings(max_examples=25, deadline=None)
 

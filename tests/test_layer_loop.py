@@ -24,16 +24,9 @@ from kvserve.kv.pool import KVPool, KVPoolShape
 from kvserve.model.hf import load_hf_dir
 from kvserve.model.layer_loop import MAX_MIXED_PREFILL_TOKENS, MAX_STEP_ROWS, LayerLoop
 from kvserve.model.llama import LlamaModel
-from test_kernels import ISA_PARAMS
 
 SETTINGS = settings(max_examples=25, deadline=None)
 
-
-@pytest.fixture(scope="module", params=ISA_PARAMS)
-def kernels(request) -> Kernels:
-    forced = Kernels.create("native", isa=request.param)
-    assert forced.isa == request.param
-    return forced
 
 
 @SETTINGS

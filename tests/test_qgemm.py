@@ -3,7 +3,7 @@
 Row counts cover a single row, partial tiles (1..W and W+1..2W rows left over), several M blocks (over
 64 rows) and more; widths cover one block and several 128-input panel blocks with a remainder; output
 counts cover partial panels (any N, odd included). Each runs for every ISA the CPU has, the forced AVX2
-path included (`test_kernels.ISA_PARAMS`).
+path included (`conftest.ISA_PARAMS`).
 """
 
 from __future__ import annotations
@@ -14,18 +14,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvserve.kernels import ops, reference
-from kvserve.kernels.ops import Kernels
 from kvserve.kernels.quant import QTYPES
-from test_kernels import ISA_PARAMS, random_quant
+from test_kernels import random_quant
 
 SETTINGS = settings(max_examples=30, deadline=None)
 
-
-@pytest.fixture(scope="module", params=ISA_PARAMS)
-def kernels(request) -> Kernels:
-    forced = Kernels.create("native", isa=request.param)
-    assert forced.isa == request.param
-    return forced
 
 
 @SETTINGS
