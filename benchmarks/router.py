@@ -361,9 +361,7 @@ def main() -> None:
     parser.add_argument("--ramp", type=float, default=4.0, help="users start within this many seconds")
     parser.add_argument("--docs", type=int, default=4)
     parser.add_argument("--doc-len", type=int, default=1024)
-    parser.add_argument("--queries", type=int, default=96,
-                        help="RAG questions; enough that the documents' unavoidable first reads (one per document "
-                             "on a cache-aware cluster) stay under 10%% of them, so TTFT p90 measures routing, not cold starts")
+    parser.add_argument("--queries", type=int, default=32)
     parser.add_argument("--concurrency", type=int, default=4, help="requests in flight at most (both workloads)")
     parser.add_argument("--max-tokens", type=int, default=2)
     parser.add_argument("--tree-tokens", type=int, default=100_000)
