@@ -11,7 +11,7 @@ decode step (matmuls, attention, norms, lm head, the rest) before (torch kernels
 
     python benchmarks/kernels.py            # about 10 minutes on 2 busy cores
     python benchmarks/kernels.py --quick    # smaller decode lengths
-    python benchmarks/kernels.py --decode-only 5 --before 5733328   # single-request decode only, 5 rounds
+    python benchmarks/kernels.py --decode-only 5 --before 0685dfc   # single-request decode only, 5 rounds
 
 `--decode-only ROUNDS` measures single-request decode alone: kvserve native Q4_1 with exact and int8
 activations, llama-cpp-python and llama-batched-bench, interleaved round by round (the machine's load hits
@@ -319,6 +319,14 @@ def build_revision(rev: str, workdir: Path) -> Path:
         (csrc / name).write_bytes(source)
     target = workdir / "before.so"
     subprocess.run([build.compiler(), *build.FLAGS, "-o", str(target), str(csrc / "kernels.cpp")], check=True)
+    import ctypes
+
+    from kvserve.kernels.native import _SIGNATURES
+
+    missing = [name for name in _SIGNATURES if not hasattr(ctypes.CDLL(str(target)), name)]
+    if missing:
+        raise SystemExit(f"--before {rev}: its kernels lack {', '.join(missing)}, which today's bindings load; "
+                         "pick a revision that exports every kernel of this one (kv_qgemm: from 0685dfc on)")
     return target
 
 
