@@ -40,3 +40,23 @@ def test_interval_zero_never_trims(monkeypatch):
 
     asyncio.run(scenario())
     assert calls == []
+
+
+def test_python_heap_diff_names_what_grew(caplog):
+    """KVSERVE_TRACEMALLOC's logger: the first call only records; the next names the growth's site."""
+    import logging
+    import tracemalloc
+
+    was_tracing = tracemalloc.is_tracing()
+    diff = heap.PythonHeapDiff(frames=1)
+    try:
+        diff.log()
+        held = [str(i) * 8 for i in range(50_000)]  # a few MiB of new str objects, held on this line
+        with caplog.at_level(logging.INFO, logger="uvicorn.error"):
+            diff.log()
+    finally:
+        if not was_tracing:
+            tracemalloc.stop()
+    lines = [r.getMessage() for r in caplog.records if "python heap" in r.getMessage()]
+    assert len(lines) == 1 and "test_heap.py" in lines[0], lines
+    assert len(held) == 50_000

@@ -15,6 +15,8 @@ import contextlib
 import ctypes
 import ctypes.util
 import logging
+import os
+import tracemalloc
 from collections.abc import AsyncIterator
 
 from kvserve.server.periodic import every
@@ -73,10 +75,35 @@ def trim_heap(log: bool = False) -> bool:
     return True
 
 
+class PythonHeapDiff:
+    """KVSERVE_TRACEMALLOC=N (frames): the Python allocations that grew most since the first trim, logged
+    at each trim (investigation only: tracing costs speed). Tells Python-object growth from native."""
+
+    def __init__(self, frames: int) -> None:
+        tracemalloc.start(frames)
+        self._first: tracemalloc.Snapshot | None = None
+
+    def log(self, top: int = 8) -> None:
+        snapshot = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(False, tracemalloc.__file__)])
+        if self._first is None:
+            self._first = snapshot
+            return
+        traced = tracemalloc.get_traced_memory()[0] / 2**20
+        diffs = snapshot.compare_to(self._first, "traceback")[:top]
+        logger.info("python heap: %.1f MiB traced; grew most: %s", traced, " | ".join(
+            f"{d.size_diff / 2**20:+.2f} MiB {d.count_diff:+d} at {' < '.join(str(f) for f in d.traceback[:4])}"
+            for d in diffs))
+
+
 @contextlib.asynccontextmanager
 async def periodic_trim(interval: float = TRIM_INTERVAL_S, log: bool = False) -> AsyncIterator[None]:
     """Run `trim_heap()` on a worker thread every `interval` seconds while the context is open (0: never)."""
+    frames = int(os.environ.get("KVSERVE_TRACEMALLOC", "0") or 0)
+    python_heap = PythonHeapDiff(frames) if frames > 0 else None
+
     def job() -> bool:
+        if python_heap is not None:
+            python_heap.log()
         return trim_heap(log=True) if log else trim_heap()
 
     async with every(interval if _malloc_trim() is not None else 0, job, in_thread=True):
