@@ -32,7 +32,7 @@ import torch
 from kvserve.kernels.cascade_plan import CASCADE_FIELDS, check_cascade_plan
 from kvserve.kernels.ops import NATIVE_QMATMUL_MAX_ROWS, Kernels
 from kvserve.kernels.quant import QuantWeight
-from kvserve.kv.attention import AttentionMetadata
+from kvserve.kv.attention import IN_PLACE_PREFILL_MAX_TOKENS, AttentionMetadata
 from kvserve.kv.pool import KVPool
 
 if TYPE_CHECKING:
@@ -43,7 +43,7 @@ MAX_STEP_ROWS = 256  # wider steps (decodes, plus short prefills) up to this man
 # A step over MAX_ROWS takes the loop only while its prefill tokens are at most this many: each prefill row
 # attends through the pool row by row (no query tiling); past kv/attention.py's IN_PLACE_PREFILL_MAX_TOKENS
 # a chunk continuing a long context loses to the Python loop's flash SDPA (benchmarks/decode_step.py --mixed).
-MAX_MIXED_PREFILL_TOKENS = 64
+MAX_MIXED_PREFILL_TOKENS = IN_PLACE_PREFILL_MAX_TOKENS
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 

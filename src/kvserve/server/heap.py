@@ -52,11 +52,8 @@ def heap_stats() -> dict[str, int]:
 
 
 def _malloc_trim():
-    name = ctypes.util.find_library("c")
-    try:
-        return ctypes.CDLL(name).malloc_trim if name else None
-    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to trim
-        return None
+    libc = _libc()
+    return getattr(libc, "malloc_trim", None) if libc is not None else None  # not glibc: nothing to trim
 
 
 def trim_heap(log: bool = False) -> bool:

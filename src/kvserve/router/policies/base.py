@@ -67,7 +67,6 @@ def is_imbalanced(workers: list[Worker], abs_threshold: int, rel_threshold: floa
     return high - low > abs_threshold and high > rel_threshold * low
 
 
-
 HOT_WINDOW = 64  # recent requests the popularity of a prefix is measured over
 HOT_MARGIN = 2.0  # a prefix is hot when its traffic per holder is this many times the others' per worker
 
