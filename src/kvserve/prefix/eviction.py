@@ -55,6 +55,8 @@ class Unit(Protocol):
 
     last_access: float
     hits: int  # uses since it was registered (1 at insert)
+    hit_time: float  # last use (a request took it), as against last lookup (`last_access`)
+    gap: float  # time between its last two uses (inf until used twice)
     priority: float  # current value; smaller is evicted first
     heap_stamp: float | None  # value of its live heap entry, None when not queued
     depth: int  # blocks from the root through the unit's last block

@@ -15,6 +15,7 @@ first is the `EvictionPolicy`'s choice (prefix/eviction.py; LRU by default).
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -38,6 +39,8 @@ class CachedBlock:
     num_children: int = 0  # registered blocks whose parent this is
     last_access: float = 0.0  # eviction-policy state (see prefix/eviction.py)
     hits: int = 0
+    hit_time: float = 0.0
+    gap: float = math.inf
     priority: float = 0.0
     heap_stamp: float | None = None
 

@@ -16,8 +16,9 @@ from kvserve.prefix.eviction import (
     NextUse,
     S2LRUPolicy,
 )
+from kvserve.prefix.predictive import NextUsePolicy
 
-EVICTION_POLICIES = ("lru", "lfu", "gdsf", "s2lru", "glru", "alru", "belady")
+EVICTION_POLICIES = ("lru", "lfu", "gdsf", "s2lru", "glru", "alru", "predict", "belady")
 ONLINE_POLICIES = EVICTION_POLICIES[:-1]  # belady needs the future: replay only
 DEFAULT_EVICTION = "alru"  # at or above glru everywhere measured; within 0.6 points of lru on chat
 
@@ -30,7 +31,7 @@ def make_policy(name: str, next_use: NextUse | None = None) -> EvictionPolicy:
         return BeladyPolicy(next_use)
     classes: dict[str, type[EvictionPolicy]] = {
         "lru": EvictionPolicy, "lfu": LFUPolicy, "gdsf": GDSFPolicy, "s2lru": S2LRUPolicy,
-        "glru": GhostLRUPolicy, "alru": AdaptiveGhostLRUPolicy,
+        "glru": GhostLRUPolicy, "alru": AdaptiveGhostLRUPolicy, "predict": NextUsePolicy,
     }
     if name not in classes:
         raise ValueError(f"unknown eviction policy {name!r}; expected one of {', '.join(ONLINE_POLICIES)}")

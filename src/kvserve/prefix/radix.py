@@ -18,6 +18,7 @@ incrementally in acquire/release/insert/evict; `check_invariants` recounts them 
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -41,6 +42,8 @@ class RadixNode:
     removed: bool = False
     last_access: float = 0.0  # eviction-policy state (see prefix/eviction.py)
     hits: int = 0
+    hit_time: float = 0.0
+    gap: float = math.inf
     priority: float = 0.0
     heap_stamp: float | None = None
     namespace: Namespace | None = None  # set on roots only
@@ -158,7 +161,7 @@ class RadixCache:
         assert parent is not None
         depth = node.depth - len(node.blocks) + num_blocks
         upper = RadixNode(node.key[:cut], node.blocks[:num_blocks], node.hashes[:num_blocks], parent, depth)
-        upper.last_access, upper.hits = node.last_access, node.hits
+        upper.last_access, upper.hits, upper.hit_time, upper.gap = node.last_access, node.hits, node.hit_time, node.gap
         refs = self.allocator.ref_counts
         upper.num_referenced = sum(1 for b in upper.blocks if refs[b] > 0)
         for block_id in upper.blocks:
