@@ -207,6 +207,9 @@ class NextUsePolicy(EvictionPolicy):
     def _advance(self) -> None:
         """Move every open ghost's censoring to the bucket of its current age."""
         crossings, now = self._crossings, self.now
+        if len(crossings) > 2 * self.ghost_limit:  # closed ghosts' entries: drop them (each open one has one)
+            crossings[:] = [entry for entry in crossings if entry[2].open]
+            heapq.heapify(crossings)
         while crossings and crossings[0][0] <= now:
             ghost = heapq.heappop(crossings)[2]
             if ghost.open:
