@@ -70,6 +70,9 @@ class Unit(Protocol):
     @property
     def head_hash(self) -> bytes: ...
 
+    @property
+    def hashes(self) -> Sequence[bytes]: ...  # every block's hash, head first
+
 
 class EvictionPolicy:
     """Least value first; subclasses define `value`. The base value is recency (LRU)."""

@@ -56,6 +56,10 @@ class CachedBlock:
     def head_hash(self) -> bytes:
         return self.block_hash
 
+    @property
+    def hashes(self) -> tuple[bytes]:
+        return (self.block_hash,)
+
 
 class HashCache:
     """Prefix cache keyed by chained block hashes; see the module docstring."""

@@ -35,6 +35,7 @@ import bisect
 import heapq
 import math
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvserve.prefix.eviction import EvictionPolicy, Unit
@@ -59,6 +60,10 @@ def unit_class(hits: int, gap: float) -> int:
     return 1 + (min(hits, MAX_USES) - 2) * (len(GAP_EDGES) + 1) + bisect.bisect_right(GAP_EDGES, gap)
 
 
+def class_of(unit: Unit) -> int:
+    return unit_class(unit.hits, unit.gap)
+
+
 class SurvivalModel:
     """Per-class Kaplan-Meier curves of the time to a unit's next use, from events and censorings."""
 
@@ -68,17 +73,19 @@ class SurvivalModel:
         self.weight, self.growth = 1.0, 2.0 ** (1.0 / half_life)
         self.log_scale = 0.0  # log of all rescalings so far: a weight w given out is exp(log w + log_scale)
         self.curves = [[1.0] * (NUM_BUCKETS + 1) for _ in range(NUM_CLASSES)]
+        self.mean_blocks = 1.0  # running mean blocks per observation (sizes the prior)
 
-    def observe(self, cls: int, seconds: float, used: bool) -> float:
-        """One observation; returns its log weight (to take a censoring back later)."""
+    def observe(self, cls: int, seconds: float, used: bool, blocks: int = 1) -> float:
+        """One observation of `blocks` blocks; returns its log weight (to take a censoring back later)."""
+        self.mean_blocks += 0.01 * (blocks - self.mean_blocks)
         self.weight *= self.growth
         if self.weight > 1e12:  # rescale before floats lose the small counts
             for table in (*self.events, *self.censored):
                 table[:] = [count / self.weight for count in table]
             self.log_scale += math.log(self.weight)
             self.weight = 1.0
-        (self.events if used else self.censored)[cls][int(time_position(seconds))] += self.weight
-        return math.log(self.weight) + self.log_scale
+        (self.events if used else self.censored)[cls][int(time_position(seconds))] += self.weight * blocks
+        return math.log(self.weight * blocks) + self.log_scale
 
     def move_censoring(self, cls: int, bucket: int, log_weight: float, to: int | None) -> None:
         """Move a censored observation from `bucket` to bucket `to` (None: take it back)."""
@@ -91,8 +98,9 @@ class SurvivalModel:
     def refit(self) -> None:
         pooled = self._hazards([sum(col) for col in zip(*self.events, strict=True)],
                                [sum(col) for col in zip(*self.censored, strict=True)], None)
+        strength = PRIOR * self.mean_blocks * self.weight  # PRIOR observations of today's weight
         for cls in range(NUM_CLASSES):
-            hazards = self._hazards(self.events[cls], self.censored[cls], pooled)
+            hazards = self._hazards(self.events[cls], self.censored[cls], pooled, strength)
             curve, alive = [1.0], 1.0
             for hazard in hazards:
                 alive *= 1.0 - hazard
@@ -100,13 +108,14 @@ class SurvivalModel:
             self.curves[cls] = curve
 
     @staticmethod
-    def _hazards(events: list[float], censored: list[float], prior: list[float] | None) -> list[float]:
+    def _hazards(events: list[float], censored: list[float], prior: list[float] | None,
+                 strength: float = 0.0) -> list[float]:
         at_risk, hazards = sum(events) + sum(censored), []
         for used, lost in zip(events, censored, strict=True):
             if prior is None:
                 hazards.append(used / at_risk if at_risk > 0 else 0.0)
             else:
-                hazards.append((used + PRIOR * prior[len(hazards)]) / (at_risk + PRIOR))
+                hazards.append((used + strength * prior[len(hazards)]) / (at_risk + strength))
             at_risk -= used + lost
         return hazards
 
@@ -130,6 +139,7 @@ class Ghost:
     hits: int
     last_use: float
     cls: int
+    blocks: int  # how many blocks the eviction took
     bucket: int  # the age bucket its censoring sits in
     log_weight: float
     open: bool = True
@@ -140,7 +150,7 @@ class NextUsePolicy(EvictionPolicy):
 
     name = "predict"
 
-    def __init__(self, horizon: float = 2.0, half_life: int = 20_000, refit: int = 256) -> None:
+    def __init__(self, horizon: float = 5.0, half_life: int = 20_000, refit: int = 256) -> None:
         super().__init__()
         self.horizon, self.refit_every = horizon, refit
         self.model = SurvivalModel(half_life)
@@ -150,25 +160,28 @@ class NextUsePolicy(EvictionPolicy):
         self.ghost_limit = 1024
         self._crossings: list[tuple[float, int, Ghost]] = []  # (when a ghost's age enters its next bucket, ...)
         self._since_refit = 0
+        self._taken = 1
         self._heaps: list[list[tuple[float, int, Unit]]] = [[] for _ in range(NUM_CLASSES)]
 
     def attach(self, num_blocks: int) -> None:
         self.ghost_limit = max(self.ghost_limit, num_blocks)
 
     def value(self, unit: Unit) -> float:
-        return unit_class(unit.hits, unit.gap) * CLASS_OFFSET + unit.last_access
+        return class_of(unit) * CLASS_OFFSET + unit.last_access
 
     # ---- events ----------------------------------------------------------------------------------
 
     def inserted(self, unit: Unit, now: float) -> None:
         self.now = max(self.now, now)
-        uses, gap = 1, math.inf
-        ghost = self.ghosts.pop(unit.head_hash, None)
-        if ghost is not None:  # a run evicted earlier is computed again: its censoring becomes an event
+        uses, gap, ghosts = 1, math.inf, self.ghosts
+        for block_hash in unit.hashes:  # runs evicted earlier and computed again: censorings become events
+            ghost = ghosts.pop(block_hash, None) if ghosts else None
+            if ghost is None:
+                continue
             self._settle(ghost, None)
-            gap = now - ghost.last_use
-            self._observe(ghost.cls, gap, True)
-            uses += ghost.hits
+            self._observe(ghost.cls, now - ghost.last_use, True, ghost.blocks)
+            if block_hash == unit.head_hash:  # the unit inherits its first run's history (glru's ghost)
+                gap, uses = now - ghost.last_use, 1 + ghost.hits
         unit.hits, unit.gap, unit.last_access, unit.hit_time = uses, gap, now, now
         self._revalue(unit)
 
@@ -179,15 +192,17 @@ class NextUsePolicy(EvictionPolicy):
     def hit(self, unit: Unit) -> None:
         """A use: label the unit's previous class with the gap (its lookup just set last_access)."""
         gap = unit.last_access - unit.hit_time
-        self._observe(unit_class(unit.hits, unit.gap), gap, True)
+        self._observe(class_of(unit), gap, True, unit.num_blocks)
         unit.hits += 1
         unit.gap, unit.hit_time = gap, unit.last_access
         self._revalue(unit)
 
     def evicted(self, unit: Unit, run_head: bytes) -> None:
         self.eviction_age += 0.01 * (max(0.0, self.now - unit.last_access) - self.eviction_age)
-        cls, age = unit_class(unit.hits, unit.gap), max(0.0, self.now - unit.hit_time)
-        ghost = Ghost(unit.hits, unit.hit_time, cls, int(time_position(age)), self.model.observe(cls, age, False))
+        cls, age = class_of(unit), max(0.0, self.now - unit.hit_time)
+        blocks = unit.num_blocks if run_head == unit.head_hash else self._taken
+        ghost = Ghost(unit.hits, unit.hit_time, cls, blocks, int(time_position(age)),
+                      self.model.observe(cls, age, False, blocks))
         self._schedule(ghost)
         ghosts = self.ghosts
         old = ghosts.pop(run_head, None)
@@ -196,6 +211,10 @@ class NextUsePolicy(EvictionPolicy):
         ghosts[run_head] = ghost
         if len(ghosts) > self.ghost_limit:
             ghosts.popitem(last=False)[1].open = False  # forgotten: censored at its last age
+
+    def take(self, hashes: Sequence[bytes], need: int) -> int:
+        self._taken = min(need, len(hashes))  # a trimmed unit's censoring counts the blocks that went
+        return need
 
     # ---- delayed labels: a ghost's censoring age follows the clock until it is used or forgotten -------
 
@@ -223,8 +242,8 @@ class NextUsePolicy(EvictionPolicy):
         else:
             ghost.bucket = to
 
-    def _observe(self, cls: int, seconds: float, used: bool) -> float:
-        weight = self.model.observe(cls, seconds, used)
+    def _observe(self, cls: int, seconds: float, used: bool, blocks: int) -> float:
+        weight = self.model.observe(cls, seconds, used, blocks)
         self._since_refit += 1
         if self._since_refit >= self.refit_every:
             self._advance()
