@@ -16,6 +16,7 @@ from kvserve.prefix.predictive import NUM_CLASSES, NextUsePolicy, SurvivalModel,
 @dataclass(slots=True, eq=False)
 class FakeUnit:
     name: bytes
+    run: tuple[bytes, ...] = ()  # the blocks' hashes when more than one (else just `name`)
     last_access: float = 0.0
     hits: int = 1
     hit_time: float = 0.0
@@ -26,15 +27,19 @@ class FakeUnit:
 
     @property
     def num_blocks(self) -> int:
-        return 1
+        return len(self.hashes)
+
+    @property
+    def hashes(self) -> tuple[bytes, ...]:
+        return self.run or (self.name,)
 
     @property
     def tail_hash(self) -> bytes:
-        return self.name
+        return self.hashes[-1]
 
     @property
     def head_hash(self) -> bytes:
-        return self.name
+        return self.hashes[0]
 
 
 def use(policy: NextUsePolicy, unit: FakeUnit, now: float) -> None:
@@ -152,3 +157,24 @@ def test_forgotten_ghosts_stay_censored_and_their_timers_are_dropped() -> None:
     policy._advance()
     assert len(policy._crossings) <= 2 * 4 + 4  # bounded by the ghosts still open
     assert sum(map(sum, policy.model.censored)) == pytest.approx(censored)  # moved, never lost
+
+
+def test_a_recomputed_chain_labels_every_evicted_run_in_it() -> None:
+    """A chain evicted leaf first (child run, then parent run) and recomputed as one new unit: both
+    ghosts' censorings become events, and the unit inherits the history of the run at its head."""
+    policy = NextUsePolicy(refit=1)
+    parent, child = FakeUnit(b"p", run=(b"p0", b"p1")), FakeUnit(b"c", run=(b"c0", b"c1", b"c2"))
+    for unit in (parent, child):
+        policy.inserted(unit, 0.0)
+        use(policy, unit, 5.0)
+    policy.touch(FakeUnit(b"clock"), 50.0)
+    policy.evicted(child, b"c0")
+    policy.evicted(parent, b"p0")
+    model, cls = policy.model, unit_class(2, 5.0)
+    assert sum(model.censored[cls]) == pytest.approx(5.0 * model.weight, rel=0.01)  # weighted by blocks
+    again = FakeUnit(b"p0", run=(b"p0", b"p1", b"c0", b"c1", b"c2"))
+    policy.inserted(again, 100.0)
+    assert not policy.ghosts
+    assert sum(model.censored[cls]) == pytest.approx(0.0, abs=1e-6)
+    assert model.events[cls][int(time_position(95.0))] > 0
+    assert again.hits == 3 and again.gap == pytest.approx(95.0)
