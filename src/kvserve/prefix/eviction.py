@@ -33,6 +33,9 @@ The policies (measured on a production trace in benchmarks/results/eviction.md):
 - alru (the default; prefix/adaptive.py): glru whose `protect` is learned online from which class the
   recomputed runs were evicted from (ARC's adaptation): +1.8 points over glru at 5% on Mooncake, equal
   or better everywhere else measured.
+- predict (prefix/predictive.py): learned next use: per class of (uses, last gap), a survival curve of
+  the time to the next use, learned online from hits and evictions (labels delayed in ghosts, as LRB's);
+  the candidate least likely to be used within the cache's characteristic time goes first.
 - belady: the offline reference (replay only): evict the leaf whose next use is farthest in the future,
   and of that leaf only the tail blocks used as late as its tail (`take`); the replay tool supplies the
   future as a `NextUse` oracle. Not a proven bound: a request pins all its blocks at once.
