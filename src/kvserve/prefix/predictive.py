@@ -127,9 +127,18 @@ class SurvivalModel:
         return curve[low] + (curve[low + 1] - curve[low]) * (position - low)
 
     def use_within(self, cls: int, age: float, horizon: float) -> float:
-        """P(used within `horizon` more seconds | unused for `age` seconds)."""
-        alive = self.survival(cls, age)
-        return 1.0 - self.survival(cls, age + horizon) / alive if alive > 1e-12 else 0.0
+        """P(used within `horizon` more seconds | unused for `age` seconds). (`survival` twice, inlined:
+        eviction calls this once per class.)"""
+        curve, log2, top = self.curves[cls], math.log2, NUM_BUCKETS - 1e-9
+        age = age if age > 0.0 else 0.0
+        position = min(2.0 * log2(1.0 + age), top)
+        low = int(position)
+        alive = curve[low] + (curve[low + 1] - curve[low]) * (position - low)
+        if alive <= 1e-12:
+            return 0.0
+        position = min(2.0 * log2(1.0 + age + horizon), top)
+        low = int(position)
+        return 1.0 - (curve[low] + (curve[low + 1] - curve[low]) * (position - low)) / alive
 
 
 @dataclass(slots=True, eq=False)
@@ -231,8 +240,8 @@ class NextUsePolicy(EvictionPolicy):
             heapq.heapify(crossings)
         while crossings and crossings[0][0] <= now:
             ghost = heapq.heappop(crossings)[2]
-            if ghost.open:
-                self._settle(ghost, ghost.bucket + 1)
+            if ghost.open:  # straight to the bucket of its age now, however many it crossed since
+                self._settle(ghost, max(ghost.bucket + 1, int(time_position(now - ghost.last_use))))
                 self._schedule(ghost)
 
     def _settle(self, ghost: Ghost, to: int | None) -> None:
@@ -273,12 +282,13 @@ class NextUsePolicy(EvictionPolicy):
     def pop(self) -> Unit | None:
         horizon, now, model = self.horizon * self.eviction_age, self.now, self.model
         best, best_score, best_age = -1, math.inf, 0.0
+        use_within = model.use_within
         for cls, heap in enumerate(self._heaps):
-            head = self._head(heap)
+            head = self._head(heap) if heap else None
             if head is None:
                 continue
             age = now - (head[0] - cls * CLASS_OFFSET)
-            score = model.use_within(cls, age, horizon)
+            score = use_within(cls, age, horizon)
             if score < best_score or (score == best_score and age > best_age):
                 best, best_score, best_age = cls, score, age
         if best < 0:
