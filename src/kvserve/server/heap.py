@@ -7,6 +7,10 @@ cyclic garbage held memory (a full `gc.collect()` every 30 s lowered RSS by noth
 `malloc_trim(0)` every 30 s returned 30-40 MiB each time (about 190 MiB the first time: model loading's
 temporaries) in a few milliseconds. So the server calls it every `interval` seconds, on a worker thread
 (it takes the allocator's locks, never the GIL-bound event loop's time). Without glibc it does nothing.
+
+For investigations, each trim can also log: `KVSERVE_HEAP_LOG=1` glibc's statistics, `KVSERVE_TRACEMALLOC=N`
+the Python heap's growth by site, `KVSERVE_HEAP_TYPES=1` the object types whose count grew (the soak's
+later growth showed up there as `tiers.host._Entry` and `torch.Tensor`: the host KV tier filling).
 """
 
 from __future__ import annotations
