@@ -47,6 +47,7 @@ class Tally:
     health_max_s: float = 0.0
     rss: list[tuple[float, float]] = field(default_factory=list)  # (seconds since the phase began, MiB)
     pool_rss: list[float] = field(default_factory=list)  # MiB of the KV pool's mapping resident, with `rss`
+    host_tier: list[float] = field(default_factory=list)  # MiB held by the host KV tier, with `rss` (nan: unknown)
     elapsed: float = 0.0
 
     def count(self, role: str, status: int) -> None:
@@ -158,6 +159,19 @@ def rss_mib(pid: int) -> float:
     return float("nan")
 
 
+def host_tier_mib(http: httpx.Client) -> float:
+    """MiB of KV blocks the server's host tier holds (`kvserve_kv_tier_bytes{tier="host"}`; 0 when the
+    tier is off, nan when /metrics does not answer): demoted blocks fill it up to `--host-cache`."""
+    try:
+        text = http.get("/metrics").text
+    except httpx.HTTPError:
+        return float("nan")
+    for line in text.splitlines():
+        if line.startswith("kvserve_kv_tier_bytes{") and 'tier="host"' in line:
+            return float(line.rsplit(" ", 1)[1]) / 2**20
+    return 0.0
+
+
 def pool_rss_mib(pid: int, pool_mib: float) -> float:
     """Resident MiB of the KV pool: the server's anonymous mapping of about `pool_mib` (kv/pool.py maps a
     large pool lazily, so its pages join the RSS as blocks are first written; nan if none is found)."""
@@ -200,17 +214,18 @@ class Monitor:
                 elapsed = time.monotonic() - started
                 if elapsed >= next_sample:
                     next_sample += self.rss_every
-                    self.sample(elapsed)
+                    self.sample(elapsed, http)
                 self.stop.wait(1.0)
-        self.sample(time.monotonic() - started)
+            self.sample(time.monotonic() - started, http)
 
-    def sample(self, elapsed: float) -> None:
+    def sample(self, elapsed: float, http: httpx.Client) -> None:
         tally = self.tally
         tally.rss.append((elapsed, rss_mib(self.pid)))
         if self.pool_mib:
             tally.pool_rss.append(pool_rss_mib(self.pid, self.pool_mib))
+            tally.host_tier.append(host_tier_mib(http))
         p99 = percentile(tally.ttfts, 0.99) if tally.ttfts else float("nan")
-        pool = f" (KV pool {tally.pool_rss[-1]:.0f})" if tally.pool_rss else ""
+        pool = f" (KV pool {tally.pool_rss[-1]:.0f}, host tier {tally.host_tier[-1]:.0f})" if tally.pool_rss else ""
         print(f"[{elapsed:5.0f}s] RSS {tally.rss[-1][1]:.0f} MiB{pool}, requests {sum(tally.completed.values())}, "
               f"well-behaved TTFT p99 {p99:.2f}s, 5xx {tally.server_errors}, health failures "
               f"{tally.health_failures}", flush=True)

@@ -73,6 +73,7 @@ def main() -> int:
     print(f"roles {roles}: answers {tally.completed}, statuses {tally.status}")
     print("RSS (MiB): " + ", ".join(f"{t:.0f}s {m:.0f}" for t, m in tally.rss))
     print("KV pool resident (MiB): " + ", ".join(f"{m:.0f}" for m in tally.pool_rss))
+    print("host KV tier (MiB of evicted blocks): " + ", ".join(f"{m:.0f}" for m in tally.host_tier))
     for line in log_path.read_text().splitlines():
         if "heap (MiB" in line or "python heap:" in line:
             print(line.split("heap", 1)[1])

@@ -7,13 +7,19 @@ cyclic garbage held memory (a full `gc.collect()` every 30 s lowered RSS by noth
 `malloc_trim(0)` every 30 s returned 30-40 MiB each time (about 190 MiB the first time: model loading's
 temporaries) in a few milliseconds. So the server calls it every `interval` seconds, on a worker thread
 (it takes the allocator's locks, never the GIL-bound event loop's time). Without glibc it does nothing.
+
+For investigations, each trim can also log: `KVSERVE_HEAP_LOG=1` glibc's statistics, `KVSERVE_TRACEMALLOC=N`
+the Python heap's growth by site, `KVSERVE_HEAP_TYPES=1` the object types whose count grew (the soak's
+later growth showed up there as `tiers.host._Entry` and `torch.Tensor`: the host KV tier filling).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import ctypes.util
+import gc
 import logging
 import os
 import tracemalloc
@@ -92,15 +98,41 @@ class PythonHeapDiff:
             for d in diffs))
 
 
+class ObjectCensus:
+    """KVSERVE_HEAP_TYPES=1: the gc-tracked object types whose count grew most since the first trim, and
+    the process's thread count (each new thread may get its own glibc arena), logged at each trim
+    (investigation only: a walk over every tracked object, holding the GIL for a fraction of a second)."""
+
+    def __init__(self) -> None:
+        self._first: collections.Counter[str] | None = None
+
+    @staticmethod
+    def count() -> collections.Counter[str]:
+        return collections.Counter(f"{type(o).__module__}.{type(o).__qualname__}" for o in gc.get_objects())
+
+    def log(self, top: int = 10) -> None:
+        counts = self.count()
+        if self._first is None:
+            self._first = counts
+            return
+        counts.subtract(self._first)
+        threads = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else -1
+        logger.info("python objects: %d threads; grew most: %s", threads, ", ".join(
+            f"{name} {n:+d}" for name, n in counts.most_common(top) if n > 0))
+
+
 @contextlib.asynccontextmanager
 async def periodic_trim(interval: float = TRIM_INTERVAL_S, log: bool = False) -> AsyncIterator[None]:
     """Run `trim_heap()` on a worker thread every `interval` seconds while the context is open (0: never)."""
     frames = int(os.environ.get("KVSERVE_TRACEMALLOC", "0") or 0)
     python_heap = PythonHeapDiff(frames) if frames > 0 else None
+    census = ObjectCensus() if os.environ.get("KVSERVE_HEAP_TYPES") else None
 
     def job() -> bool:
         if python_heap is not None:
             python_heap.log()
+        if census is not None:
+            census.log()
         return trim_heap(log=True) if log else trim_heap()
 
     async with every(interval if _malloc_trim() is not None else 0, job, in_thread=True):
