@@ -103,12 +103,18 @@ def test_explicit_cap_applies_to_single_requests(tiny_model_dir):
         engine.add_request([5] * 30, SamplingParams(max_tokens=35))
 
 
-def test_short_requests_finish_while_a_big_group_holds_the_pool(tiny_model_dir):
+@pytest.mark.parametrize("max_step_rows", [0, 4])
+def test_short_requests_finish_while_a_big_group_holds_the_pool(tiny_model_dir, max_step_rows):
     """Reproduction 3 with the cap lifted: 16 samples x 700 tokens on a 64-block pool; 4-token requests
-    arriving meanwhile each finish within a bounded number of steps, and the group keeps progressing."""
-    engine = make_engine(tiny_model_dir, num_blocks=64, max_blocks_per_request=10_000)
+    arriving meanwhile each finish within a bounded number of steps, and the group keeps progressing
+    (with the row cap too: the group takes turns with the short requests, not 16 turns to their one)."""
+    engine = make_engine(tiny_model_dir, num_blocks=64, max_blocks_per_request=10_000, max_step_rows=max_step_rows)
     engine.add_request([5, 6], HOSTAGE, request_id="hog")
-    for _ in range(120):  # past the point where its members fill the pool and preempt each other
+    for _ in range(600):  # until its members fill the pool and preempt each other
+        engine.step()
+        if engine.scheduler.num_preemptions:
+            break
+    for _ in range(20):
         engine.step()
     assert engine.scheduler.num_preemptions > 0
     hog_tokens_before = sum(r.num_output_tokens for r in engine.groups["hog"].sequences())

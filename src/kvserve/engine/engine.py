@@ -41,6 +41,7 @@ from kvserve.engine.setup import (
     resolve_max_model_len,
 )
 from kvserve.engine.stats import engine_stats
+from kvserve.engine.step_rows import resolve_max_step_rows
 from kvserve.engine.structured import GrammarCompiler
 from kvserve.engine.tokens import append_sampled_token
 from kvserve.engine.validation import check_fits, encode_prompt, validate_prompt_ids, validate_token_params
@@ -87,7 +88,7 @@ class LLMEngine:
         self.long_prefill_token_threshold = resolve_long_prefill_threshold(config, self.max_model_len)
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.schedule_policy,
-            self.long_prefill_token_threshold,
+            self.long_prefill_token_threshold, resolve_max_step_rows(config.max_step_rows, config.device),
         )
         self.lora = LoRARegistry(self.model_config, config.max_loras, config.max_lora_rank, self.model.dtype,
                                  self.model.device) if config.enable_lora else None
