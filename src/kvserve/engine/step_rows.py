@@ -84,14 +84,12 @@ class RowRotation:
         sequences and groups no longer running are forgotten."""
         if not self.max_rows:
             return
+        served, group_served = self._served, self._group_served
         for request in computed:
-            self._served[request.request_id] = step
-            self._group_served[request.group_id] = step
-        if len(self._served) > len(running):
-            live = {request.request_id for request in running}
-            self._served = {rid: when for rid, when in self._served.items() if rid in live}
-            groups = {request.group_id for request in running}
-            self._group_served = {gid: when for gid, when in self._group_served.items() if gid in groups}
+            served[request.request_id] = step
+            group_served[request.group_id] = step
+        self._served = {r.request_id: served[r.request_id] for r in running if r.request_id in served}
+        self._group_served = {r.group_id: group_served[r.group_id] for r in running if r.group_id in group_served}
 
     def last_served(self, group_id: str) -> int | None:
         """The last step in which a member of the group computed (None: none since it started running)."""
