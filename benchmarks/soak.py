@@ -167,7 +167,8 @@ def main() -> int:
     parser.add_argument("--rss-every", type=float, default=30.0, help="seconds between RSS samples")
     parser.add_argument("--kv-cache-memory", default="256MiB", help="small on purpose: the adversary fills it")
     parser.add_argument("--weights", default=None, help="the server's --weights (default: the server's own)")
-    parser.add_argument("--max-step-rows", default=None, help="the server's --max-step-rows (default: the server's own)")
+    parser.add_argument("--max-step-rows", default=None,
+                        help="the server's --max-step-rows: N, 0 (off) or auto (default: the server's own)")
     parser.add_argument("--quick", action="store_true",
                         help="a 2-3 minute iteration: capacity 20 s, control 45 s, soak 60 s; implies --no-write")
     parser.add_argument("--trace", default=None, metavar="DIR", help="write the server's step trace and the "

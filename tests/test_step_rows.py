@@ -5,6 +5,7 @@
   chosen rows compute. It checks: never more rows than the cap; a group no larger than the cap moves
   whole; every group computes at least once every (running groups) steps; with single-sequence groups
   only, every sequence at least once every ceil(running / cap) steps.
+- `--max-step-rows auto`: the cost fit recovers a step's fixed and per-row time, and the cap follows it.
 - On the engine (tiny random Llama): with the cap, every running request gets a token within that bound
   (counted in steps), and beam search, n-sampling and preemption give the same results as without it.
   Greedy equality with transformers over the cap is in test_engine_equivalence.py.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import settings
@@ -23,7 +25,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 from conftest import assert_pool_drained, random_prompts
 from kvserve import LLM, BeamSearchParams, SamplingParams
 from kvserve.config import EngineConfig
-from kvserve.engine.step_rows import DEFAULT_CPU_STEP_ROWS, RowRotation, resolve_max_step_rows
+from kvserve.engine.engine import LLMEngine
+from kvserve.engine.step_cost import MIN_SAMPLES, AutoRowCap, StepCost, cap_for, make_auto_row_cap
+from kvserve.engine.step_rows import RowRotation
 
 
 @dataclass(eq=False)
@@ -121,11 +125,48 @@ def make_llm(model_dir, **engine_args) -> LLM:
     return LLM(str(model_dir), progress=False, **engine_args)
 
 
-def test_auto_is_on_for_the_cpu_only():
-    assert resolve_max_step_rows(None, "cpu") == DEFAULT_CPU_STEP_ROWS
-    assert resolve_max_step_rows(None, "cuda:0") == 0
-    assert resolve_max_step_rows(0, "cpu") == 0
-    assert resolve_max_step_rows(7, "cuda") == 7
+def test_cost_fit_and_the_cap_it_gives():
+    cost = StepCost()
+    for step in range(MIN_SAMPLES):
+        assert cost.fit() is None  # too few steps yet
+        rows = 1 + step % 8
+        cost.add(rows, 0.0035 + 0.004 * rows)
+    a, b = cost.fit()
+    assert a == pytest.approx(0.0035) and b == pytest.approx(0.004)
+    assert cap_for(a, b, 64) == 4  # ceil(4 x 3.5 / 4): keeps 80% of 1 / b
+    assert cap_for(0.045, 0.006, 64) == 30  # dense weights: a large fixed part, a large cap
+    assert cap_for(0.2, 0.004, 64) == 0  # an oversubscribed CPU: off
+    flat = StepCost()
+    for _ in range(2 * MIN_SAMPLES):
+        flat.add(4, 0.02)
+    assert flat.fit() is None  # rows never varied: a and b cannot be told apart
+
+
+def test_auto_cap_follows_the_measured_cost():
+    auto = AutoRowCap(RowRotation(0), max_num_seqs=64)
+    decode = [SimpleNamespace(num_new_tokens=1)]
+    chunk = [SimpleNamespace(num_new_tokens=1), SimpleNamespace(num_new_tokens=40)]
+    for step in range(4 * MIN_SAMPLES):
+        rows = 1 + step % 6
+        auto.observe(decode * rows, 0.0035 + 0.004 * rows)
+        auto.observe(chunk, 1.0)  # prefill steps are not decode rows: ignored
+        if step < MIN_SAMPLES - 1:
+            assert auto.rotation.max_rows == 0
+    assert auto.rotation.max_rows == 4
+    for step in range(8 * MIN_SAMPLES):  # the machine slows down: a step's fixed part grows 50x
+        rows = 1 + step % 6
+        auto.observe(decode * rows, 0.175 + 0.004 * rows)
+    assert auto.rotation.max_rows == 0
+
+
+def test_auto_is_the_default_for_a_cpu_engine_and_off_offline(tiny_model_dir):
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), num_blocks=64), progress=False)
+    assert engine.auto_row_cap is not None and engine.scheduler.rotation.max_rows == 0  # until measured
+    assert make_auto_row_cap(None, "cuda:0", RowRotation(0), 64) is None
+    assert make_auto_row_cap(3, "cpu", RowRotation(3), 64) is None
+    llm = make_llm(tiny_model_dir)
+    assert llm.engine.auto_row_cap is None and llm.engine.scheduler.rotation.max_rows == 0
+    assert make_llm(tiny_model_dir, max_step_rows=2).engine.scheduler.rotation.max_rows == 2
     with pytest.raises(ValueError, match="max_step_rows must be >= 0"):
         EngineConfig(max_step_rows=-1)
 

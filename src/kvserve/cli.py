@@ -17,7 +17,6 @@ from kvserve.config import (
     EngineConfig,
 )
 from kvserve.engine.params import SamplingParams
-from kvserve.engine.step_rows import DEFAULT_CPU_STEP_ROWS
 from kvserve.prefix.policies import ONLINE_POLICIES
 from kvserve.settings import SettingsError, apply_sources
 
@@ -55,8 +54,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                        "behind a long prompt; 0: off (default: max(64, 4%% of max_model_len))")
     group.add_argument("--max-step-rows", type=parse_step_rows, default=None, metavar="N|auto",
                        help="most running sequences computing in one step, taking turns (longest-waiting "
-                       "first), so every step stays short while newcomers arrive; 0: off; auto (default): "
-                       f"{DEFAULT_CPU_STEP_ROWS} on a CPU, off on a GPU")
+                       "first), so every step stays short while newcomers arrive; 0: off; auto (default, CPU "
+                       "only): the smallest cap that costs at most 20%% of decode throughput, from measured "
+                       "step times")
     group.add_argument("--num-threads", type=int, default=None, help="torch CPU threads; None: torch's default")
     group.add_argument("--seed", type=int, default=defaults.seed, help="seed of unseeded random requests")
     group.add_argument("--eviction", default=defaults.eviction, choices=ONLINE_POLICIES,
@@ -82,7 +82,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def parse_step_rows(text: str) -> int | None:
-    """`--max-step-rows`: a count >= 0 (0: off) or `auto` (None: `engine.step_rows` chooses by device)."""
+    """`--max-step-rows`: a count >= 0 (0: off) or `auto` (None: engine/step_cost.py sets it on a CPU)."""
     if text.strip().lower() == "auto":
         return None
     try:

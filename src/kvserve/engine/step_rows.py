@@ -9,7 +9,7 @@ running sequences beyond it sit the step out (keeping their blocks), the longest
 line for the next one; a newcomer's first chunk is admitted beside the capped rows (the cap bounds
 what runs, not who may start), its own chunk bounded by `long_prefill_token_threshold`. Decode
 throughput barely moves, because a row costs about the same in a batch of 8 as in a batch of 32 on
-this hardware; on a GPU, where rows are nearly free up to hundreds, the cap is off by default.
+this hardware (with quantized weights); on a GPU, where rows are nearly free up to hundreds, it is off.
 
 Rotation is by group (a plain request, or the samples / beams of one request, which move together:
 a beam search decides only when all its beams have logits). A group's turn comes by the step in which
@@ -21,7 +21,8 @@ running sequence computes at least once every ceil(running / cap) steps; with gr
 least once every (number of running groups) steps, since the longest-waiting group is always served.
 Newcomers take their first step beside the rows and then join the back of the line, so they never
 push an older sequence's turn back. vLLM has no such cap (`max_num_seqs` bounds running sequences and
-`max_num_batched_tokens` a step's tokens, both far above what keeps a CPU step short).
+`max_num_batched_tokens` a step's tokens, both far above what keeps a CPU step short). `--max-step-rows
+auto` (the default) sets the cap from measured step times (engine/step_cost.py).
 """
 
 from __future__ import annotations
@@ -32,17 +33,6 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from kvserve.engine.request import Request
-
-DEFAULT_CPU_STEP_ROWS = 4  # measured best on the soak (benchmarks/results/soak.md, "Row cap")
-
-
-def resolve_max_step_rows(max_step_rows: int | None, device: str) -> int:
-    """The cap in effect: the configured number, or (None: auto) `DEFAULT_CPU_STEP_ROWS` on a CPU and off
-    (0) on an accelerator, where a step's cost hardly depends on its rows."""
-    if max_step_rows is not None:
-        return max_step_rows
-    return DEFAULT_CPU_STEP_ROWS if device.split(":")[0] == "cpu" else 0
-
 
 @dataclass(slots=True)
 class RowRotation:
@@ -90,7 +80,3 @@ class RowRotation:
             group_served[request.group_id] = step
         self._served = {r.request_id: served[r.request_id] for r in running if r.request_id in served}
         self._group_served = {r.group_id: group_served[r.group_id] for r in running if r.group_id in group_served}
-
-    def last_served(self, group_id: str) -> int | None:
-        """The last step in which a member of the group computed (None: none since it started running)."""
-        return self._group_served.get(group_id)
