@@ -1,28 +1,32 @@
 """The row cap: at most `max_step_rows` running sequences compute in one step, taking turns.
 
-On a CPU a step's cost grows about linearly with its rows (benchmarks/results/soak.md: ~4 ms a decode
-row for the 135M model, against ~3.5 ms fixed per step), and a short request arriving under load
+On a CPU a step's cost grows about linearly with its rows (idle, the 135M model with quantized
+weights: ~4 ms a decode row against ~3.5 ms fixed per step), and a short request arriving under load
 waits for the step in flight and then runs in a step of its own: both as long as the rows they carry.
 So a step that carries every running sequence (up to `max_num_seqs`) makes a newcomer's time to
 first token a multiple of its solo TTFT, however the queue is ordered. The cap keeps every step short:
 running sequences beyond it sit the step out (keeping their blocks), the longest-waiting first in
 line for the next one; a newcomer's first chunk is admitted beside the capped rows (the cap bounds
-what runs, not who may start), its own chunk bounded by `long_prefill_token_threshold`. Decode
-throughput barely moves, because a row costs about the same in a batch of 8 as in a batch of 32 on
-this hardware (with quantized weights); on a GPU, where rows are nearly free up to hundreds, it is off.
+what runs, not who may start), its own chunk bounded by `long_prefill_token_threshold`. On an idle CPU
+with quantized weights a row costs about the same in a batch of 8 as in one of 32, so a small cap
+costs little decode throughput; where a step's fixed part is large (dense weights, an oversubscribed
+CPU) it costs more, which `auto` bounds (engine/step_cost.py); on a GPU, where rows are nearly free up
+to hundreds, auto leaves it off.
 
 Rotation is by group (a plain request, or the samples / beams of one request, which move together:
 a beam search decides only when all its beams have logits). A group's turn comes by the step in which
-its members last computed; the group that has waited longest goes first and is always taken whole,
-even alone above the cap; then further groups in that order, each if it still fits, so small groups
-fill what a large one leaves. Never-served groups (none: admission serves a group) would go first.
+its members last computed; the group that has waited longest goes first and is always served: whole,
+or, if it is larger than the cap, with a whole step of `max_rows` of its members (those that computed
+longest ago); then further groups in that order, each whole if it still fits, so small groups fill
+what a large one leaves. Never-served groups (none: admission serves a group) would go first.
 Guarantee (tests/test_step_rows.py checks it on random steps): with single-sequence groups, every
 running sequence computes at least once every ceil(running / cap) steps; with groups, each group at
 least once every (number of running groups) steps, since the longest-waiting group is always served.
 Newcomers take their first step beside the rows and then join the back of the line, so they never
 push an older sequence's turn back. vLLM has no such cap (`max_num_seqs` bounds running sequences and
 `max_num_batched_tokens` a step's tokens, both far above what keeps a CPU step short). `--max-step-rows
-auto` (the default) sets the cap from measured step times (engine/step_cost.py).
+auto` (the server's default; the offline `LLM`'s is 0) sets the cap from measured step times
+(engine/step_cost.py).
 """
 
 from __future__ import annotations
