@@ -236,3 +236,19 @@ def test_parallel_samples_move_together(tiny_model_dir):
     assert [len(c.token_ids) for c in final[group].outputs] == [10, 10, 10]
     assert all(len(final[r].outputs[0].token_ids) == 10 for r in singles)
     assert_pool_drained(engine)
+
+
+def test_the_flag_takes_a_count_0_or_auto():
+    import argparse
+
+    from kvserve.cli import add_engine_flags, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_flags(parser)
+    assert engine_config_from_args(parser.parse_args([])).max_step_rows is None  # auto
+    assert engine_config_from_args(parser.parse_args(["--max-step-rows", "auto"])).max_step_rows is None
+    assert engine_config_from_args(parser.parse_args(["--max-step-rows", "0"])).max_step_rows == 0
+    assert engine_config_from_args(parser.parse_args(["--max-step-rows", "6"])).max_step_rows == 6
+    for bad in ("-1", "many"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--max-step-rows", bad])
