@@ -235,7 +235,8 @@ class Scheduler:
         plus the step in flight when it arrived. Never two steps in a row, so a long prefill gets a chunk
         at least every other step however many newcomers arrive. Decode rows stay: letting them sit out
         too was tried and measured (benchmarks/results/soak.md): on a CPU a step's fixed cost dominates at
-        a few rows, so the extra steps and the larger step after each yield made the tail no better."""
+        a few rows, so the extra steps and the larger step after each yield made the tail no better; the
+        row cap (`step_rows.RowRotation`) bounds how many there are instead."""
         fresh = any(item.request.metrics.first_token_time is None for item in output.scheduled[num_running_before:])
         yielding = [item for item in output.scheduled[:num_running_before] if item.num_new_tokens > 1]
         if not fresh or not yielding or self._yielded_last_step:
