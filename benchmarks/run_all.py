@@ -20,10 +20,11 @@ ORDER = [
     "tiers", "kernels", "membw", "kernels_decode", "decode_step", "decode_step_mixed_2t",
     "decode_step_mixed_1t", "decode_step_mixed_1t_cached1024", "qgemm", "qgemm_end_to_end",
     "llama_cpp_peers", "int8", "perplexity", "step_profile", "shared_prefix", "vmm", "disagg", "lora",
-    "fairness", "scheduler_overhead",
+    "fairness", "scheduler_overhead", "step_rows_native",
 ]
 # Sections written by another script's mode: (script, its arguments).
 SCRIPTS = {
+    "step_rows_native": ("step_rows", ["--weights", "native"]),
     "kernels_decode": ("kernels", ["--decode-only", "5"]),
     "decode_step_mixed_2t": ("decode_step", ["--mixed", "--reps", "9"]),
     "decode_step_mixed_1t": ("decode_step", ["--mixed", "--threads", "1", "--reps", "9"]),

@@ -173,6 +173,8 @@ def main() -> int:
     parser.add_argument("--rss-every", type=float, default=30.0, help="seconds between RSS samples")
     parser.add_argument("--kv-cache-memory", default="256MiB", help="small on purpose: the adversary fills it")
     parser.add_argument("--weights", default=None, help="the server's --weights (default: the server's own)")
+    parser.add_argument("--max-step-rows", default=None,
+                        help="the server's --max-step-rows: N, 0 (off) or auto (default: the server's own)")
     parser.add_argument("--quick", action="store_true",
                         help="a 2-3 minute iteration: capacity 20 s, control 45 s, soak 60 s; implies --no-write")
     parser.add_argument("--trace", default=None, metavar="DIR", help="write the server's step trace and the "
@@ -191,6 +193,7 @@ def main() -> int:
     print(f"starting server with {args.model} ...", file=sys.stderr)
     server_args = ["--model", args.model, "--kv-cache-memory", args.kv_cache_memory]
     server_args += ["--weights", args.weights] if args.weights else []
+    server_args += ["--max-step-rows", args.max_step_rows] if args.max_step_rows is not None else []
     server_args += args.server_arg
     env = {}
     if args.trace:

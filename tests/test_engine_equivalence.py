@@ -33,9 +33,10 @@ def test_one_at_a_time(tiny_model_dir, prompts, reference):
     assert_pool_drained(llm.engine)
 
 
+@pytest.mark.parametrize("max_step_rows", [None, 0, 1, 3])  # the row cap: None is auto (4 on a CPU); 0 off
 @pytest.mark.parametrize("prefix_cache", ["radix", "hash", "off"])
-def test_batched_mixed_lengths(tiny_model_dir, prompts, reference, prefix_cache):
-    llm = make_llm(tiny_model_dir, prefix_cache=prefix_cache)
+def test_batched_mixed_lengths(tiny_model_dir, prompts, reference, prefix_cache, max_step_rows):
+    llm = make_llm(tiny_model_dir, prefix_cache=prefix_cache, max_step_rows=max_step_rows)
     outputs = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in outputs] == reference
     assert all(o.finish_reason == "length" for o in outputs)
@@ -50,10 +51,12 @@ def test_chunked_prefill(tiny_model_dir, prompts, reference, budget):
     assert_pool_drained(llm.engine)
 
 
+@pytest.mark.parametrize("max_step_rows", [None, 0, 2])
 @pytest.mark.parametrize("prefix_cache", ["radix", "hash", "off"])
-def test_preemption_keeps_outputs(tiny_model_dir, prompts, reference, prefix_cache):
+def test_preemption_keeps_outputs(tiny_model_dir, prompts, reference, prefix_cache, max_step_rows):
     # 12 blocks of 16 = 192 slots: far less than 8 requests need at once, enough for the largest alone.
-    llm = make_llm(tiny_model_dir, num_blocks=12, block_size=16, prefix_cache=prefix_cache)
+    llm = make_llm(tiny_model_dir, num_blocks=12, block_size=16, prefix_cache=prefix_cache,
+                   max_step_rows=max_step_rows)
     outputs = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in outputs] == reference
     assert llm.stats()["num_preemptions"] > 0

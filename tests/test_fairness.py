@@ -43,9 +43,10 @@ def steps_until_first_token(engine: LLMEngine, request_id: str, limit: int = 100
     raise AssertionError(f"{request_id} got no token in {limit} steps")
 
 
-def short_ttft_beside_long_prefill(model_dir, threshold: int) -> tuple[int, int]:
+def short_ttft_beside_long_prefill(model_dir, threshold: int, max_step_rows: int | None = None) -> tuple[int, int]:
     """(solo TTFT, TTFT while an 8,191-token prompt prefills) of a 4-token request, in steps."""
-    engine = make_engine(model_dir, num_blocks=640, long_prefill_token_threshold=threshold)
+    engine = make_engine(model_dir, num_blocks=640, long_prefill_token_threshold=threshold,
+                         max_step_rows=max_step_rows)
     engine.add_request([5, 6, 7, 8], SHORT, request_id="solo")
     solo = steps_until_first_token(engine, "solo")
     while engine.has_unfinished_requests():
@@ -66,8 +67,9 @@ def short_ttft_beside_long_prefill(model_dir, threshold: int) -> tuple[int, int]
     return solo, beside
 
 
-def test_short_request_ttft_beside_an_8k_prefill(long_model_dir):
-    solo, beside = short_ttft_beside_long_prefill(long_model_dir, threshold=64)
+@pytest.mark.parametrize("max_step_rows", [None, 1])  # the row cap (auto; 1: the long prompt is the one row)
+def test_short_request_ttft_beside_an_8k_prefill(long_model_dir, max_step_rows):
+    solo, beside = short_ttft_beside_long_prefill(long_model_dir, threshold=64, max_step_rows=max_step_rows)
     assert beside <= 2 * solo + 1, (solo, beside)  # "+ 1": the step in flight when it arrived
     solo_off, beside_off = short_ttft_beside_long_prefill(long_model_dir, threshold=0)
     assert beside_off > 2 * solo_off + 1  # without the threshold the 8k prompt takes every step's budget
@@ -103,12 +105,18 @@ def test_explicit_cap_applies_to_single_requests(tiny_model_dir):
         engine.add_request([5] * 30, SamplingParams(max_tokens=35))
 
 
-def test_short_requests_finish_while_a_big_group_holds_the_pool(tiny_model_dir):
+@pytest.mark.parametrize("max_step_rows", [0, 4])
+def test_short_requests_finish_while_a_big_group_holds_the_pool(tiny_model_dir, max_step_rows):
     """Reproduction 3 with the cap lifted: 16 samples x 700 tokens on a 64-block pool; 4-token requests
-    arriving meanwhile each finish within a bounded number of steps, and the group keeps progressing."""
-    engine = make_engine(tiny_model_dir, num_blocks=64, max_blocks_per_request=10_000)
+    arriving meanwhile each finish within a bounded number of steps, and the group keeps progressing
+    (with the row cap too: the group takes turns with the short requests, not 16 turns to their one)."""
+    engine = make_engine(tiny_model_dir, num_blocks=64, max_blocks_per_request=10_000, max_step_rows=max_step_rows)
     engine.add_request([5, 6], HOSTAGE, request_id="hog")
-    for _ in range(120):  # past the point where its members fill the pool and preempt each other
+    for _ in range(600):  # until its members fill the pool and preempt each other
+        engine.step()
+        if engine.scheduler.num_preemptions:
+            break
+    for _ in range(20):
         engine.step()
     assert engine.scheduler.num_preemptions > 0
     hog_tokens_before = sum(r.num_output_tokens for r in engine.groups["hog"].sequences())

@@ -52,6 +52,11 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--long-prefill-token-threshold", type=int, default=None,
                        help="most prompt tokens one request computes per step, so newcomers are not held "
                        "behind a long prompt; 0: off (default: max(64, 4%% of max_model_len))")
+    group.add_argument("--max-step-rows", type=parse_step_rows, default=None, metavar="N|auto",
+                       help="most running sequences computing in one step, taking turns (longest-waiting "
+                       "first), so every step stays short while newcomers arrive; 0: off; auto (default, CPU "
+                       "only): the smallest cap that costs at most 20%% of decode throughput, from measured "
+                       "step times")
     group.add_argument("--num-threads", type=int, default=None, help="torch CPU threads; None: torch's default")
     group.add_argument("--seed", type=int, default=defaults.seed, help="seed of unseeded random requests")
     group.add_argument("--eviction", default=defaults.eviction, choices=ONLINE_POLICIES,
@@ -74,6 +79,19 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--disable-cascade-attn", action="store_true",
                        help="decode attention never reads shared prefix blocks once for all their sharers")
     add_tier_flags(parser)
+
+
+def parse_step_rows(text: str) -> int | None:
+    """`--max-step-rows`: a count >= 0 (0: off) or `auto` (None: engine/step_cost.py sets it on a CPU)."""
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0 or 'auto', got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0 (0: off) or 'auto', got {value}")
+    return value
 
 
 def add_tier_flags(parser: argparse.ArgumentParser) -> None:

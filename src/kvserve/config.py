@@ -65,6 +65,7 @@ class EngineConfig:
     schedule_policy: str = "fcfs"
     max_blocks_per_request: int | None = None  # None: max(half the pool, one max_model_len sequence)
     long_prefill_token_threshold: int | None = None  # None: max(64, 4% of max_model_len); 0: off
+    max_step_rows: int | None = None  # running sequences computing per step, in turn; None: auto (CPU); 0: off
     num_threads: int | None = None
     seed: int = 0
     eviction: str = DEFAULT_EVICTION  # prefix-cache eviction policy (prefix/eviction.py)
@@ -127,6 +128,8 @@ class EngineConfig:
         if self.long_prefill_token_threshold is not None:
             _require(self.long_prefill_token_threshold >= 0,
                      f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
+        if self.max_step_rows is not None:
+            _require(self.max_step_rows >= 0, f"max_step_rows must be >= 0 (0: off), got {self.max_step_rows}")
         if self.num_threads is not None:
             _require(self.num_threads >= 1, f"num_threads must be >= 1, got {self.num_threads}")
         _require(self.max_loras >= 1, f"max_loras must be >= 1, got {self.max_loras}")

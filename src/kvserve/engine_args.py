@@ -20,6 +20,9 @@ RENAMED = {
 # vLLM dtype spellings -> kvserve's.
 DTYPE_ALIASES = {"auto": "float32", "float": "float32", "half": "float16", "bf16": "bfloat16",
                  "fp16": "float16", "fp32": "float32"}
+# Offline (`LLM`), the row cap is off unless asked for: a batch given at once wants throughput, and no
+# newcomer's time to first token waits on its steps (vLLM's defaults differ by usage context likewise).
+OFFLINE_MAX_STEP_ROWS = 0
 # vLLM names accepted at these values only (they select what kvserve always does).
 FIXED = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "trust_remote_code": (True, False),
          "enforce_eager": (True, False), "disable_log_stats": (True, False)}
@@ -44,4 +47,5 @@ def engine_config(model: str, args: dict[str, Any]) -> EngineConfig:
             raise TypeError(f"LLM() got an unknown engine argument {name!r}")
     if "dtype" in fields:
         fields["dtype"] = DTYPE_ALIASES.get(fields["dtype"], fields["dtype"])
+    fields.setdefault("max_step_rows", OFFLINE_MAX_STEP_ROWS)
     return EngineConfig(model=model, **fields)

@@ -41,6 +41,7 @@ from kvserve.engine.setup import (
     resolve_max_model_len,
 )
 from kvserve.engine.stats import engine_stats
+from kvserve.engine.step_cost import make_auto_row_cap
 from kvserve.engine.structured import GrammarCompiler
 from kvserve.engine.tokens import append_sampled_token
 from kvserve.engine.validation import check_fits, encode_prompt, validate_prompt_ids, validate_token_params
@@ -87,8 +88,10 @@ class LLMEngine:
         self.long_prefill_token_threshold = resolve_long_prefill_threshold(config, self.max_model_len)
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.schedule_policy,
-            self.long_prefill_token_threshold,
+            self.long_prefill_token_threshold, config.max_step_rows or 0,
         )
+        self.auto_row_cap = make_auto_row_cap(config.max_step_rows, config.device, self.scheduler.rotation,
+                                              config.max_num_seqs)
         self.lora = LoRARegistry(self.model_config, config.max_loras, config.max_lora_rank, self.model.dtype,
                                  self.model.device) if config.enable_lora else None
         self.runner = ModelRunner(self.model, self.kv_pool, self.lora, cascade=not config.disable_cascade_attn)
@@ -216,8 +219,11 @@ class LLMEngine:
         A request whose work raises is aborted with an error output (engine/failures.py); an exception
         outside any request's work (scheduling, block copies, invariant checks) propagates: the engine
         loop cannot go on."""
+        started = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         outputs = self._run(scheduler_output) if scheduler_output.scheduled else []
+        if self.auto_row_cap is not None:
+            self.auto_row_cap.observe(scheduler_output.scheduled, time.perf_counter() - started)
         if self.debug_checks:
             self.scheduler.check_invariants()
         return outputs

@@ -1,8 +1,9 @@
 """Scheduler: continuous batching with chunked prefill, preemption by recompute, fcfs | lpm order.
 
 Every step, running requests go first (one decode token each, or their next prefill chunk: at most
-`long_prefill_token_threshold` tokens while others wait or run), then waiting ones are admitted while
-the token budget, `max_num_seqs` and the pool allow. When a running request cannot get a block, the
+`long_prefill_token_threshold` tokens while others wait or run; at most `max_step_rows` of them, in
+turn, `step_rows.RowRotation`), then waiting ones are admitted while the token budget, `max_num_seqs`
+and the pool allow. When a running request cannot get a block, the
 running sequence of the group holding the largest share of the pool (blocks x steps held,
 `pool_share.PoolShare`; never the oldest sequence, so something always finishes) is preempted: its
 blocks are released (full ones stay in the prefix cache) and it goes back to the front of the queue,
@@ -28,6 +29,7 @@ from kvserve.engine.block_manager import BlockManager
 from kvserve.engine.pool_share import PoolShare
 from kvserve.engine.prefix_admission import PrefixHold
 from kvserve.engine.request import Request, RequestStatus
+from kvserve.engine.step_rows import RowRotation
 from kvserve.tiers.offload import SOURCES
 
 if TYPE_CHECKING:
@@ -96,13 +98,14 @@ class PrefixCacheCounters:
 class Scheduler:
     def __init__(
         self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-        policy: str = "fcfs", long_prefill_token_threshold: int = 0,
+        policy: str = "fcfs", long_prefill_token_threshold: int = 0, max_step_rows: int = 0,
     ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.policy = policy
         self.long_prefill_token_threshold = long_prefill_token_threshold  # 0: a chunk takes the budget
+        self.rotation = RowRotation(max_step_rows)  # 0: every running sequence computes every step
         self.num_steps = 0
         self._contended = False  # others wait or run beside a request this step (long prefills yield)
         self._yielded_last_step = False  # running prefills sat out the last step for a newcomer
@@ -136,6 +139,7 @@ class Scheduler:
         self._yield_to_newcomers(output, num_running_before)
         if not output.scheduled and self.waiting and self.running:
             self._unblock_waiting(output)
+        self.rotation.record((item.request for item in output.scheduled), self.running, self.num_steps)
         output.blocks_to_copy = self.block_manager.take_pending_copies()
         self._assert_end_of_step(output)
         if self.trace is not None:
@@ -155,8 +159,12 @@ class Scheduler:
 
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
         index = 0
+        turn = self.rotation.select(self.running)  # None: all; else the request ids whose turn it is
         while index < len(self.running) and budget > 0:
             request = self.running[index]
+            if turn is not None and request.request_id not in turn:  # sits out (keeps its blocks): row cap
+                index += 1
+                continue
             self._adopt_cached_continuation(request)
             num_new = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
             if num_new == 0:  # holding its logits until the rest of its group has theirs
@@ -227,7 +235,8 @@ class Scheduler:
         plus the step in flight when it arrived. Never two steps in a row, so a long prefill gets a chunk
         at least every other step however many newcomers arrive. Decode rows stay: letting them sit out
         too was tried and measured (benchmarks/results/soak.md): on a CPU a step's fixed cost dominates at
-        a few rows, so the extra steps and the larger step after each yield made the tail no better."""
+        a few rows, so the extra steps and the larger step after each yield made the tail no better; the
+        row cap (`step_rows.RowRotation`) bounds how many there are instead."""
         fresh = any(item.request.metrics.first_token_time is None for item in output.scheduled[num_running_before:])
         yielding = [item for item in output.scheduled[:num_running_before] if item.num_new_tokens > 1]
         if not fresh or not yielding or self._yielded_last_step:
