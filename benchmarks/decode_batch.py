@@ -9,8 +9,9 @@ prompts, 64-128 tokens) are generated a few tokens, one all-decode step is captu
   (exact: the per-row kernel below `--min-rows`, else the wide GEMM of csrc/qgemm.h; int8: qmatmul_i8);
 - attention: 30 paged-attention calls over the captured block tables (random queries);
 - loop rest: layer loop - matmuls - attention (norms, RoPE + KV write, SwiGLU, embedding, checks);
-- lm head (49152 x 576, Q8_0) and the sampler (`engine.sample`) as called in a generate, per decode step;
-- engine rest: a generate's time per decode step outside the forward, the lm head and the sampler.
+- lm head (49152 x 576, Q8_0): the captured step's hidden states through `compute_logits`;
+- sampler (`engine.sample`) and engine rest (a generate's time outside the forward, the lm head and the
+  sampler: scheduler, batch preparation, outputs): per engine step of a 16-token generate of the same prompts.
 
 Times are CPU ms of the process with 1 thread (robust to a shared machine), the best of the replays; the
 engine parts the mean over a 16-token generate. `--before REV` builds the native kernels of git revision
@@ -70,7 +71,7 @@ class BatchProbe:
             return forward(input_ids, positions, kv_pool, meta, *args, **kwargs)
 
         self.model.forward = capture
-        self.llm.generate(self.prompts, greedy(4))
+        self.llm.generate(self.prompts, greedy(24))  # long enough that every row decodes at once (64: ~10 prefill steps)
         self.model.forward = forward
         self.step = captured["step"]
         self.hidden = forward(*self.step[0], **self.step[1])
@@ -129,9 +130,8 @@ class BatchProbe:
             engine_module.sample = sample
             del self.llm.engine.step
         rest = total - sum(spent.values())
-        decode_steps = tokens - 1  # the prefill steps' lm head / sampler / rest are few and small
-        return {"lm head": spent["lm head"] * 1e3 / steps[0], "sampler": spent["sampler"] * 1e3 / steps[0],
-                "engine rest": rest * 1e3 / decode_steps}
+        return {name: value * 1e3 / steps[0] for name, value in
+                (("lm head", spent["lm head"]), ("sampler", spent["sampler"]), ("engine rest", rest))}
 
     def parts(self, native: NativeLibrary, min_rows: int, reps: int) -> dict[str, float]:
         self.use(native)

@@ -3,17 +3,20 @@
 //
 // impl.h's qmatmul converts every weight block to floats once per 4 activation rows; at 8+ rows that
 // conversion is most of its work, and dequantizing the whole matrix for torch's GEMM streams a float32 copy
-// of every weight on every call. Here each panel of NR weight rows is dequantized ONCE per call into a
+// of every weight on every call. Here each panel of NR weight rows is dequantized ONCE per call (per row
+// block of GM_MB rows, beyond that) into a
 // per-thread float buffer (NR x K: L2-resident; each KC-wide slice of it stays in L1 while used), and an
 // outer-product micro-kernel runs over every activation tile against it: vectors run along the activation
 // rows (x is packed transposed, once per call), each dequantized weight is a broadcast, so neither side needs
 // a transpose of the weights, and the accumulators never need a horizontal sum.
 //
-// Tiles: 2 vectors of W rows, 1 vector of W rows, or -- for the last few rows of a small batch -- 1 vector
-// holding W/2 rows x 2 consecutive inputs (lane 2r + p: row r, input i + p), fed by a 64-bit broadcast of
-// the weight pair (i, i + 1); its two partial sums per row are added when the tile is stored. An 8-row
-// decode batch thus fills every lane instead of half of them (padding 8 rows to 16 did twice the FMAs),
-// and needs one broadcast per 2 inputs.
+// Tiles are 2 vectors; each lane group of P lanes holds one activation row's products with P consecutive
+// inputs, fed by a P-float broadcast of the weights (P = 1, 2, 4: 32, 16 or 8 rows per tile on AVX-512),
+// and the P partial sums of a row are added when the tile is stored. A 5-24-row decode batch thus fills
+// its lanes (padding 8 rows to a 16-row vector did twice the FMAs, at one broadcast per FMA), and every
+// tile keeps the 2-vector shape that leaves the FMA units, not the load ports, as the limit.
+// Q4 panels are dequantized through a per-block table of the 16 possible weights (one permute per 16
+// weights); each task prefetches the next panel's weights while it computes.
 //
 // Exact to the dequantized weights up to summation order: the panel holds the same floats as dequantize()
 // (d*q then + m, separately rounded; -ffp-contract=off), products accumulate in float32.
@@ -26,6 +29,7 @@ constexpr int GM_NR = 6;   // 2 x 6 accumulators of 16 registers
 constexpr int GM_MT = 2 * W;       // lanes of a tile: 2 vectors (32 on AVX-512, 16 on AVX2)
 constexpr int64_t GM_KC = 128;     // inputs per block: that slice of the panel (6 KiB) and of MC rows of x (32 KiB) in L1
 constexpr int64_t GM_MC = 64;      // activation rows per M block (at most; whole tiles)
+constexpr int64_t GM_MB = 128;     // activation rows per row block (L2: 128 x 1536 floats = 768 KiB)
 
 // P consecutive floats broadcast to every P-lane group: a plain load-port broadcast (ss, sd, f32x4).
 template <int P>
@@ -216,8 +220,8 @@ static inline void gm_run_tile(const GmTile& t, const float* xt, const float* pa
 }
 
 // Two barriers per call whatever the row count (on a busy machine each one can wait out a descheduled peer):
-// every tile of x is packed, then each thread dequantizes each of its panels once, over the whole width, and
-// runs it against every M block (consecutive tiles of up to GM_MC rows).
+// every tile of x is packed, then each thread takes (row block, panel) tasks: it dequantizes the panel over
+// the whole width and runs it against the row block's M blocks (consecutive tiles of up to GM_MC rows).
 template <int QT>
 static void qgemm_t(const float* x, int64_t rows, int64_t k, const uint8_t* w, int64_t n, int64_t row_bytes,
                     float* y, int64_t ystride) {
@@ -227,6 +231,14 @@ static void qgemm_t(const float* x, int64_t rows, int64_t k, const uint8_t* w, i
     const int64_t padded = tiles[ntiles - 1].r0 + tiles[ntiles - 1].width();
     float* xp = static_cast<float*>(_mm_malloc(padded * k * sizeof(float) + 64, 64));
     constexpr int64_t MAX_BLOCK_TILES = GM_MC / (W / 2);
+    // Row blocks of up to GM_MB rows (whole tiles): each task is one panel against one row block, so the block's
+    // packed x (GM_MB x k floats) stays in the core's L2 while the panels stream past it; a panel is dequantized
+    // once per row block (once per call up to GM_MB rows: a decode batch).
+    int64_t* block_tiles = new int64_t[ntiles + 1];
+    int64_t nblocks = 0;
+    for (int64_t t = 0; t < ntiles; ++t)
+        if (t == 0 || tiles[t].r0 + tiles[t].width() - tiles[block_tiles[nblocks - 1]].r0 > GM_MB) block_tiles[nblocks++] = t;
+    block_tiles[nblocks] = ntiles;
 #pragma omp parallel num_threads(kv_threads())
     {
         float* panel = static_cast<float*>(_mm_malloc(GM_NR * k * sizeof(float) + 64, 64));
@@ -234,7 +246,8 @@ static void qgemm_t(const float* x, int64_t rows, int64_t k, const uint8_t* w, i
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < ntiles; ++t) gm_pack_x(x, k, tiles[t], xp);
 #pragma omp for schedule(static)
-        for (int64_t p = 0; p < npanels; ++p) {
+        for (int64_t task = 0; task < nblocks * npanels; ++task) {
+            const int64_t p = task % npanels, first = block_tiles[task / npanels], last = block_tiles[task / npanels + 1];
             const int64_t n0 = p * GM_NR;
             const int nr = static_cast<int>(n - n0 < GM_NR ? n - n0 : GM_NR);
             gm_dequant_panel<QT>(w, row_bytes, n0, nr, 0, k, panel);  // once per call: [NR][k], L2-resident
@@ -244,12 +257,12 @@ static void qgemm_t(const float* x, int64_t rows, int64_t k, const uint8_t* w, i
             const int64_t next_bytes = next_end > n0 + GM_NR ? (next_end - n0 - GM_NR) * row_bytes : 0;
             const int64_t share = (next_bytes / ((k + GM_KC - 1) / GM_KC) + 63) / 64 * 64;
             const uint8_t* next = w + (n0 + GM_NR) * row_bytes;
-            for (int64_t t0 = 0; t0 < ntiles;) {
+            for (int64_t t0 = first; t0 < last;) {
                 int64_t t1 = t0 + 1;  // this M block: tiles [t0, t1), at most GM_MC rows
-                while (t1 < ntiles && tiles[t1].r0 + tiles[t1].width() - tiles[t0].r0 <= GM_MC) ++t1;
+                while (t1 < last && tiles[t1].r0 + tiles[t1].width() - tiles[t0].r0 <= GM_MC) ++t1;
                 for (int64_t k0 = 0; k0 < k; k0 += GM_KC) {
                     const int64_t kc = k - k0 < GM_KC ? k - k0 : GM_KC;
-                    if (t0 == 0 && next_bytes > 0) {
+                    if (t0 == first && next_bytes > 0) {
                         const int64_t from = (k0 / GM_KC) * share;
                         if (from < next_bytes) prefetch_span(next + from, next_bytes - from < share ? next_bytes - from : share);
                     }
@@ -268,6 +281,7 @@ static void qgemm_t(const float* x, int64_t rows, int64_t k, const uint8_t* w, i
     }
     _mm_free(xp);
     delete[] tiles;
+    delete[] block_tiles;
 }
 
 static int qgemm(int qt, const float* x, int64_t rows, int64_t k, const uint8_t* w, int64_t n, int64_t row_bytes,
