@@ -71,7 +71,7 @@ class BatchProbe:
             return forward(input_ids, positions, kv_pool, meta, *args, **kwargs)
 
         self.model.forward = capture
-        self.llm.generate(self.prompts, greedy(24))  # long enough that every row decodes at once (64: ~10 prefill steps)
+        self.llm.generate(self.prompts, greedy(24))  # every row decodes at once by then (64 rows: ~10 prefills)
         self.model.forward = forward
         self.step = captured["step"]
         self.hidden = forward(*self.step[0], **self.step[1])

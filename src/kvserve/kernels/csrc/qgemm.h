@@ -4,8 +4,7 @@
 // impl.h's qmatmul converts every weight block to floats once per 4 activation rows; at 8+ rows that
 // conversion is most of its work, and dequantizing the whole matrix for torch's GEMM streams a float32 copy
 // of every weight on every call. Here each panel of NR weight rows is dequantized ONCE per call (per row
-// block of GM_MB rows, beyond that) into a
-// per-thread float buffer (NR x K: L2-resident; each KC-wide slice of it stays in L1 while used), and an
+// block of GM_MB rows, beyond that), a KC-wide slice at a time into a per-thread L1-resident buffer, and an
 // outer-product micro-kernel runs over every activation tile against it: vectors run along the activation
 // rows (x is packed transposed, once per call), each dequantized weight is a broadcast, so neither side needs
 // a transpose of the weights, and the accumulators never need a horizontal sum.
@@ -27,8 +26,7 @@ constexpr int GM_NR = 12;  // weight rows (output columns) per panel: 2 x 12 acc
 constexpr int GM_NR = 6;   // 2 x 6 accumulators of 16 registers
 #endif
 constexpr int GM_MT = 2 * W;       // lanes of a tile: 2 vectors (32 on AVX-512, 16 on AVX2)
-constexpr int64_t GM_KC = 128;     // inputs per block: that slice of the panel (6 KiB) and of MC rows of x (32 KiB) in L1
-constexpr int64_t GM_MC = 64;      // activation rows per M block (at most; whole tiles)
+constexpr int64_t GM_KC = 128;     // inputs per slice: the panel is dequantized a slice at a time (12 x 128: 6 KiB, in L1)
 constexpr int64_t GM_MB = 128;     // activation rows per row block (L2: 128 x 1536 floats = 768 KiB)
 
 // P consecutive floats broadcast to every P-lane group: a plain load-port broadcast (ss, sd, f32x4).
@@ -220,8 +218,9 @@ static inline void gm_run_tile(const GmTile& t, const float* xt, const float* pa
 }
 
 // Two barriers per call whatever the row count (on a busy machine each one can wait out a descheduled peer):
-// every tile of x is packed, then each thread takes (row block, panel) tasks: it dequantizes the panel over
-// the whole width and runs it against the row block's M blocks (consecutive tiles of up to GM_MC rows).
+// every tile of x is packed, then each thread takes (row block, panel) tasks: it dequantizes the panel
+// one KC slice at a time into an L1-resident buffer and runs every tile of the row block against the slice
+// (the tiles' accumulators live in a small per-thread buffer between slices).
 template <int QT>
 static void qgemm_t(const float* x, int64_t rows, int64_t k, const uint8_t* w, int64_t n, int64_t row_bytes,
                     float* y, int64_t ystride) {
@@ -230,7 +229,7 @@ static void qgemm_t(const float* x, int64_t rows, int64_t k, const uint8_t* w, i
     const int64_t ntiles = gm_tiles(rows, tiles);
     const int64_t padded = tiles[ntiles - 1].r0 + tiles[ntiles - 1].width();
     float* xp = static_cast<float*>(_mm_malloc(padded * k * sizeof(float) + 64, 64));
-    constexpr int64_t MAX_BLOCK_TILES = GM_MC / (W / 2);
+    constexpr int64_t MAX_BLOCK_TILES = GM_MB / (W / 2) + 2;
     // Row blocks of up to GM_MB rows (whole tiles): each task is one panel against one row block, so the block's
     // packed x (GM_MB x k floats) stays in the core's L2 while the panels stream past it; a panel is dequantized
     // once per row block (once per call up to GM_MB rows: a decode batch).
@@ -241,7 +240,7 @@ static void qgemm_t(const float* x, int64_t rows, int64_t k, const uint8_t* w, i
     block_tiles[nblocks] = ntiles;
 #pragma omp parallel num_threads(kv_threads())
     {
-        float* panel = static_cast<float*>(_mm_malloc(GM_NR * k * sizeof(float) + 64, 64));
+        float* panel = static_cast<float*>(_mm_malloc(GM_NR * GM_KC * sizeof(float) + 64, 64));
         float* acc = static_cast<float*>(_mm_malloc(MAX_BLOCK_TILES * GM_NR * GM_MT * sizeof(float) + 64, 64));
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < ntiles; ++t) gm_pack_x(x, k, tiles[t], xp);
@@ -250,31 +249,25 @@ static void qgemm_t(const float* x, int64_t rows, int64_t k, const uint8_t* w, i
             const int64_t p = task % npanels, first = block_tiles[task / npanels], last = block_tiles[task / npanels + 1];
             const int64_t n0 = p * GM_NR;
             const int nr = static_cast<int>(n - n0 < GM_NR ? n - n0 : GM_NR);
-            gm_dequant_panel<QT>(w, row_bytes, n0, nr, 0, k, panel);  // once per call: [NR][k], L2-resident
-            // The next panel's weights (contiguous rows), prefetched a share per KC block of the first M block
-            // (impl.h's prefetch_span: the hardware prefetchers alone leave the dequantization waiting on them).
+            // The next panel's weights (contiguous rows), prefetched a share per KC slice (impl.h's
+            // prefetch_span: the hardware prefetchers alone leave the dequantization waiting on them).
             const int64_t next_end = n0 + 2 * GM_NR < n ? n0 + 2 * GM_NR : n;
             const int64_t next_bytes = next_end > n0 + GM_NR ? (next_end - n0 - GM_NR) * row_bytes : 0;
             const int64_t share = (next_bytes / ((k + GM_KC - 1) / GM_KC) + 63) / 64 * 64;
             const uint8_t* next = w + (n0 + GM_NR) * row_bytes;
-            for (int64_t t0 = first; t0 < last;) {
-                int64_t t1 = t0 + 1;  // this M block: tiles [t0, t1), at most GM_MC rows
-                while (t1 < last && tiles[t1].r0 + tiles[t1].width() - tiles[t0].r0 <= GM_MC) ++t1;
-                for (int64_t k0 = 0; k0 < k; k0 += GM_KC) {
-                    const int64_t kc = k - k0 < GM_KC ? k - k0 : GM_KC;
-                    if (t0 == first && next_bytes > 0) {
-                        const int64_t from = (k0 / GM_KC) * share;
-                        if (from < next_bytes) prefetch_span(next + from, next_bytes - from < share ? next_bytes - from : share);
-                    }
-                    for (int64_t t = t0; t < t1; ++t) {
-                        const GmTile& tile = tiles[t];
-                        const float* xt = xp + tile.r0 * k + k0 * tile.width();  // = (k0 / P) * GM_MT
-                        gm_run_tile(tile, xt, panel + k0, k, kc, acc + (t - t0) * GM_NR * GM_MT, k0 == 0);
-                    }
+            for (int64_t k0 = 0; k0 < k; k0 += GM_KC) {
+                const int64_t kc = k - k0 < GM_KC ? k - k0 : GM_KC;
+                gm_dequant_panel<QT>(w, row_bytes, n0, nr, k0, kc, panel);  // [NR][kc]: L1-resident
+                const int64_t from = (k0 / GM_KC) * share;
+                if (from < next_bytes) prefetch_span(next + from, next_bytes - from < share ? next_bytes - from : share);
+                for (int64_t t = first; t < last; ++t) {
+                    const GmTile& tile = tiles[t];
+                    const float* xt = xp + tile.r0 * k + k0 * tile.width();  // = (k0 / P) * GM_MT
+                    gm_run_tile(tile, xt, panel, kc, kc, acc + (t - first) * GM_NR * GM_MT, k0 == 0);
                 }
-                for (int64_t t = t0; t < t1; ++t) gm_store_tile(acc + (t - t0) * GM_NR * GM_MT, tiles[t], nr, y + n0, ystride);
-                t0 = t1;
             }
+            for (int64_t t = first; t < last; ++t)
+                gm_store_tile(acc + (t - first) * GM_NR * GM_MT, tiles[t], nr, y + n0, ystride);
         }
         _mm_free(panel);
         _mm_free(acc);
