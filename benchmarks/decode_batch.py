@@ -8,7 +8,8 @@ prompts, 64-128 tokens) are generated a few tokens, one all-decode step is captu
 - matmuls: the same 120 weight matrices at `rows` rows through the entry the loop takes at that row count
   (exact: the per-row kernel below `--min-rows`, else the wide GEMM of csrc/qgemm.h; int8: qmatmul_i8);
 - attention: 30 paged-attention calls over the captured block tables (random queries);
-- loop rest: layer loop - matmuls - attention (norms, RoPE + KV write, SwiGLU, embedding, checks);
+- loop rest: layer loop - matmuls - attention (norms, RoPE + KV write, SwiGLU, embedding, checks; parts
+  timed apart, so on a loaded machine this difference is noisy and can come out below zero);
 - lm head (49152 x 576, Q8_0): the captured step's hidden states through `compute_logits`;
 - sampler (`engine.sample`) and engine rest (a generate's time outside the forward, the lm head and the
   sampler: scheduler, batch preparation, outputs): per engine step of a 16-token generate of the same prompts.
@@ -133,6 +134,32 @@ class BatchProbe:
         return {name: value * 1e3 / steps[0] for name, value in
                 (("lm head", spent["lm head"]), ("sampler", spent["sampler"]), ("engine rest", rest))}
 
+    def generate_split(self, native: NativeLibrary, new: int) -> dict[str, float]:
+        """CPU seconds of a generate of the probe's prompts x `new` tokens (benchmarks/kernels.py's batch figure,
+        prefill included), split into engine steps that prefill something and all-decode steps."""
+        self.use(native)
+        model, kind, spent = self.model, ["decode"], {"prefill steps": 0.0, "decode steps": 0.0}
+        forward, step = model.forward, self.llm.engine.step
+
+        def tagged(input_ids, positions, kv_pool, meta, *args, **kwargs):
+            kind[0] = "prefill steps" if meta.prefills else "decode steps"
+            return forward(input_ids, positions, kv_pool, meta, *args, **kwargs)
+
+        def timed_step(*args, **kwargs):
+            start = time.process_time()
+            try:
+                return step(*args, **kwargs)
+            finally:
+                spent[kind[0]] += time.process_time() - start
+
+        model.forward, self.llm.engine.step = tagged, timed_step
+        try:
+            self.llm.generate(self.prompts, greedy(new), cache_salt=str(time.perf_counter()))
+        finally:
+            model.forward = forward
+            del self.llm.engine.step
+        return spent
+
     def parts(self, native: NativeLibrary, min_rows: int, reps: int) -> dict[str, float]:
         self.use(native)
         args, kwargs = self.step
@@ -141,11 +168,16 @@ class BatchProbe:
         attention = best_cpu_ms(lambda: self._attention(native), reps)
         head = best_cpu_ms(lambda: self.model.compute_logits(self.hidden), reps)
         engine = self._engine(16)
-        out = {"layer loop (C)": loop, "matmuls": matmuls, "attention": attention,
-               "loop rest": loop - matmuls - attention, "lm head": head, "sampler": engine["sampler"],
-               "engine rest": engine["engine rest"]}
-        out["step"] = loop + head + out["sampler"] + out["engine rest"]
-        return out
+        return {"layer loop (C)": loop, "matmuls": matmuls, "attention": attention, "lm head": head,
+                "sampler": engine["sampler"], "engine rest": engine["engine rest"]}
+
+
+def derived(parts: dict[str, float]) -> dict[str, float]:
+    """The best of each measured part, plus loop rest and step computed from those bests."""
+    out = dict(parts)
+    out["loop rest"] = parts["layer loop (C)"] - parts["matmuls"] - parts["attention"]
+    out["step"] = parts["layer loop (C)"] + parts["lm head"] + parts["sampler"] + parts["engine rest"]
+    return out
 
 
 def run_batch(rows_list: list[int], before: str | None, before_min_rows: int, reps: int, rounds: int,
@@ -153,7 +185,7 @@ def run_batch(rows_list: list[int], before: str | None, before_min_rows: int, re
     torch.set_num_threads(1)
     notes = [f"Load average (1 / 5 / 15 min) before: {load_average()}."]
     before_path = build_revision(before, workdir) if before else None
-    table = []
+    table, generate = [], []
     for mode in MODES:
         for rows in rows_list:
             probe = BatchProbe(mode, rows)
@@ -167,10 +199,18 @@ def run_batch(rows_list: list[int], before: str | None, before_min_rows: int, re
                     parts = probe.parts(native, min_rows, reps)
                     previous = results.get(name, {})
                     results[name] = {k: min(v, previous.get(k, v)) for k, v in parts.items()}
-            for name, parts in results.items():
+            for name, measured in results.items():
+                parts = derived(measured)
                 row = [mode, rows, name, *[parts[p] for p in PARTS], rows * 1e3 / parts["step"]]
                 table.append(row)
                 print(row, flush=True)
+            if rows == 32:  # the batch-32 figure of benchmarks/kernels.py --quick, prefill included
+                for name, (native, _) in resolved.items():
+                    split = probe.generate_split(native, 32)
+                    total = sum(split.values())
+                    generate.append([mode, name, split["prefill steps"], split["decode steps"], total,
+                                     32 * 32 / total, split["prefill steps"] / total])
+                    print(generate[-1], flush=True)
             del probe
     notes.append(f"Load average after: {load_average()}. CPU ms per decode step, 1 thread, best of {reps} replays x "
                  f"{rounds} rounds (libraries alternating); contexts 65-132 tokens. step = layer loop + lm head + "
@@ -178,6 +218,12 @@ def run_batch(rows_list: list[int], before: str | None, before_min_rows: int, re
                  "kernels on 2 threads). Before: its layer loop takes the wide GEMM from "
                  f"{before_min_rows} rows, now from {ops.QGEMM_MIN_ROWS}.")
     header = ["activations", "rows", "kernels", *[f"{p} ms" for p in PARTS], "tok/s (1 thread)"]
+    generate_header = ["activations", "kernels", "prefill steps s", "decode steps s", "total s", "tok/s (1 thread)",
+                       "prefill share"]
+    notes.append("\nThe batch-32 figure of `benchmarks/kernels.py --quick` (32 prompts of 68-128 tokens, 32 new "
+                 "tokens each, prefill included), CPU seconds of one generate, 1 thread, split into engine steps that "
+                 "prefill something and all-decode steps:\n\n" + markdown_table(generate_header, generate))
     write_result("decode_step_batch", "A batched decode step, taken apart (CPU ms, 1 thread)",
                  markdown_table(header, table), "\n".join(notes))
     print(markdown_table(header, table))
+    print(markdown_table(generate_header, generate))
