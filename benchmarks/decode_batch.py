@@ -213,10 +213,10 @@ def run_batch(rows_list: list[int], before: str | None, before_min_rows: int, re
                     print(generate[-1], flush=True)
             del probe
     notes.append(f"Load average after: {load_average()}. CPU ms per decode step, 1 thread, best of {reps} replays x "
-                 f"{rounds} rounds (libraries alternating); contexts: the prompts (68-128 tokens) plus up to 24 generated. step = layer loop + lm head + "
-                 "sampler + engine rest; tok/s = rows / step (1 thread, CPU time: an idle 2-core machine runs the "
-                 "kernels on 2 threads). Before: its layer loop takes the wide GEMM from "
-                 f"{before_min_rows} rows, now from {ops.QGEMM_MIN_ROWS}.")
+                 f"{rounds} rounds (libraries alternating); contexts: the prompts (68-128 tokens) plus up to 24 "
+                 "generated. step = layer loop + lm head + sampler + engine rest; tok/s = rows / step (1 thread, "
+                 "CPU time: an idle 2-core machine runs the kernels on 2 threads). Before: its layer loop takes "
+                 f"the wide GEMM from {before_min_rows} rows, now from {ops.QGEMM_MIN_ROWS}.")
     header = ["activations", "rows", "kernels", *[f"{p} ms" for p in PARTS], "tok/s (1 thread)"]
     generate_header = ["activations", "kernels", "prefill steps s", "decode steps s", "total s", "tok/s (1 thread)",
                        "prefill share"]
