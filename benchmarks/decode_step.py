@@ -18,6 +18,12 @@ wall time; the step in the C layer loop against the Python loop (what such a ste
 interleaved repeats (the median of each; results/decode_step_mixed.md).
 
     python benchmarks/decode_step.py --mixed
+
+`--rows 8,32,64` times instead a batched decode step of that many rows, taken apart (matmuls, attention,
+the rest of the loop, lm head, sampler, engine), exact and int8, with `--before REV` alternating
+(benchmarks/decode_batch.py; results/decode_step_batch.md).
+
+    python benchmarks/decode_step.py --rows 8,32,64 --before main
 """
 
 from __future__ import annotations
@@ -225,7 +231,17 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="--mixed: torch and native threads")
     parser.add_argument("--prefills", default="16,48,64,96,128,192", help="--mixed: prefill lengths to time")
     parser.add_argument("--cached", type=int, default=0, help="--mixed: tokens cached before the prefill chunk")
+    parser.add_argument("--rows", help="batched decode steps of these row counts (e.g. 8,32,64)")
+    parser.add_argument("--before-min-rows", type=int, default=10,
+                        help="--rows: the row count from which --before's layer loop took the wide GEMM")
     args = parser.parse_args()
+    if args.rows:
+        from decode_batch import run_batch
+
+        with tempfile.TemporaryDirectory() as workdir:
+            run_batch([int(n) for n in args.rows.split(",")], args.before, args.before_min_rows, args.reps,
+                      args.rounds, Path(workdir))
+        return
     if args.mixed:
         run_mixed(args.reps, args.threads, [int(n) for n in args.prefills.split(",")], args.cached)
         return

@@ -20,7 +20,6 @@ from test_kernels import random_quant
 SETTINGS = settings(max_examples=30, deadline=None)
 
 
-
 @SETTINGS
 @given(
     rows=st.one_of(st.integers(1, 40), st.integers(41, 300)), out_features=st.integers(1, 75),
@@ -34,6 +33,17 @@ def test_qgemm_matches_dequantize_then_matmul(kernels, rows, out_features, block
     assert got.shape == (rows, out_features)
     # Exact to the dequantized weights up to summation order: a few fp32 ulps of outputs reaching ~100.
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [1, 4, 5, 8, 9, 12, 16, 17, 20, 24, 25, 31, 40, 56, 129, 140])
+@pytest.mark.parametrize("qtype", sorted(QTYPES))
+def test_qgemm_every_tile_shape_and_row_block(kernels, rows, qtype):
+    """Row counts that end on each tile shape (a 2-vector tile of 1, 2 or 4 inputs per lane group: 32/16/8 rows
+    on AVX-512, 16/8/4 on AVX2), partial last tiles, and a second row block (over 128 rows)."""
+    weight = random_quant(29, 96, qtype, seed=rows)
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
+    got = kernels.native.qgemm(x, weight.data, weight.qtype, weight.in_features)
+    torch.testing.assert_close(got, reference.qlinear(x, weight), rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("rows", [ops.QGEMM_MIN_ROWS - 1, ops.QGEMM_MIN_ROWS, ops.QGEMM_MAX_ROWS,

@@ -35,7 +35,7 @@ NATIVE_QMATMUL_MAX_ROWS = 16
 # GEMM (csrc/qgemm.h) dequantizes each weight panel once per call and wins from there up to
 # QGEMM_MAX_ROWS; beyond, dequantizing the whole weight for torch's GEMM does -- except for very large
 # weights (the 49k-row lm head), where a float32 copy costs more than it saves.
-QGEMM_MIN_ROWS = 10
+QGEMM_MIN_ROWS = 5
 QGEMM_MAX_ROWS = 256
 ALWAYS_NATIVE_ELEMENTS = 8 * 1024 * 1024
 

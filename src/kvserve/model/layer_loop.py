@@ -12,7 +12,7 @@ It applies to: native kernels, float32 on the CPU, every layer projection quanti
 and head sizes a multiple of the SIMD width, no LoRA in the step, and a step of at most `MAX_ROWS` tokens or
 of up to `MAX_STEP_ROWS` rows whose prefill tokens number at most `MAX_MIXED_PREFILL_TOKENS`: decode-only
 steps and the mixed steps of a loaded server (a dozen or more decodes beside a newcomer's short chat
-prefill: that step is most of the newcomer's TTFT). From 10 rows its exact matmuls run the wide GEMM of
+prefill: that step is most of the newcomer's TTFT). From 5 rows its exact matmuls run the wide GEMM of
 csrc/qgemm.h, as `Kernels.linear` does; int8 activations run the int8 matmul at any row count. Each prefill
 row attends through the pool to its first `ctx_lens[t]` tokens (cached blocks, then its chunk causally;
 every row's K/V is written before any row attends), row by row. Whole step beside 16 decodes, 1 thread: a

@@ -34,7 +34,7 @@ struct LayerModel {
 // activation blocks (qmatmul_i8, `--activation-quant int8`).
 // From this many rows the wide GEMM (qgemm.h) beats the per-row kernel: kernels/ops.py's QGEMM_MIN_ROWS,
 // measured by benchmarks/qgemm.py; both run the same arithmetic up to summation order.
-constexpr int64_t LAYER_QGEMM_MIN_ROWS = 10;
+constexpr int64_t LAYER_QGEMM_MIN_ROWS = 5;
 
 static inline int layer_qmatmul(int act_quant, const float* x, int64_t rows, int64_t k, const LayerMatrix& m,
                                 float* y) {
