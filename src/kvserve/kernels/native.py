@@ -202,7 +202,8 @@ class NativeLibrary:
         _check(out, torch.float32, "out")
         if out.shape != queries.shape:
             raise ValueError(f"out has shape {tuple(out.shape)}, queries {tuple(queries.shape)}")
-        if spans.dim() != 2 or spans.shape[1] != 3 or block_tables.dim() != 2 or block_tables.shape[0] != spans.shape[0]:
+        if (spans.dim() != 2 or spans.shape[1] != 3 or block_tables.dim() != 2
+                or block_tables.shape[0] != spans.shape[0]):
             raise ValueError("spans must be [S, 3] (start, tokens, context) with one block_tables row each")
         capacity = block_tables.shape[1] * block_size
         for start, tokens, context in spans.tolist():
