@@ -74,30 +74,53 @@ static inline void pf_values_tile(const float* p, int64_t Mp, const float* const
         for (int c = 0; c < C; ++c) vstore(acc + (m + r) * D + (c0 + c) * W, a[r][c]);
 }
 
-// Scratch of one thread: every buffer sized for the widest tile.
+// Scratch of one thread: every buffer sized for the widest tile (Mp query lanes).
 struct PrefillScratch {
     float* qt;    // [D, Mp] scaled queries, transposed
     float* s;     // [KEY_STEP, Mp] scores, then probabilities
-    float* acc;   // [Mp, D]
-    float* mx;    // [Mp]
-    float* sum;   // [Mp]
+    float* acc;   // [Mp, D] unnormalised outputs
+    float* mx;    // [Mp] running maxima
+    float* sum;   // [Mp] running sums
     float* corr;  // [Mp]
     const float** krow;  // [KEY_STEP]
     const float** vrow;  // [KEY_STEP]
 };
 
-// One task: tokens [a, a + nq) of a span at positions first..first+nq-1, KV head g, keys 0..first+nq-1.
-static void prefill_tile(const float* q, int64_t H, int64_t KVH, int64_t D, int64_t G, const float* kpool,
-                         const float* vpool, int64_t bs, const int64_t* table, int64_t row0, int64_t nq,
-                         int64_t first, int64_t g, float scale, PrefillScratch w, float* out) {
-    const int64_t M = nq * G, Mp = (M + W - 1) / W * W, MV = Mp / W, DV = D / W;
+static PrefillScratch pf_scratch_new(int64_t Mp, int64_t D) {
+    float* buf = new float[D * Mp + PREFILL_KEY_STEP * Mp + Mp * D + 3 * Mp];
+    const float** rows = new const float*[2 * PREFILL_KEY_STEP];
+    float* mx = buf + D * Mp + PREFILL_KEY_STEP * Mp + Mp * D;
+    return PrefillScratch{buf, buf + D * Mp, buf + D * Mp + PREFILL_KEY_STEP * Mp, mx, mx + Mp, mx + 2 * Mp, rows,
+                          rows + PREFILL_KEY_STEP};
+}
+
+static void pf_scratch_free(PrefillScratch w) {
+    delete[] w.qt;
+    delete[] w.krow;
+}
+
+// Zeroes the padded query lanes [M, Mp) and resets the online-softmax state of all Mp lanes.
+static void pf_begin(PrefillScratch w, int64_t M, int64_t Mp, int64_t D) {
     for (int64_t d = 0; d < D; ++d)
-        for (int64_t m = 0; m < Mp; ++m)
-            w.qt[d * Mp + m] = m < M ? q[((row0 + m / G) * H + g * G + m % G) * D + d] * scale : 0.0f;
+        for (int64_t m = M; m < Mp; ++m) w.qt[d * Mp + m] = 0.0f;
     for (int64_t m = 0; m < Mp; ++m) { w.mx[m] = -__builtin_inff(); w.sum[m] = 0.0f; }
     for (int64_t e = 0; e < Mp * D; ++e) w.acc[e] = 0.0f;
-    const int64_t end = first + nq;  // keys [0, end)
-    for (int64_t k0 = 0; k0 < end; k0 += PREFILL_KEY_STEP) {
+}
+
+// Query lane m <- src (D floats) x scale, into the transposed tile.
+static inline void pf_put_query(PrefillScratch w, int64_t Mp, int64_t D, int64_t m, const float* src, float scale) {
+    for (int64_t d = 0; d < D; ++d) w.qt[d * Mp + m] = src[d] * scale;
+}
+
+// The Mp stacked queries attend to tokens [k0_begin, end) of the sequence with block table `table`, KV head
+// g. Causal when first >= 0: lane m is the query of token m / G at position first + m / G and sees keys up
+// to it (so k0_begin must be 0, and key 0 is seen by all); first < 0: every lane sees every key. Each lane
+// must see at least one key in the first step (its max is then finite).
+static void pf_attend(PrefillScratch w, int64_t Mp, int64_t D, int64_t G, const float* kpool, const float* vpool,
+                      int64_t KVH, int64_t g, int64_t bs, const int64_t* table, int64_t k0_begin, int64_t end,
+                      int64_t first) {
+    const int64_t MV = Mp / W, DV = D / W;
+    for (int64_t k0 = k0_begin; k0 < end; k0 += PREFILL_KEY_STEP) {
         const int64_t n = end - k0 < PREFILL_KEY_STEP ? end - k0 : PREFILL_KEY_STEP;
         for (int64_t i = 0; i < n; ++i) {
             const int64_t slot = table[(k0 + i) / bs] * bs + (k0 + i) % bs;
@@ -107,8 +130,8 @@ static void prefill_tile(const float* q, int64_t H, int64_t KVH, int64_t D, int6
         int64_t i = 0;
         for (; i + PF_KR <= n; i += PF_KR) pf_scores_keys<PF_KR>(w.krow + i, w.qt, Mp, D, w.s + i * Mp);
         for (; i < n; ++i) pf_scores_keys<1>(w.krow + i, w.qt, Mp, D, w.s + i * Mp);
-        // Causal mask: key k0 + i is hidden from the tile's tokens before it, i.e. lanes m < (k0 + i - first) * G.
-        const bool masked = k0 + n - 1 > first;
+        // Causal mask: key k0 + r is hidden from the tile's tokens before it, i.e. lanes m < (k0 + r - first) * G.
+        const bool masked = first >= 0 && k0 + n - 1 > first;
         if (masked)
             for (int64_t r = 0; r < n; ++r)
                 for (int64_t m = 0, lim = (k0 + r - first) * G; m < lim; ++m) w.s[r * Mp + m] = -__builtin_inff();
@@ -116,7 +139,7 @@ static void prefill_tile(const float* q, int64_t H, int64_t KVH, int64_t D, int6
             V bm = vload(w.s + v * W);
             for (int64_t r = 1; r < n; ++r) bm = vmax(bm, vload(w.s + r * Mp + v * W));
             const V mold = vload(w.mx + v * W), mnew = vmax(mold, bm), neg = vmul(mnew, vset1(-1.0f));
-            // Every query sees key 0 in the first step, so mnew is finite; exp(-inf) clamps to ~1e-38 x 0.
+            // mnew is finite (see above); the first step's correction exp(-inf) clamps to ~1e-38, times 0.
             vstore(w.corr + v * W, vexp(vadd(mold, neg)));
             vstore(w.mx + v * W, mnew);
             for (int64_t r = 0; r < n; ++r) vstore(w.s + r * Mp + v * W, vexp(vadd(vload(w.s + r * Mp + v * W), neg)));
@@ -136,6 +159,17 @@ static void prefill_tile(const float* q, int64_t H, int64_t KVH, int64_t D, int6
             for (; c0 < DV; ++c0) pf_values_tile<PF_VR, 1>(w.s, Mp, w.vrow, n, m, c0, w.corr, w.acc, D);
         }
     }
+}
+
+// One task: tokens [row0, row0 + nq) of a span at positions first..first+nq-1, KV head g, keys 0..first+nq-1.
+static void prefill_tile(const float* q, int64_t H, int64_t KVH, int64_t D, int64_t G, const float* kpool,
+                         const float* vpool, int64_t bs, const int64_t* table, int64_t row0, int64_t nq,
+                         int64_t first, int64_t g, float scale, PrefillScratch w, float* out) {
+    const int64_t M = nq * G, Mp = (M + W - 1) / W * W, DV = D / W;
+    pf_begin(w, M, Mp, D);
+    for (int64_t t = 0; t < nq; ++t)
+        for (int64_t j = 0; j < G; ++j) pf_put_query(w, Mp, D, t * G + j, q + ((row0 + t) * H + g * G + j) * D, scale);
+    pf_attend(w, Mp, D, G, kpool, vpool, KVH, g, bs, table, 0, first + nq, first);
     for (int64_t m = 0; m < M; ++m) {
         float* o = out + ((row0 + m / G) * H + g * G + m % G) * D;
         const V inv = vset1(1.0f / w.sum[m]);
@@ -155,13 +189,7 @@ static int prefill_attention(const float* q, int64_t H, int64_t KVH, int64_t D, 
     for (int64_t s = 0; s < num_spans; ++s) task_offset[s + 1] = task_offset[s] + KVH * ((span_len[s] + QT - 1) / QT);
 #pragma omp parallel num_threads(kv_threads())
     {
-        float* buf = new float[D * Mp + PREFILL_KEY_STEP * Mp + Mp * D + 3 * Mp];
-        const float** rows = new const float*[2 * PREFILL_KEY_STEP];
-        PrefillScratch w{buf, buf + D * Mp, buf + D * Mp + PREFILL_KEY_STEP * Mp,
-                         buf + D * Mp + PREFILL_KEY_STEP * Mp + Mp * D, nullptr, nullptr, rows,
-                         rows + PREFILL_KEY_STEP};
-        w.sum = w.mx + Mp;
-        w.corr = w.sum + Mp;
+        PrefillScratch w = pf_scratch_new(Mp, D);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = task_offset[num_spans] - 1; task >= 0; --task) {  // the longest tiles (last) first
             int64_t s = 0;
@@ -172,8 +200,7 @@ static int prefill_attention(const float* q, int64_t H, int64_t KVH, int64_t D, 
             prefill_tile(q, H, KVH, D, G, kpool, vpool, bs, tables + s * table_stride, span_start[s] + a, nq, first,
                          g, scale, w, out);
         }
-        delete[] buf;
-        delete[] rows;
+        pf_scratch_free(w);
     }
     delete[] task_offset;
     return 0;
