@@ -7,7 +7,8 @@ prefix's last partial block: 112 tokens over 1,888 cached) prefill in one step; 
 batch 16 read the shared blocks once per step as one group (kv/cascade.py, csrc/cascade.h). Each step is
 timed from one schedule to the next (model forward, sampling, Python) and put in a phase by what it ran:
 the prefix prefill (chunks of a request with nothing cached), the suffix prefills (chunks after a cache
-hit), decode-only steps; `scheduling` is the time inside the scheduler, included in the phases.
+hit), decode-only steps; `scheduling` is the time inside the scheduler, included in the phases. Each
+phase also in the process's CPU seconds (steadier than wall time on a shared machine).
 
     python benchmarks/shared_prefix.py                   # phases of the default, then the three variants
     python benchmarks/shared_prefix.py --requests 8      # a reduced size
@@ -48,13 +49,13 @@ def _phase_recorder(scheduler) -> tuple[list[dict], object]:
     original = scheduler.schedule
 
     def schedule():
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         output = original()
         chunks = [item for item in output.scheduled
                   if item.request.num_computed_tokens < item.request.num_prompt_tokens]
         kind = ("decode" if not chunks else "prefix prefill" if any(i.request.num_cached_tokens == 0 for i in chunks)
                 else "suffix prefills")
-        steps.append({"start": start, "schedule": time.perf_counter() - start, "kind": kind,
+        steps.append({"start": start, "cpu": cpu, "schedule": time.perf_counter() - start, "kind": kind,
                       "tokens": sum(item.num_new_tokens for item in chunks)})
         return output
 
@@ -73,19 +74,22 @@ def run_variant(flags: dict[str, bool], prompts: list[list[int]], new_tokens: in
     cpu_start = time.process_time()
     with Timer() as timer:
         outputs = llm.generate(prompts, params, cache_salt=str(time.perf_counter()), use_tqdm=False)
-    end = time.perf_counter()
-    cpu = time.process_time() - cpu_start
+    end, cpu_end = time.perf_counter(), time.process_time()
+    cpu = cpu_end - cpu_start
     phases = dict.fromkeys(PHASES, 0.0)
+    phases_cpu = dict.fromkeys(PHASES[:-1], 0.0)
     counts = dict.fromkeys(PHASES, 0)
     for index, step in enumerate(steps):
-        until = steps[index + 1]["start"] if index + 1 < len(steps) else end
-        phases[step["kind"]] += until - step["start"]
+        last = index + 1 == len(steps)
+        phases[step["kind"]] += (end if last else steps[index + 1]["start"]) - step["start"]
+        phases_cpu[step["kind"]] += (cpu_end if last else steps[index + 1]["cpu"]) - step["cpu"]
         counts[step["kind"]] += 1
         phases["scheduling"] += step["schedule"]
     result = {
         "seconds": timer.seconds, "cpu_seconds": cpu, "cached": [out.num_cached_tokens for out in outputs],
         "tokens": [out.outputs[0].token_ids for out in outputs],
         "ttft": statistics.mean(out.metrics.ttft for out in outputs), "phases": phases, "steps": counts,
+        "phases_cpu": phases_cpu,
         "suffix_tokens": sum(s["tokens"] for s in steps if s["kind"] == "suffix prefills"),
     }
     del llm
@@ -100,11 +104,13 @@ def _prompts(requests: int) -> list[list[int]]:
 
 def _phase_cells(r: dict) -> list[object]:
     return [r["seconds"], r["cpu_seconds"]] + [r["phases"][p] for p in PHASES] + [
+        " / ".join(f"{r['phases_cpu'][p]:.2f}" for p in PHASES[:-1])] + [
         f"{r['steps']['prefix prefill']} / {r['steps']['suffix prefills']} / {r['steps']['decode']}",
         1e3 * r["phases"]["decode"] / max(1, r["steps"]["decode"])]
 
 
-PHASE_HEADER = ["total s", "CPU s", *(f"{p} s" for p in PHASES), "steps (prefix / suffix / decode)",
+PHASE_HEADER = ["total s", "CPU s", *(f"{p} s" for p in PHASES), "CPU s: prefix / suffix / decode",
+                "steps (prefix / suffix / decode)",
                 "ms per decode step"]
 
 
@@ -136,6 +142,7 @@ def ab(args: argparse.Namespace) -> None:
             "seconds": statistics.median(r["seconds"] for r in results),
             "cpu_seconds": statistics.median(r["cpu_seconds"] for r in results),
             "phases": {p: statistics.median(r["phases"][p] for r in results) for p in PHASES},
+            "phases_cpu": {p: statistics.median(r["phases_cpu"][p] for r in results) for p in PHASES[:-1]},
             "steps": results[0]["steps"],
         }
         rows.append([f"{name}: {sources[name]}", *_phase_cells(median)])
