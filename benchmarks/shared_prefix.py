@@ -145,7 +145,7 @@ def ab(args: argparse.Namespace) -> None:
             "phases_cpu": {p: statistics.median(r["phases_cpu"][p] for r in results) for p in PHASES[:-1]},
             "steps": results[0]["steps"],
         }
-        rows.append([f"{name}: {sources[name]}", *_phase_cells(median)])
+        rows.append(["A: the --ab checkout" if name == "A" else "B: this checkout", *_phase_cells(median)])
     same = all(a["tokens"] == b["tokens"] for a, b in zip(runs["A"], runs["B"], strict=True))
     notes = (f"Paired A/B, {args.rounds} rounds alternating A and B (medians), {args.requests} requests, "
              f"{args.new_tokens} new tokens, {args.threads} threads, activations {args.activation_quant}; "
