@@ -83,10 +83,15 @@ class KvserveRunner:
 
 
 class HFRunner:
-    name = "transformers fp32"
+    """transformers on the same GGUF. bf16: only decode and prefill (`skip`): on a CPU without avx512_bf16 /
+    AMX its matmuls run emulated, tens of times slower than fp32, so batches and the shared-prefix run would
+    take many minutes; it is measured so that "x transformers bf16" is stated with fp32 beside it."""
 
-    def __init__(self) -> None:
-        self.model = load_hf_model(torch.float32)
+    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
+        self.dtype = dtype
+        self.name = "transformers fp32" if dtype == torch.float32 else "transformers bf16"
+        self.skip = () if dtype == torch.float32 else ("batch8", "batch32", "shared")
+        self.model = load_hf_model(dtype)
 
     def decode(self, prompt: list[int], new: int) -> float:
         with Timer() as first:
@@ -212,6 +217,45 @@ def llama_cpp_ready() -> float:
 PEER_SHARED_REQUESTS = 2  # the peers run shared-prefix requests one at a time: 2 of 16, scaled to 16
 
 
+def prefill_only(args: argparse.Namespace, workloads: dict) -> None:
+    """Prefill 512 / 2,048 for kvserve (exact and int8) and transformers fp32 and bf16, `args.rounds` rounds
+    interleaved runner by runner (medians), then the seed's example; to results/kernels_prefill.md."""
+    names = ("kvserve native Q4_1", "kvserve native Q4_1 int8")
+    runners: list = [KvserveRunner(name, VARIANTS[name]) for name in names]
+    runners += [HFRunner(torch.float32)] + ([] if args.skip_hf_bf16 else [HFRunner(torch.bfloat16)])
+    loads = [load_average()]
+    samples: dict[str, dict[str, list[float]]] = {r.name: {"prefill512": [], "prefill2048": []} for r in runners}
+    for runner in runners:
+        runner.prefill(workloads["prefill"]["512"][:64])  # warm-up
+    for round_index in range(args.rounds):
+        for key, size in (("prefill512", "512"), ("prefill2048", "2048")):
+            for runner in runners if round_index % 2 == 0 else runners[::-1]:
+                samples[runner.name][key].append(runner.prefill(workloads["prefill"][size]))
+                print(f"round {round_index + 1} {key} {runner.name}: {samples[runner.name][key][-1]:.1f} tok/s",
+                      flush=True)
+        loads.append(load_average())
+    median = {name: {k: statistics.median(v) for k, v in figures.items()} for name, figures in samples.items()}
+    rows = [[name, m["prefill512"], m["prefill2048"]] + [
+        m[key] / median[peer][key] for peer in ("transformers fp32", "transformers bf16") if peer in median
+        for key in ("prefill512", "prefill2048")] for name, m in median.items()]
+    peers = [p for p in ("transformers fp32", "transformers bf16") if p in median]
+    header = ["runner", "prefill 512 tok/s", "prefill 2048 tok/s"] + [
+        f"÷ {peer} at {size}" for peer in peers for size in ("512", "2048")]
+    del runners
+    seed = seed_example(VARIANTS["kvserve native Q4_1"], workloads, 3)
+    table = (markdown_table(header, rows)
+             + "\n\nThe seed's example, kvserve native Q4_1, one-token request wall seconds (medians of 3; target: "
+             "cached ≤ 1.2 × fresh):\n\n"
+             + markdown_table(["cold 2,000 tokens", "2,000 with 1,900 cached", "fresh 100 tokens", "cached / fresh"],
+                              [[seed["cold"], seed["cached"], seed["fresh"], seed["cached"] / seed["fresh"]]]))
+    notes = (f"{args.rounds} rounds, every runner in turn per figure (order reversed every other round), medians; "
+             f"threads: {torch.get_num_threads()}; load average (1 / 5 / 15 min) per round: {'; '.join(loads)}. "
+             "transformers bf16 on a CPU without avx512_bf16 / AMX runs its matmuls emulated: a ratio against it "
+             "is no measure of kvserve's speed, read the fp32 one beside it.")
+    write_result("kernels_prefill", "Prefill beside transformers fp32 and bf16, paired rounds", table, notes)
+    print(table + "\n" + notes)
+
+
 def figures(runners: list, workloads: dict, new: int) -> dict[str, dict[str, float]]:
     """Every figure for every runner, interleaved figure by figure so all runners see the same machine load."""
     shared = workloads["shared_prefix"]
@@ -233,6 +277,9 @@ def figures(runners: list, workloads: dict, new: int) -> dict[str, dict[str, flo
     results: dict[str, dict[str, float]] = {runner.name: {} for runner in runners}
     for key, task in tasks.items():
         for runner in runners:
+            if key in getattr(runner, "skip", ()):
+                results[runner.name][key] = float("nan")
+                continue
             results[runner.name][key] = task(runner)
             print(f"{key:12s} {runner.name:30s} {results[runner.name][key]:10.2f}", flush=True)
     return results
@@ -330,6 +377,11 @@ def build_revision(rev: str, workdir: Path) -> Path:
     return target
 
 
+def _cell(value: float) -> float | str:
+    """A figure for the table: "–" where it was not measured (NaN)."""
+    return "–" if value != value else value
+
+
 def load_average() -> str:
     return " / ".join(f"{x:.1f}" for x in os.getloadavg())
 
@@ -375,6 +427,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="32 new tokens per decode instead of 128")
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--skip-hf-bf16", action="store_true", help="no transformers bf16 (slow without native bf16)")
+    parser.add_argument("--prefill-only", action="store_true",
+                        help="prefill 512 / 2,048 and the seed's example only, every runner (a quick paired run)")
+    parser.add_argument("--rounds", type=int, default=3, help="with --prefill-only: rounds")
     parser.add_argument("--decode-only", type=int, metavar="ROUNDS", help="single-request decode only")
     parser.add_argument("--before", metavar="REV", help="with --decode-only: also the kernels of git REV")
     args = parser.parse_args()
@@ -383,8 +439,12 @@ def main() -> None:
         return
     new = 32 if args.quick else 128
     workloads = load_workloads()
+    if args.prefill_only:
+        prefill_only(args, workloads)
+        return
     runners = [KvserveRunner(name, variant) for name, variant in VARIANTS.items()]
-    runners += [] if args.skip_hf else [HFRunner()]
+    runners += [] if args.skip_hf else [HFRunner(torch.float32)]
+    runners += [] if args.skip_hf or args.skip_hf_bf16 else [HFRunner(torch.bfloat16)]
     notes = []
     try:
         runners.append(LlamaCppRunner())
@@ -401,14 +461,15 @@ def main() -> None:
     header = ["runner", "decode tok/s", "batch 8 tok/s", "batch 32 tok/s", "prefill 512 tok/s", "prefill 2048 tok/s",
               "shared prefix s", "LLM() ready s", "generate 16 s"]
     rows = [
-        [name, f["decode"], f["batch8"], f["batch32"], f["prefill512"], f["prefill2048"], f["shared"],
+        [name, *(_cell(f[key]) for key in ("decode", "batch8", "batch32", "prefill512", "prefill2048", "shared")),
          ready.get(name, "–"), generate.get(name, "–")]
         for name, f in results.items()
     ]
     base = results["kvserve native Q4_1"]
     ratio_rows = [
-        [f"native Q4_1 / {name}"] + [base[key] / f[key] for key in ("decode", "batch8", "batch32", "prefill512",
-                                                                     "prefill2048")] + [f["shared"] / base["shared"]]
+        [f"native Q4_1 / {name}"] + [_cell(base[key] / f[key]) for key in ("decode", "batch8", "batch32",
+                                                                           "prefill512", "prefill2048")]
+        + [_cell(f["shared"] / base["shared"])]
         for name, f in results.items() if name != "kvserve native Q4_1"
     ]
     breakdowns = {

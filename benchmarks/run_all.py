@@ -17,7 +17,8 @@ ROOT = HERE.parent
 ORDER = [
     "throughput", "memory_efficiency", "prefix_cache", "prefix_lookup", "parallel_memory",
     "server_load", "serve_sweep", "side_channel", "dashboard", "soak", "router", "eviction", "structured",
-    "tiers", "kernels", "membw", "kernels_decode", "decode_step", "decode_step_batch", "decode_step_mixed_2t",
+    "tiers", "kernels", "kernels_prefill", "membw", "kernels_decode", "decode_step", "decode_step_batch",
+    "decode_step_mixed_2t",
     "decode_step_mixed_1t", "decode_step_mixed_1t_cached1024", "qgemm", "qgemm_end_to_end",
     "llama_cpp_peers", "int8", "perplexity", "step_profile", "shared_prefix", "vmm", "disagg", "lora",
     "fairness", "scheduler_overhead", "step_rows_native",
@@ -27,6 +28,7 @@ SCRIPTS = {
     "step_rows_native": ("step_rows", ["--weights", "native"]),
     "kernels_decode": ("kernels", ["--decode-only", "5"]),
     "decode_step_batch": ("decode_step", ["--rows", "8,32,64"]),
+    "kernels_prefill": ("kernels", ["--prefill-only"]),
     "decode_step_mixed_2t": ("decode_step", ["--mixed", "--reps", "9"]),
     "decode_step_mixed_1t": ("decode_step", ["--mixed", "--threads", "1", "--reps", "9"]),
     "decode_step_mixed_1t_cached1024": (

@@ -35,6 +35,7 @@ _SIGNATURES = {
     "kv_layer_forward": [ctypes.c_int, _P, ctypes.c_int, _P, _I, _P, _P, _P, _I, _I, _P, _I, _P, _I, _P, _P, _P, _P,
                          _P],
     "kv_cascade_attention": [ctypes.c_int, _P, _I, _I, _I, _I, _P, _P, _I, _P, _I, _P, _I, _P, _P, _P, _P, _F, _P],
+    "kv_prefill_attention": [ctypes.c_int, _P, _I, _I, _I, _P, _P, _I, _I, _P, _P, _P, _P, _I, _F, _P],
 }
 
 
@@ -179,6 +180,41 @@ class NativeLibrary:
             plan.group_rows.data_ptr(), plan.group_shared_blocks.data_ptr(), plan.row_shared_blocks.data_ptr(),
             scale, out.data_ptr(),
         ), "cascade_attention")
+        return out
+
+    def prefill_attention(
+        self, queries: torch.Tensor, key_blocks: torch.Tensor, value_blocks: torch.Tensor, spans: torch.Tensor,
+        block_tables: torch.Tensor, scale: float, out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Prefill chunks attending causally through the pool (csrc/prefill.h). ``spans [S, 3]`` int64 rows
+        (first query row, tokens, context length once written): the span's row i sits at position
+        ``context - tokens + i``; ``block_tables [S, max_blocks]``. Writes the spans' rows of `out`
+        (``[T, heads, D]``, a new tensor when None; other rows untouched) and returns it. Equals
+        `paged_attention` with one row per token over its span's table up to summation order."""
+        for tensor, name in ((queries, "queries"), (key_blocks, "key_blocks"), (value_blocks, "value_blocks")):
+            _check(tensor, torch.float32, name)
+        _check(spans, torch.int64, "spans")
+        _check(block_tables, torch.int64, "block_tables")
+        num_rows, num_heads, head_dim = queries.shape
+        block_size, num_kv_heads = key_blocks.shape[1], key_blocks.shape[2]
+        if out is None:
+            out = torch.empty_like(queries)
+        _check(out, torch.float32, "out")
+        if out.shape != queries.shape:
+            raise ValueError(f"out has shape {tuple(out.shape)}, queries {tuple(queries.shape)}")
+        if (spans.dim() != 2 or spans.shape[1] != 3 or block_tables.dim() != 2
+                or block_tables.shape[0] != spans.shape[0]):
+            raise ValueError("spans must be [S, 3] (start, tokens, context) with one block_tables row each")
+        capacity = block_tables.shape[1] * block_size
+        for start, tokens, context in spans.tolist():
+            if tokens < 1 or start < 0 or start + tokens > num_rows or not tokens <= context <= capacity:
+                raise ValueError("a span is empty, outside the query rows, or its context exceeds its block table")
+        spans_t = spans.t().contiguous()  # [3, S]: starts, lengths, contexts
+        _ok(self.lib.kv_prefill_attention(
+            self.code, queries.data_ptr(), num_heads, num_kv_heads, head_dim, key_blocks.data_ptr(),
+            value_blocks.data_ptr(), block_size, spans.shape[0], spans_t[0].data_ptr(), spans_t[1].data_ptr(),
+            spans_t[2].data_ptr(), block_tables.data_ptr(), block_tables.shape[1], scale, out.data_ptr(),
+        ), "prefill_attention")
         return out
 
     def rms_norm(

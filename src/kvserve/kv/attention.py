@@ -1,14 +1,16 @@
 """Paged attention over the KV pool.
 
 New keys/values are written into their pool slots, then every sequence attends over its block table.
-With native kernels (float32 pool), decodes and short continued-prefill chunks read K/V in place
-through their block tables: no per-step copy of the context. Otherwise (the torch path): decodes are
-batched into one padded call over gathered blocks. Either way, decodes that share leading blocks (a
-cached prefix, forked samples) attend to them once per group (cascade attention, `kv/cascade.py`,
-native or its torch twin). Prefill spans (a chunk of a prompt, possibly
-continuing after cached blocks) run one call each: they are few per step, and padding a 2,048-token
-chunk to the width of 31 single-token decodes would cost far more than the loop. A fresh prefill (no
-cached context) always uses torch's causal flash attention on the new keys directly.
+With native kernels (float32 pool), everything reads K/V in place through the block tables (no per-step
+copy of the context): decodes one row each (or cascade groups, below), and every prefill chunk of the
+step -- fresh, or continuing after cached or earlier-chunked blocks -- in one call that tiles each
+chunk's queries against its keys (csrc/prefill.h: ~1.3x torch's flash attention per core, measured in
+benchmarks/kernels.py, and no gather). Otherwise (the torch path): decodes are batched into one padded
+call over gathered blocks, and prefill spans run one call each (they are few per step, and padding a
+2,048-token chunk to the width of 31 single-token decodes would cost far more than the loop); a fresh
+prefill uses torch's causal flash attention on the new keys directly. Either way, decodes that share
+leading blocks (a cached prefix, forked samples) attend to them once per group (cascade attention,
+`kv/cascade.py`, native or its torch twin).
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ import torch.nn.functional as F
 from kvserve.kernels.cascade_plan import CascadeTensors
 from kvserve.kernels.ops import Kernels
 
-# A continued-prefill chunk up to this many tokens reads the pool in place (native); longer chunks gather
-# the context once and use torch's flash attention, which tiles queries (measured in benchmarks/kernels.py).
+# The C layer loop (model/layer_loop.py) attends prefill rows one by one through paged_attention (no query
+# tiling), so it takes mixed steps only up to this many prefill tokens; the Python loop's native path tiles
+# queries (csrc/prefill.h) at any length.
 IN_PLACE_PREFILL_MAX_TOKENS = 64
 
 
@@ -47,6 +50,7 @@ class AttentionMetadata:
     decode_key_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size], True = attend
     prefills: list[PrefillSpan]
     decode_cascade: CascadeTensors | None = None  # decode rows sharing leading blocks (kv/cascade.py)
+    native_spans: tuple[torch.Tensor, torch.Tensor] | None = None  # prefills for the native kernel, built once
 
 
 def write_kv(
@@ -70,12 +74,12 @@ def paged_attention(
     their blocks; `kv_written`: a fused kernel already did (`Kernels.rope_kv_write`), and keys/values
     may be None (a fresh prefill then reads its keys back from the slots). Returns ``[T, heads * D]``.
     """
+    in_place = kernels is not None and kernels.supports_paged_attention(queries, key_blocks)
     if not kv_written:
         write_kv(key_blocks, value_blocks, keys, values, meta.slot_mapping)
-    elif keys is None and meta.prefills:
+    elif keys is None and meta.prefills and not in_place:
         keys, values = (blocks.view(-1, *blocks.shape[2:])[meta.slot_mapping] for blocks in (key_blocks, value_blocks))
     num_tokens, num_heads, head_dim = queries.shape
-    in_place = kernels is not None and kernels.supports_paged_attention(queries, key_blocks)
     output = torch.empty(num_tokens, num_heads, head_dim, dtype=queries.dtype, device=queries.device)
     if meta.num_decodes and meta.decode_cascade is not None and kernels is not None:
         output[: meta.num_decodes] = kernels.cascade_attention(
@@ -91,20 +95,35 @@ def paged_attention(
         output[: meta.num_decodes] = _decode_attention(
             queries[: meta.num_decodes], key_blocks, value_blocks, meta, scale
         )
+    if meta.prefills and in_place:
+        # Every prefill chunk (fresh or after cached blocks) in one native call: query tiles against the
+        # pool's keys in place (csrc/prefill.h), no gather, both threads busy across spans and KV heads.
+        if meta.native_spans is None:
+            meta.native_spans = _native_spans(meta.prefills, queries.device)
+        spans, tables = meta.native_spans
+        kernels.native.prefill_attention(queries.contiguous(), key_blocks, value_blocks, spans, tables, scale,
+                                         out=output)
+        return output.view(num_tokens, num_heads * head_dim)
     for span in meta.prefills:
-        num_new = span.end - span.start
-        if in_place and num_new < span.context_len and num_new <= IN_PLACE_PREFILL_MAX_TOKENS:
-            # Row i of the chunk sees the cached tokens plus new tokens 0..i: one shared block table.
-            context_lens = torch.arange(span.context_len - num_new + 1, span.context_len + 1, device=queries.device)
-            output[span.start : span.end] = kernels.paged_attention(
-                queries[span.start : span.end], key_blocks, value_blocks, span.block_table, context_lens, scale
-            )
-            continue
         output[span.start : span.end] = _prefill_attention(
             queries[span.start : span.end], keys[span.start : span.end], values[span.start : span.end],
             key_blocks, value_blocks, span, scale,
         )
     return output.view(num_tokens, num_heads * head_dim)
+
+
+def _native_spans(prefills: list[PrefillSpan], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The spans as the native prefill kernel takes them: ``[S, 3]`` (first row, tokens, context length)
+    and their block tables padded to one width (padding is never read: it lies past every context)."""
+    spans = torch.tensor([[span.start, span.end - span.start, span.context_len] for span in prefills],
+                         dtype=torch.long, device=device)
+    if len(prefills) == 1:
+        return spans, prefills[0].block_table.view(1, -1).contiguous()
+    width = max(len(span.block_table) for span in prefills)
+    tables = torch.zeros(len(prefills), width, dtype=torch.long, device=device)
+    for index, span in enumerate(prefills):
+        tables[index, : len(span.block_table)] = span.block_table
+    return spans, tables
 
 
 def _decode_attention(

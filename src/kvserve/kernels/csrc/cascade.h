@@ -194,8 +194,9 @@ static int cascade_attention(const float* q, int64_t T, int64_t H, int64_t KVH, 
     float* states = new float[state_offset[num_groups] > 0 ? state_offset[num_groups] : 1];
 #pragma omp parallel num_threads(kv_threads())
     {
-        float* qs = new float[max_m * D];
-        float* s = new float[max_m * BSP];
+        PrefillScratch pw = pf_scratch_new((max_m + W - 1) / W * W, D);
+        float* qs = new float[G * D];
+        float* s = new float[G * BSP];
         float* kt = new float[D * W];
         float* acc = new float[G * D];
         float* mx = new float[G];
@@ -208,18 +209,18 @@ static int cascade_attention(const float* q, int64_t T, int64_t H, int64_t KVH, 
             const int64_t chunks = (task_offset[i + 1] - task_offset[i]) / KVH;
             const int64_t g = (task - task_offset[i]) / chunks, c = (task - task_offset[i]) % chunks;
             const int64_t* table = tables + group_rows[group_offsets[i]] * table_stride;
+            // The stacked queries in lanes against each shared key row (prefill.h's tiles, no mask).
+            const int64_t Mp = (M + W - 1) / W * W;
+            pf_begin(pw, M, Mp, D);
             for (int64_t r = 0; r < members; ++r)
-                for (int64_t j = 0; j < G; ++j) {
-                    const float* src = q + (group_rows[group_offsets[i] + r] * H + g * G + j) * D;
-                    float* dst = qs + (r * G + j) * D;
-                    for (int64_t e = 0; e < D; e += W) vstore(dst + e, vmul(vload(src + e), vset1(scale)));
-                }
-            float* base = states + state_offset[i] + (g * chunks + c) * M * (D + 2);
-            SoftmaxState st{base, base + M, base + 2 * M};
-            state_reset(st, M, D);
+                for (int64_t j = 0; j < G; ++j)
+                    pf_put_query(pw, Mp, D, r * G + j, q + (group_rows[group_offsets[i] + r] * H + g * G + j) * D, scale);
             const int64_t b0 = c * chunk_blocks;
             const int64_t b1 = b0 + chunk_blocks < group_shared_blocks[i] ? b0 + chunk_blocks : group_shared_blocks[i];
-            attend_range(qs, M, D, kpool, vpool, KVH, g, bs, table, b0 * bs, b1 * bs, s, kt, st);
+            pf_attend(pw, Mp, D, G, kpool, vpool, KVH, g, bs, table, b0 * bs, b1 * bs, -1);
+            float* base = states + state_offset[i] + (g * chunks + c) * M * (D + 2);
+            for (int64_t m = 0; m < M; ++m) { base[m] = pw.mx[m]; base[M + m] = pw.sum[m]; }
+            for (int64_t e = 0; e < M * D; ++e) base[2 * M + e] = pw.acc[e];
         }
         // Phase 2: each row's own blocks, then the merge with its group's shared chunks.
 #pragma omp for collapse(2) schedule(dynamic, 1)
@@ -253,6 +254,7 @@ static int cascade_attention(const float* q, int64_t T, int64_t H, int64_t KVH, 
             }
         }
         delete[] qs; delete[] s; delete[] kt; delete[] acc; delete[] mx; delete[] sum;
+        pf_scratch_free(pw);
     }
     delete[] task_offset; delete[] state_offset; delete[] row_slot; delete[] row_group; delete[] states;
     return 0;

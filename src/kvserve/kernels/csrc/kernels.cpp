@@ -18,6 +18,7 @@ namespace isa_avx2 {
 #include "simd.h"
 #include "impl.h"
 #include "qmatmul_i8.h"
+#include "prefill.h"
 #include "cascade.h"
 #include "fused.h"
 #include "qgemm.h"
@@ -33,6 +34,7 @@ namespace isa_avx512 {
 #include "simd.h"
 #include "impl.h"
 #include "qmatmul_i8.h"
+#include "prefill.h"
 #include "cascade.h"
 #include "fused.h"
 #include "qgemm.h"
@@ -112,6 +114,15 @@ int kv_cascade_attention(int isa, const float* q, int64_t T, int64_t H, int64_t 
                          const int64_t* row_shared_blocks, float scale, float* out) {
     KV_DISPATCH(cascade_attention(q, T, H, KVH, D, kpool, vpool, bs, tables, table_stride, ctx_lens, num_groups,
                                   group_offsets, group_rows, group_shared_blocks, row_shared_blocks, scale, out));
+}
+
+// Prefill chunks attending causally through the pool, query tiles against shared key rows: see prefill.h.
+int kv_prefill_attention(int isa, const float* q, int64_t H, int64_t KVH, int64_t D, const float* kpool,
+                         const float* vpool, int64_t bs, int64_t num_spans, const int64_t* span_start,
+                         const int64_t* span_len, const int64_t* span_ctx, const int64_t* tables,
+                         int64_t table_stride, float scale, float* out) {
+    KV_DISPATCH(prefill_attention(q, H, KVH, D, kpool, vpool, bs, num_spans, span_start, span_len, span_ctx, tables,
+                                  table_stride, scale, out));
 }
 
 int kv_rms_norm(int isa, float* x, const float* residual, const float* weight, int64_t rows, int64_t n, float eps,

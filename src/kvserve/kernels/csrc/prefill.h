@@ -1,0 +1,209 @@
+// Prefill attention through the pool: a chunk of a prompt's tokens (after cached or earlier-chunked
+// tokens, or the first chunk) attends causally to its sequence's keys in place, compiled once per ISA
+// like impl.h (included after simd.h).
+//
+// paged_attention (impl.h) treats every query row as its own sequence: each row streams its whole context
+// for its G heads, one horizontal sum per key -- a decode kernel, ~11 GMAC/s per core on a 112-token chunk
+// over 2,000 keys (this: ~46; gather + torch's flash SDPA: ~36; MKL's fp32 GEMM peak: ~80). Here a task is (span, KV head, tile of QT tokens): the tile's QT x G queries are stacked,
+// transposed once ([D, M], queries in vector lanes) and meet every key of the span as a small matrix
+// product -- each key row is loaded once per tile and broadcast against all M queries, softmax max / sum /
+// rescale are vector ops across the queries, and P x V runs as a register-blocked rank-1 update. Keys go
+// in steps of KEY_STEP (any mix of pool blocks); only steps reaching past the tile's first position need
+// the causal mask (a masked probability is set to exactly 0). Tasks run in parallel (dynamic schedule).
+// cascade.h runs its shared part (stacked decode queries, no mask) on the same pieces: pf_begin,
+// pf_put_query, pf_attend.
+//
+// C entry (kernels.cpp: kv_prefill_attention): q [T, H, D]; K/V pools [blocks, bs, KVH, D]; span s owns
+// query rows [span_start[s], span_start[s] + span_len[s]), ends at context length span_ctx[s] (so row i
+// of the span sits at position span_ctx[s] - span_len[s] + i and sees keys 0..that), its block table at
+// tables + s * table_stride. out [T, H, D] (rows of no span are left untouched).
+
+constexpr int64_t PREFILL_TILE_TOKENS = 32;  // query tokens per task (x G heads stacked)
+constexpr int64_t PREFILL_KEY_STEP = 64;     // keys per online-softmax step
+#if KV_AVX512
+constexpr int PF_KR = 4, PF_QV = 4, PF_VR = 4, PF_VC = 4;  // register tiles: 32 zmm registers
+#else
+constexpr int PF_KR = 2, PF_QV = 4, PF_VR = 2, PF_VC = 4;  // 16 ymm registers
+#endif
+
+// s[r * Mp + lanes of c] = K row r . queries (qt [D, Mp], vector columns mv..mv+QV) for KR keys.
+template <int KR, int QV>
+static inline void pf_scores_tile(const float* const* krow, const float* qt, int64_t Mp, int64_t D, int64_t mv,
+                                  float* s) {
+    V a[KR][QV];
+    for (int r = 0; r < KR; ++r)
+        for (int c = 0; c < QV; ++c) a[r][c] = vzero();
+    for (int64_t d = 0; d < D; ++d) {
+        V qv[QV];
+        for (int c = 0; c < QV; ++c) qv[c] = vload(qt + d * Mp + (mv + c) * W);
+        for (int r = 0; r < KR; ++r) {
+            const V kb = vset1(krow[r][d]);
+            for (int c = 0; c < QV; ++c) a[r][c] = vfma(kb, qv[c], a[r][c]);
+        }
+    }
+    for (int r = 0; r < KR; ++r)
+        for (int c = 0; c < QV; ++c) vstore(s + r * Mp + (mv + c) * W, a[r][c]);
+}
+
+template <int KR>
+static inline void pf_scores_keys(const float* const* krow, const float* qt, int64_t Mp, int64_t D, float* s) {
+    const int64_t MV = Mp / W;
+    int64_t mv = 0;
+    for (; mv + PF_QV <= MV; mv += PF_QV) pf_scores_tile<KR, PF_QV>(krow, qt, Mp, D, mv, s);
+    if (MV - mv == 3) pf_scores_tile<KR, 3>(krow, qt, Mp, D, mv, s);
+    else if (MV - mv == 2) pf_scores_tile<KR, 2>(krow, qt, Mp, D, mv, s);
+    else if (MV - mv == 1) pf_scores_tile<KR, 1>(krow, qt, Mp, D, mv, s);
+}
+
+// acc[m, vectors c0..c0+C) = acc * corr[m] + sum_i p[i, m] * V[i] for R query rows starting at m.
+template <int R, int C>
+static inline void pf_values_tile(const float* p, int64_t Mp, const float* const* vrow, int64_t n, int64_t m,
+                                  int64_t c0, const float* corr, float* acc, int64_t D) {
+    V a[R][C];
+    for (int r = 0; r < R; ++r) {
+        const V cr = vset1(corr[m + r]);
+        for (int c = 0; c < C; ++c) a[r][c] = vmul(vload(acc + (m + r) * D + (c0 + c) * W), cr);
+    }
+    for (int64_t i = 0; i < n; ++i) {
+        V v[C];
+        for (int c = 0; c < C; ++c) v[c] = vload(vrow[i] + (c0 + c) * W);
+        for (int r = 0; r < R; ++r) {
+            const V pr = vset1(p[i * Mp + m + r]);
+            for (int c = 0; c < C; ++c) a[r][c] = vfma(pr, v[c], a[r][c]);
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) vstore(acc + (m + r) * D + (c0 + c) * W, a[r][c]);
+}
+
+// Scratch of one thread: every buffer sized for the widest tile (Mp query lanes).
+struct PrefillScratch {
+    float* qt;    // [D, Mp] scaled queries, transposed
+    float* s;     // [KEY_STEP, Mp] scores, then probabilities
+    float* acc;   // [Mp, D] unnormalised outputs
+    float* mx;    // [Mp] running maxima
+    float* sum;   // [Mp] running sums
+    float* corr;  // [Mp]
+    const float** krow;  // [KEY_STEP]
+    const float** vrow;  // [KEY_STEP]
+};
+
+static PrefillScratch pf_scratch_new(int64_t Mp, int64_t D) {
+    float* buf = new float[D * Mp + PREFILL_KEY_STEP * Mp + Mp * D + 3 * Mp];
+    const float** rows = new const float*[2 * PREFILL_KEY_STEP];
+    float* mx = buf + D * Mp + PREFILL_KEY_STEP * Mp + Mp * D;
+    return PrefillScratch{buf, buf + D * Mp, buf + D * Mp + PREFILL_KEY_STEP * Mp, mx, mx + Mp, mx + 2 * Mp, rows,
+                          rows + PREFILL_KEY_STEP};
+}
+
+static void pf_scratch_free(PrefillScratch w) {
+    delete[] w.qt;
+    delete[] w.krow;
+}
+
+// Zeroes the padded query lanes [M, Mp) and resets the online-softmax state of all Mp lanes.
+static void pf_begin(PrefillScratch w, int64_t M, int64_t Mp, int64_t D) {
+    for (int64_t d = 0; d < D; ++d)
+        for (int64_t m = M; m < Mp; ++m) w.qt[d * Mp + m] = 0.0f;
+    for (int64_t m = 0; m < Mp; ++m) { w.mx[m] = -__builtin_inff(); w.sum[m] = 0.0f; }
+    for (int64_t e = 0; e < Mp * D; ++e) w.acc[e] = 0.0f;
+}
+
+// Query lane m <- src (D floats) x scale, into the transposed tile.
+static inline void pf_put_query(PrefillScratch w, int64_t Mp, int64_t D, int64_t m, const float* src, float scale) {
+    for (int64_t d = 0; d < D; ++d) w.qt[d * Mp + m] = src[d] * scale;
+}
+
+// The Mp stacked queries attend to tokens [k0_begin, end) of the sequence with block table `table`, KV head
+// g. Causal when first >= 0: lane m is the query of token m / G at position first + m / G and sees keys up
+// to it (so k0_begin must be 0, and key 0 is seen by all); first < 0: every lane sees every key. Each lane
+// must see at least one key in the first step (its max is then finite).
+static void pf_attend(PrefillScratch w, int64_t Mp, int64_t D, int64_t G, const float* kpool, const float* vpool,
+                      int64_t KVH, int64_t g, int64_t bs, const int64_t* table, int64_t k0_begin, int64_t end,
+                      int64_t first) {
+    const int64_t MV = Mp / W, DV = D / W;
+    for (int64_t k0 = k0_begin; k0 < end; k0 += PREFILL_KEY_STEP) {
+        const int64_t n = end - k0 < PREFILL_KEY_STEP ? end - k0 : PREFILL_KEY_STEP;
+        for (int64_t i = 0; i < n; ++i) {
+            const int64_t slot = table[(k0 + i) / bs] * bs + (k0 + i) % bs;
+            w.krow[i] = kpool + (slot * KVH + g) * D;
+            w.vrow[i] = vpool + (slot * KVH + g) * D;
+        }
+        int64_t i = 0;
+        for (; i + PF_KR <= n; i += PF_KR) pf_scores_keys<PF_KR>(w.krow + i, w.qt, Mp, D, w.s + i * Mp);
+        for (; i < n; ++i) pf_scores_keys<1>(w.krow + i, w.qt, Mp, D, w.s + i * Mp);
+        // Causal mask: key k0 + r is hidden from the tile's tokens before it, i.e. lanes m < (k0 + r - first) * G.
+        const bool masked = first >= 0 && k0 + n - 1 > first;
+        if (masked)
+            for (int64_t r = 0; r < n; ++r)
+                for (int64_t m = 0, lim = (k0 + r - first) * G; m < lim; ++m) w.s[r * Mp + m] = -__builtin_inff();
+        for (int64_t v = 0; v < MV; ++v) {
+            V bm = vload(w.s + v * W);
+            for (int64_t r = 1; r < n; ++r) bm = vmax(bm, vload(w.s + r * Mp + v * W));
+            const V mold = vload(w.mx + v * W), mnew = vmax(mold, bm), neg = vmul(mnew, vset1(-1.0f));
+            // mnew is finite (see above); the first step's correction exp(-inf) clamps to ~1e-38, times 0.
+            vstore(w.corr + v * W, vexp(vadd(mold, neg)));
+            vstore(w.mx + v * W, mnew);
+            for (int64_t r = 0; r < n; ++r) vstore(w.s + r * Mp + v * W, vexp(vadd(vload(w.s + r * Mp + v * W), neg)));
+        }
+        if (masked)  // exp clamps -inf to a tiny positive number: masked probabilities become exactly 0
+            for (int64_t r = 0; r < n; ++r)
+                for (int64_t m = 0, lim = (k0 + r - first) * G; m < lim; ++m) w.s[r * Mp + m] = 0.0f;
+        for (int64_t v = 0; v < MV; ++v) {
+            V total = vzero();
+            for (int64_t r = 0; r < n; ++r) total = vadd(total, vload(w.s + r * Mp + v * W));
+            vstore(w.sum + v * W, vfma(vload(w.sum + v * W), vload(w.corr + v * W), total));
+        }
+        for (int64_t m = 0; m < Mp; m += PF_VR) {
+            int64_t c0 = 0;
+            for (; c0 + PF_VC <= DV; c0 += PF_VC)
+                pf_values_tile<PF_VR, PF_VC>(w.s, Mp, w.vrow, n, m, c0, w.corr, w.acc, D);
+            for (; c0 < DV; ++c0) pf_values_tile<PF_VR, 1>(w.s, Mp, w.vrow, n, m, c0, w.corr, w.acc, D);
+        }
+    }
+}
+
+// One task: tokens [row0, row0 + nq) of a span at positions first..first+nq-1, KV head g, keys 0..first+nq-1.
+static void prefill_tile(const float* q, int64_t H, int64_t KVH, int64_t D, int64_t G, const float* kpool,
+                         const float* vpool, int64_t bs, const int64_t* table, int64_t row0, int64_t nq,
+                         int64_t first, int64_t g, float scale, PrefillScratch w, float* out) {
+    const int64_t M = nq * G, Mp = (M + W - 1) / W * W, DV = D / W;
+    pf_begin(w, M, Mp, D);
+    for (int64_t t = 0; t < nq; ++t)
+        for (int64_t j = 0; j < G; ++j) pf_put_query(w, Mp, D, t * G + j, q + ((row0 + t) * H + g * G + j) * D, scale);
+    pf_attend(w, Mp, D, G, kpool, vpool, KVH, g, bs, table, 0, first + nq, first);
+    for (int64_t m = 0; m < M; ++m) {
+        float* o = out + ((row0 + m / G) * H + g * G + m % G) * D;
+        const V inv = vset1(1.0f / w.sum[m]);
+        for (int64_t e = 0; e < DV; ++e) vstore(o + e * W, vmul(vload(w.acc + m * D + e * W), inv));
+    }
+}
+
+static int prefill_attention(const float* q, int64_t H, int64_t KVH, int64_t D, const float* kpool,
+                             const float* vpool, int64_t bs, int64_t num_spans, const int64_t* span_start,
+                             const int64_t* span_len, const int64_t* span_ctx, const int64_t* tables,
+                             int64_t table_stride, float scale, float* out) {
+    if (D % W != 0 || H % KVH != 0) return -2;
+    const int64_t G = H / KVH, QT = PREFILL_TILE_TOKENS;
+    const int64_t Mp = (QT * G + W - 1) / W * W;
+    int64_t* task_offset = new int64_t[num_spans + 1];  // first task of each span: KVH x tiles
+    task_offset[0] = 0;
+    for (int64_t s = 0; s < num_spans; ++s) task_offset[s + 1] = task_offset[s] + KVH * ((span_len[s] + QT - 1) / QT);
+#pragma omp parallel num_threads(kv_threads())
+    {
+        PrefillScratch w = pf_scratch_new(Mp, D);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = task_offset[num_spans] - 1; task >= 0; --task) {  // the longest tiles (last) first
+            int64_t s = 0;
+            while (task_offset[s + 1] <= task) ++s;
+            const int64_t local = task - task_offset[s], g = local % KVH, tile = local / KVH;
+            const int64_t a = tile * QT, nq = span_len[s] - a < QT ? span_len[s] - a : QT;
+            const int64_t first = span_ctx[s] - span_len[s] + a;
+            prefill_tile(q, H, KVH, D, G, kpool, vpool, bs, tables + s * table_stride, span_start[s] + a, nq, first,
+                         g, scale, w, out);
+        }
+        pf_scratch_free(w);
+    }
+    delete[] task_offset;
+    return 0;
+}
