@@ -159,8 +159,10 @@ def test_auto_cap_follows_the_measured_cost():
     assert auto.rotation.max_rows == 0
 
 
-def test_auto_is_the_default_for_a_cpu_engine_and_off_offline(tiny_model_dir):
+def test_off_by_default_and_auto_only_when_asked_on_a_cpu(tiny_model_dir):
     engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), num_blocks=64), progress=False)
+    assert engine.auto_row_cap is None and engine.scheduler.rotation.max_rows == 0
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), num_blocks=64, max_step_rows=None), progress=False)
     assert engine.auto_row_cap is not None and engine.scheduler.rotation.max_rows == 0  # until measured
     assert make_auto_row_cap(None, "cuda:0", RowRotation(0), 64) is None
     assert make_auto_row_cap(3, "cpu", RowRotation(3), 64) is None
@@ -245,7 +247,7 @@ def test_the_flag_takes_a_count_0_or_auto():
 
     parser = argparse.ArgumentParser()
     add_engine_flags(parser)
-    assert engine_config_from_args(parser.parse_args([])).max_step_rows is None  # auto
+    assert engine_config_from_args(parser.parse_args([])).max_step_rows == 0  # off: measured no help idle
     assert engine_config_from_args(parser.parse_args(["--max-step-rows", "auto"])).max_step_rows is None
     assert engine_config_from_args(parser.parse_args(["--max-step-rows", "0"])).max_step_rows == 0
     assert engine_config_from_args(parser.parse_args(["--max-step-rows", "6"])).max_step_rows == 6

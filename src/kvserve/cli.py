@@ -52,9 +52,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--long-prefill-token-threshold", type=int, default=None,
                        help="most prompt tokens one request computes per step, so newcomers are not held "
                        "behind a long prompt; 0: off (default: max(64, 4%% of max_model_len))")
-    group.add_argument("--max-step-rows", type=parse_step_rows, default=None, metavar="N|auto",
+    group.add_argument("--max-step-rows", type=parse_step_rows, default=0, metavar="N|auto",
                        help="most running sequences computing in one step, taking turns (longest-waiting "
-                       "first), so every step stays short while newcomers arrive; 0: off; auto (default, CPU "
+                       "first), so every step stays short while newcomers arrive; 0: off (default); auto (CPU "
                        "only): the smallest cap that costs at most 20%% of decode throughput, from measured "
                        "step times")
     group.add_argument("--num-threads", type=int, default=None, help="torch CPU threads; None: torch's default")

@@ -65,7 +65,7 @@ class EngineConfig:
     schedule_policy: str = "fcfs"
     max_blocks_per_request: int | None = None  # None: max(half the pool, one max_model_len sequence)
     long_prefill_token_threshold: int | None = None  # None: max(64, 4% of max_model_len); 0: off
-    max_step_rows: int | None = None  # running sequences computing per step, in turn; None: auto (CPU); 0: off
+    max_step_rows: int | None = 0  # running sequences computing per step, in turn; None: auto (CPU); 0: off
     num_threads: int | None = None
     seed: int = 0
     eviction: str = DEFAULT_EVICTION  # prefix-cache eviction policy (prefix/eviction.py)

@@ -25,7 +25,7 @@ least once every (number of running groups) steps, since the longest-waiting gro
 Newcomers take their first step beside the rows and then join the back of the line, so they never
 push an older sequence's turn back. vLLM has no such cap (`max_num_seqs` bounds running sequences and
 `max_num_batched_tokens` a step's tokens, both far above what keeps a CPU step short). `--max-step-rows
-auto` (the server's default; the offline `LLM`'s is 0) sets the cap from measured step times
+auto` (opt-in; the default is 0, off: measured no help on an idle CPU) sets the cap from measured step times
 (engine/step_cost.py).
 """
 
