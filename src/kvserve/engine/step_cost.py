@@ -8,8 +8,8 @@ R = ceil((1 - loss) / loss x a / b). So the cap is small where rows are what cos
 weights on an idle CPU, as the soak measured: a ~14 ms, b ~4.3 ms, R = 12-14) and large or off where
 a step's fixed part dominates (a CPU so oversubscribed that each step waits on descheduled threads,
 as the shared machine of benchmarks/results/soak.md, where a step's fixed part reached tens of ms;
-dense float32 weights, whose GEMMs amortize over a batch, by the same rule, not measured), where a small cap would cost more than
-it gives. The cost model is fitted on decode-only steps (every row one token) by least squares with
+dense float32 weights, whose GEMMs amortize over a batch, by the same rule, not measured),
+where a small cap would cost more than it gives. The cost model is fitted on decode-only steps (every row one token) by least squares with
 exponential forgetting, refitted every `UPDATE_EVERY` such steps, and only once the rows seen vary
 enough to tell a from b; until then the cap is off. Measurements: benchmarks/results/soak.md ("Row cap").
 """
