@@ -1,17 +1,18 @@
 """`--max-step-rows auto`: the row cap chosen from the engine's own step times, as a bounded throughput cost.
 
 A step's time is about a + b x rows: a fixed part (scheduling, batch preparation, the weights' passes
-and the threads' synchronisation that every step pays) and a part per row. A cap of R rows keeps
-R / (a + b R) of the decode throughput an unbounded batch approaches (1 / b), i.e. a fraction
-b R / (a + b R); asking for at least 1 - `MAX_THROUGHPUT_LOSS` of it gives the smallest such cap,
-R = ceil((1 - loss) / loss x a / b). So the cap is small where rows are what costs (quantized
-weights on an idle CPU, as the soak measured: a ~14 ms, b ~4.3 ms, R = 12-14) and large or off where
-a step's fixed part dominates (a CPU so oversubscribed that each step waits on descheduled threads,
-as the shared machine of benchmarks/results/soak.md, where a step's fixed part reached tens of ms;
-dense float32 weights, whose GEMMs amortize over a batch, by the same rule, not measured),
-where a small cap would cost more than it gives. The cost model is fitted on decode-only steps (every row one token) by least squares with
+and the threads' synchronisation that every step pays) and a part per row. A cap of R rows keeps R / (a
++ b R) of the decode throughput an unbounded batch approaches (1 / b), i.e. a fraction b R / (a + b R);
+asking for at least 1 - `MAX_THROUGHPUT_LOSS` of it gives the smallest such cap, R = ceil((1 - loss) /
+loss x a / b). So the cap is small where rows are what costs (quantized weights on an idle CPU, as the
+soak measured: a ~14 ms, b ~4.3 ms, R = 12-14) and large or off where a step's fixed part dominates (a
+CPU so oversubscribed that each step waits on descheduled threads, as the shared machine of
+benchmarks/results/soak.md, where a step's fixed part reached tens of ms; dense float32 weights, whose
+GEMMs amortize over a batch, by the same rule, not measured), where a small cap would cost more than it
+gives. The cost model is fitted on decode-only steps (every row one token) by least squares with
 exponential forgetting, refitted every `UPDATE_EVERY` such steps, and only once the rows seen vary
-enough to tell a from b; until then the cap is off. Measurements: benchmarks/results/soak.md ("Row cap").
+enough to tell a from b; until then the cap is off. Measurements: benchmarks/results/soak.md ("Row
+cap").
 """
 
 from __future__ import annotations
