@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from common import load_workloads, markdown_table, write_result
+from decode_step import best_cpu_ms
 from kernels import build_revision, load_average
 from kvserve import LLM, SamplingParams
 from kvserve.engine import engine as engine_module
@@ -37,16 +38,6 @@ from kvserve.kernels.native import NativeLibrary
 
 MODES = {"exact": {}, "int8": {"activation_quant": "int8"}}
 PARTS = ("layer loop (C)", "matmuls", "attention", "loop rest", "lm head", "sampler", "engine rest", "step")
-
-
-def best_cpu_ms(fn, reps: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        start = time.process_time()
-        fn()
-        best = min(best, time.process_time() - start)
-    return best * 1e3
 
 
 def greedy(n: int) -> SamplingParams:

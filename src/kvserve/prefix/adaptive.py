@@ -21,7 +21,7 @@ import heapq
 import math
 from collections import OrderedDict
 
-from kvserve.prefix.eviction import EvictionPolicy, Unit
+from kvserve.prefix.eviction import EvictionPolicy, Unit, live_head
 
 PROVEN = 1e12  # key offset of a proven unit (the cache's clock never gets near it)
 
@@ -52,17 +52,7 @@ class AdaptiveGhostLRUPolicy(EvictionPolicy):
         heapq.heappush(self._heaps[unit.priority >= PROVEN], (unit.priority, next(self._tiebreak), unit))
 
     def _head(self, heap: list[tuple[float, int, Unit]]) -> tuple[float, int, Unit] | None:
-        """The heap's least live entry, stale ones dropped and revalued ones moved."""
-        while heap:
-            stamp, _, unit = heap[0]
-            if unit.heap_stamp != stamp:
-                heapq.heappop(heap)
-            elif unit.priority > stamp:
-                heapq.heappop(heap)
-                self._push(unit)
-            else:
-                return heap[0]
-        return None
+        return live_head(heap, self._push)
 
     def pop(self) -> Unit | None:
         once, proven = self._head(self._heaps[0]), self._head(self._heaps[1])

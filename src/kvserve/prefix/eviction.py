@@ -77,6 +77,25 @@ class Unit(Protocol):
     def hashes(self) -> Sequence[bytes]: ...  # every block's hash, head first
 
 
+HeapEntry = tuple[float, int, "Unit"]
+
+
+def live_head(heap: list[HeapEntry], push: Callable[[Unit], None]) -> HeapEntry | None:
+    """The least live entry of a lazily updated heap (`unit.heap_stamp` marks the live entry): stale
+    entries are dropped and units whose priority rose since they were pushed are re-pushed by `push`,
+    so policies with several heaps share one rule for what a heap's head is."""
+    while heap:
+        stamp, _, unit = heap[0]
+        if unit.heap_stamp != stamp:
+            heapq.heappop(heap)
+        elif unit.priority > stamp:
+            heapq.heappop(heap)
+            push(unit)
+        else:
+            return heap[0]
+    return None
+
+
 class EvictionPolicy:
     """Least value first; subclasses define `value`. The base value is recency (LRU)."""
 

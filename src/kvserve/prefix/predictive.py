@@ -42,7 +42,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvserve.prefix.eviction import EvictionPolicy, Unit
+from kvserve.prefix.eviction import EvictionPolicy, Unit, live_head
 
 GAP_EDGES = (10.0, 30.0, 90.0, 270.0, 810.0)  # s: buckets of a unit's last gap between uses
 MAX_USES = 4  # uses are classed 1, 2, 3, 4+
@@ -271,17 +271,7 @@ class NextUsePolicy(EvictionPolicy):
         heapq.heappush(self._heaps[int(unit.priority // CLASS_OFFSET)], (unit.priority, next(self._tiebreak), unit))
 
     def _head(self, heap: list[tuple[float, int, Unit]]) -> tuple[float, int, Unit] | None:
-        """The heap's least live entry, stale ones dropped and revalued ones moved."""
-        while heap:
-            stamp, _, unit = heap[0]
-            if unit.heap_stamp != stamp:
-                heapq.heappop(heap)
-            elif unit.priority > stamp:
-                heapq.heappop(heap)
-                self._push(unit)
-            else:
-                return heap[0]
-        return None
+        return live_head(heap, self._push)
 
     def pop(self) -> Unit | None:
         horizon, now, model = self.horizon * self.eviction_age, self.now, self.model
