@@ -48,12 +48,18 @@ def apply_step_or_abort(engine, op: tuple, ids: list[str]) -> None:
         engine.abort_request(ids[op[1] % len(ids)])
 
 
+MAX_DRAIN_STEPS = 5000  # far beyond what any generated example needs: more is a livelock, failed loudly
+
+
 def drain_checking(engine, *checks) -> None:
     """Step until idle, running every check after each step; then every block must be back."""
-    while engine.has_unfinished_requests():
+    for _ in range(MAX_DRAIN_STEPS):
+        if not engine.has_unfinished_requests():
+            break
         engine.step()
         for check in checks:
             check(engine)
+    assert not engine.has_unfinished_requests(), f"no drain after {MAX_DRAIN_STEPS} steps (livelock)"
     assert_pool_drained(engine)
 
 
