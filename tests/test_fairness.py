@@ -165,7 +165,7 @@ def test_a_running_short_request_is_never_the_victim_of_a_big_group(tiny_model_d
 def _seq(group_id: str, blocks: int, since: int, arrival: float = 1.0, member: int = 0) -> SimpleNamespace:
     return SimpleNamespace(group_id=group_id, block_table=list(range(blocks)), held_since_step=since,
                            request_id=f"{group_id}#{member}" if member else group_id,
-                           metrics=SimpleNamespace(arrival_time=arrival))
+                           metrics=SimpleNamespace(arrival_time=arrival), num_tokens=1, num_computed_tokens=0)
 
 
 def test_victims_are_the_largest_longest_holders():

@@ -49,10 +49,7 @@ def check_groups(engine) -> None:
                 assert sequence in engine.scheduler.running or sequence in engine.scheduler.waiting
 
 
-# derandomize: a random run found the beam livelock of tests/test_scheduler_livelock.py (strict xfail until
-# beam groups are scheduled together); until then CI runs a fixed set of examples that do not hit it.
-@settings(max_examples=30, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=st.lists(operation, min_size=1, max_size=25), seed=st.integers(0, 2**16))
 def test_random_group_operations_keep_pool_consistent(engine, ops, seed):
     ids: list[str] = []

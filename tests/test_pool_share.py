@@ -36,6 +36,8 @@ class Seq:
     held_since_step: int = 0
     block_table: list[int] = field(default_factory=list)
     table_version: int = 0
+    num_tokens: int = 1  # computing (not waiting for its group)
+    num_computed_tokens: int = 0
 
 
 class OrderMachine(RuleBasedStateMachine):

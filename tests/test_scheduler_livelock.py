@@ -1,16 +1,13 @@
-"""A known livelock, kept visible: beam groups in a pool too small for two of them, prefix cache off.
-
-Found by the fork pool property test (a fresh-clone CI run hung in it): two beam groups each keep one
-beam computed (holding its logits for the group) while its sibling waits; a third request is admitted
-with a first prefill chunk, cannot grow its next chunk, is preempted (recompute: with the cache off its
-blocks are gone), and is admitted again next step -- forever. Preempting by single sequence cannot end
-it; the fix is to schedule a beam group's members together (admit all or none, preempt all or none).
-Strict xfail: when the scheduler is fixed this test passes and the marker must go.
+"""A livelock found by the fork pool property test (a fresh-clone CI run hung in it): beam groups in a
+pool too small for two of them, prefix cache off. Two beam groups each kept one beam computed (holding
+its logits for the group) while its sibling waited behind newcomers; a third request was admitted with a
+first prefill chunk, could not grow its next chunk, was preempted (recompute: with the cache off its
+blocks are gone), and was admitted again next step -- forever. Now the oldest sequence's group comes
+first when that sequence waits for it (`scheduler.oldest_group_first`, `pool_share._ordered`), so the
+oldest group always completes, as a lone sequence always did.
 """
 
 from __future__ import annotations
-
-import pytest
 
 from kvserve import LLM, BeamSearchParams
 
@@ -18,7 +15,6 @@ SHARED_PREFIX = list(range(10, 45))
 MAX_STEPS = 2000  # the requests need ~30 steps when they make progress
 
 
-@pytest.mark.xfail(strict=True, reason="beam groups livelock in a tiny pool with the prefix cache off (issue 8)")
 def test_beam_groups_finish_in_a_pool_that_fits_one_group_at_a_time(tiny_model_dir):
     engine = LLM(str(tiny_model_dir), progress=False, num_blocks=12, block_size=16, prefix_cache="off",
                  max_num_batched_tokens=48, max_num_seqs=6).engine

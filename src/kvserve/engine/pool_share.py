@@ -31,7 +31,8 @@ def order_by_pool_share(running: list[Request], step: int) -> list[Request]:
     request that has held a large part of the pool for long yields to newcomers, instead of the newest
     arrival always paying. One exception keeps the system live: the oldest sequence (by arrival; a
     group's root before its forks) goes first, so it is never preempted while anything else runs and
-    always finishes (a lone sequence fits the pool) -- without it, whoever held longest would be
+    always finishes (a lone sequence fits the pool; a beam that waits for its siblings keeps its whole
+group first, as they must all compute before it can go on) -- without it, whoever held longest would be
     preempted over and over and nothing might finish. (The definition; `PoolShare.order` is the same
     order, computed incrementally.)
     """
@@ -50,6 +51,9 @@ def _ordered(running: list[Request], weight: dict[str, int]) -> list[Request]:
         oldest = min(ordered, key=lambda r: (r.metrics.arrival_time, r.request_id != r.group_id, r.request_id))
         ordered.remove(oldest)
         ordered.insert(0, oldest)
+        if oldest.num_tokens <= oldest.num_computed_tokens:  # it waits for its group (beams): keep them all
+            group = [r for r in ordered[1:] if r.group_id == oldest.group_id]
+            ordered = [oldest, *group, *(r for r in ordered[1:] if r.group_id != oldest.group_id)]
     return ordered
 
 

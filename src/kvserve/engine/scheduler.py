@@ -51,6 +51,20 @@ def unserved_groups_first(waiting: deque[Request], running: list[Request]) -> de
     return deque([r for r in waiting if r.group_id not in served] + [r for r in waiting if r.group_id in served])
 
 
+def oldest_group_first(waiting: deque[Request], running: list[Request]) -> deque[Request]:
+    """The queue with the waiting members of the oldest running sequence's group first, when that
+    sequence waits for them (a beam holding its logits): the oldest sequence is the one that must always
+    finish (`pool_share`), and a beam cannot finish without its siblings. Without this, groups in a small
+    pool each keep one beam computed while its sibling waits behind newcomers, forever
+    (tests/test_scheduler_livelock.py)."""
+    if not running or running[0].num_tokens > running[0].num_computed_tokens:
+        return waiting
+    keeper = running[0].group_id
+    if not any(request.group_id == keeper for request in waiting):
+        return waiting
+    return deque([r for r in waiting if r.group_id == keeper] + [r for r in waiting if r.group_id != keeper])
+
+
 @dataclass(slots=True)
 class ScheduledRequest:
     request: Request
@@ -189,6 +203,7 @@ class Scheduler:
         if self.policy == "lpm":
             self._order_waiting_by_longest_prefix()
         self.waiting = unserved_groups_first(self.waiting, self.running)
+        self.waiting = oldest_group_first(self.waiting, self.running)
         hold, held = self.prefix_hold, []  # held: waiting for a running request's prefix blocks
         if hold is not None:
             hold.begin_step(self.num_steps, self.running, self.waiting)
