@@ -9,7 +9,11 @@ oldest group always completes, as a lone sequence always did.
 
 from __future__ import annotations
 
+from collections import deque
+from types import SimpleNamespace
+
 from kvserve import LLM, BeamSearchParams
+from kvserve.engine.scheduler import oldest_group_first
 
 SHARED_PREFIX = list(range(10, 45))
 MAX_STEPS = 2000  # the requests need ~30 steps when they make progress
@@ -32,3 +36,17 @@ def test_beam_groups_finish_in_a_pool_that_fits_one_group_at_a_time(tiny_model_d
         engine.step()
         steps += 1
     assert not engine.has_unfinished_requests(), f"still unfinished after {MAX_STEPS} steps"
+
+
+def _member(request_id: str, group_id: str, computed: bool) -> SimpleNamespace:
+    return SimpleNamespace(request_id=request_id, group_id=group_id, num_tokens=10,
+                           num_computed_tokens=10 if computed else 0)
+
+
+def test_a_waiting_oldest_beam_brings_its_siblings_to_the_head_of_the_queue():
+    oldest, other = _member("a", "a", computed=True), _member("b", "b", computed=True)
+    waiting = deque([_member("c", "c", False), _member("b#1", "b", False), _member("a#1", "a", False)])
+    assert [r.request_id for r in oldest_group_first(waiting, [oldest, other])] == ["a#1", "c", "b#1"]
+    computing = _member("a", "a", computed=False)  # the oldest still computes: the queue is left as it is
+    assert oldest_group_first(waiting, [computing, other]) is waiting
+    assert oldest_group_first(waiting, []) is waiting
