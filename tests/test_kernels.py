@@ -109,6 +109,30 @@ def test_rms_norm_matches_reference(kernels, rows, width, residual, seed):
     assert torch.equal(x, original)  # the caller's tensor is never modified
 
 
+@pytest.mark.parametrize("qtype", [8, 3])
+def test_qmatmul_reads_every_finite_fp16_scale_exactly(kernels, qtype):
+    """The matmuls look block scales up in a table (csrc/kernels.cpp): every finite fp16 pattern, subnormals
+    and signed zeros included, must come out as its float32 value. One block per row, x = e_0: Q8_0 with
+    quant 1 gives d; Q4_1 with d = 1 and nibble 0 gives m."""
+    patterns = torch.arange(65536, dtype=torch.int32).to(torch.int16)
+    finite = patterns[((patterns.to(torch.int32) >> 10) & 0x1F) != 0x1F]
+    halves = finite.view(torch.float16)
+    rows = halves.shape[0]
+    head = halves.view(torch.uint8).reshape(rows, 2)
+    if qtype == 8:
+        quants = torch.zeros(rows, 32, dtype=torch.uint8)
+        quants[:, 0] = 1
+        blocks = torch.cat([head, quants], dim=1)
+    else:
+        one = torch.tensor([1.0], dtype=torch.float16).view(torch.uint8).expand(rows, 2)
+        blocks = torch.cat([one, head, torch.zeros(rows, 16, dtype=torch.uint8)], dim=1)
+    weight = QuantWeight(blocks.contiguous(), qtype, 32)
+    x = torch.zeros(1, 32)
+    x[0, 0] = 1.0
+    out = kernels.native.qmatmul(x, weight.data, weight.qtype, 32)[0]
+    torch.testing.assert_close(out, halves.float(), rtol=0, atol=0)
+
+
 def test_bad_arguments_are_value_errors(kernels):
     weight = random_quant(4, 64, 8, seed=0)
     with pytest.raises(ValueError, match="expects 64"):

@@ -13,72 +13,88 @@ static inline void prefetch_span(const uint8_t* p, int64_t bytes) {
     for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, 0, 3);
 }
 
+// A block scale (fp16) as a float, through the library's table (kernels.cpp): a load, where F16C's convert
+// and broadcast cost three or four shuffle-port uops per block and column.
+static inline float half_at(const uint8_t* p) {
+    uint16_t h;
+    __builtin_memcpy(&h, p, 2);
+    return kv_half_table()[h];
+}
+
+// A Q4 block's 32 weights as floats, fma(q, d, m) each. AVX-512: the block's 16 possible values are computed
+// once and the nibbles pick from them (vpermps reads only an index's low 4 bits, so the low nibbles need no
+// mask): 5 vector ops per block instead of 7.
+static inline void q4_dequant(const uint8_t* qs, V dv, V mv, V* q) {
+#if KV_AVX512
+    const V table = vfma(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), dv, mv);
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+    q[0] = _mm512_permutexvar_ps(bytes, table);                         // weights 0..15: low nibbles
+    q[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);  // weights 16..31: high nibbles
+#else
+    q4_1_block(qs, q);
+    for (int i = 0; i < QK / W; ++i) q[i] = vfma(q[i], dv, mv);
+#endif
+}
+
 // out[r * ostride + c] = dot(x row r, weight row c) for R activation rows x NC weight rows (columns of the
-// output). Each block is converted to floats once and used by all R rows; NC independent columns keep
-// several FMA chains in flight. Q4_0 / Q4_1 fold their offset into a per-block sum of x: d*(x.q) + m*sum(x).
+// output). Q4_1 / Q4_0 blocks are dequantized in registers once, w = fma(q, d, m) (Q4_0: m = -8d, exactly
+// d*(q-8)), and used by all R rows; Q8_0 dots the integer quants first and scales the block's dot by d.
+// Two accumulators per (row, column) keep enough FMA chains in flight; every row's arithmetic is the same
+// whatever R and NC, so a row's result does not depend on the batch around it.
 // pf (optional): NC * row_bytes bytes of weights ahead, prefetched NC blocks' worth per block.
 template <int R, int NC, int QT>
-static inline void dot_tile(const float* x, int64_t xstride, const float* xsum, int64_t nb, const uint8_t* w,
-                            int64_t row_bytes, float* out, int64_t ostride, const uint8_t* pf = nullptr) {
+static inline void dot_tile(const float* x, int64_t xstride, int64_t nb, const uint8_t* w, int64_t row_bytes,
+                            float* out, int64_t ostride, const uint8_t* pf = nullptr) {
     constexpr int64_t BB = QT == QT_Q4_0 ? 18 : QT == QT_Q4_1 ? 20 : 34;
-    V acc[R][NC];
-    float macc[R][NC];
+    constexpr int NV = QK / W;
+    V acc[R][NC][2];
     for (int r = 0; r < R; ++r)
-        for (int c = 0; c < NC; ++c) { acc[r][c] = vzero(); macc[r][c] = 0.0f; }
+        for (int c = 0; c < NC; ++c) acc[r][c][0] = acc[r][c][1] = vzero();
     for (int64_t b = 0; b < nb; ++b) {
         if (pf) prefetch_span(pf + b * NC * BB, NC * BB);
         for (int c = 0; c < NC; ++c) {
             const uint8_t* blk = w + c * row_bytes + b * BB;
-            V q[QK / W];
-            // d (and Q4_1's m, the next half) converted in one instruction; d broadcast from the vector.
-            uint32_t dm_bits = 0;
-            __builtin_memcpy(&dm_bits, blk, QT == QT_Q4_1 ? 4 : 2);
-            const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(dm_bits)));
-            const float d = _mm_cvtss_f32(dm);
-            float m = 0.0f;
-            if (QT == QT_Q4_1) { m = _mm_cvtss_f32(_mm_movehdup_ps(dm)); q4_1_block(blk + 4, q); }
-            else if (QT == QT_Q4_0) { m = -8.0f * d; q4_1_block(blk + 2, q); }
-            else { q8_0_block(reinterpret_cast<const int8_t*>(blk + 2), q); }
-            const V dv = vbroadcast0(dm);
+            const V dv = vset1(half_at(blk));
+            V q[NV];
+            if (QT == QT_Q8_0) {
+                q8_0_block(reinterpret_cast<const int8_t*>(blk + 2), q);
+                for (int r = 0; r < R; ++r) {
+                    const float* xr = x + r * xstride + b * QK;
+                    V t = vmul(vload(xr), q[0]);
+                    for (int i = 1; i < NV; ++i) t = vfma(vload(xr + i * W), q[i], t);
+                    acc[r][c][b & 1] = vfma(dv, t, acc[r][c][b & 1]);
+                }
+                continue;
+            }
+            const V mv = QT == QT_Q4_1 ? vset1(half_at(blk + 2)) : vmul(dv, vset1(-8.0f));
+            q4_dequant(blk + (QT == QT_Q4_1 ? 4 : 2), dv, mv, q);
             for (int r = 0; r < R; ++r) {
                 const float* xr = x + r * xstride + b * QK;
-                V t = vmul(vload(xr), q[0]);
-                for (int i = 1; i < QK / W; ++i) t = vfma(vload(xr + i * W), q[i], t);
-                acc[r][c] = vfma(dv, t, acc[r][c]);
-                if (QT != QT_Q8_0) macc[r][c] += m * xsum[r * nb + b];
+                for (int i = 0; i < NV; ++i) acc[r][c][i & 1] = vfma(vload(xr + i * W), q[i], acc[r][c][i & 1]);
             }
         }
     }
     for (int r = 0; r < R; ++r)
-        for (int c = 0; c < NC; ++c) out[r * ostride + c] = vsum(acc[r][c]) + macc[r][c];
+        for (int c = 0; c < NC; ++c) out[r * ostride + c] = vsum(vadd(acc[r][c][0], acc[r][c][1]));
 }
 
 // Columns [c0, c1); ahead > 0: each tile prefetches the weights `ahead` columns further on (the next task's).
+// Column tiles as wide as the registers allow (AVX2 has 16: one column for 3-4 rows).
 template <int R, int QT>
-static inline void dot_cols(const float* x, int64_t k, const float* xs, int64_t nb, const uint8_t* w,
-                            int64_t row_bytes, float* y, int64_t ystride, int64_t c0, int64_t c1, int64_t ahead) {
-    constexpr int NC = R == 1 ? 4 : 2;
+static inline void dot_cols(const float* x, int64_t k, int64_t nb, const uint8_t* w, int64_t row_bytes, float* y,
+                            int64_t ystride, int64_t c0, int64_t c1, int64_t ahead) {
+    constexpr int NC = R == 1 ? 4 : (W == 8 && R > 2) ? 1 : 2;
     int64_t col = c0;
     for (; col + NC <= c1; col += NC)
-        dot_tile<R, NC, QT>(x, k, xs, nb, w + col * row_bytes, row_bytes, y + col, ystride,
+        dot_tile<R, NC, QT>(x, k, nb, w + col * row_bytes, row_bytes, y + col, ystride,
                             ahead ? w + (col + ahead) * row_bytes : nullptr);
-    for (; col < c1; ++col) dot_tile<R, 1, QT>(x, k, xs, nb, w + col * row_bytes, row_bytes, y + col, ystride);
+    for (; col < c1; ++col) dot_tile<R, 1, QT>(x, k, nb, w + col * row_bytes, row_bytes, y + col, ystride);
 }
 
 template <int QT>
 static void qmatmul_t(const float* x, int64_t rows, int64_t k, const uint8_t* w, int64_t n, int64_t row_bytes,
                       float* y, int64_t ystride) {
     const int64_t nb = k / QK;
-    float* xsum = nullptr;
-    if (QT != QT_Q8_0) {
-        xsum = new float[rows * nb];
-        for (int64_t r = 0; r < rows; ++r)
-            for (int64_t b = 0; b < nb; ++b) {
-                float s = 0.0f;
-                for (int j = 0; j < QK; ++j) s += x[r * k + b * QK + j];
-                xsum[r * nb + b] = s;
-            }
-    }
     constexpr int64_t CHUNK = 16;  // output columns per task: their weights stay in L1 across row tiles
     const int64_t nchunks = (n + CHUNK - 1) / CHUNK;
 #pragma omp parallel for schedule(static) num_threads(kv_threads())
@@ -87,18 +103,16 @@ static void qmatmul_t(const float* x, int64_t rows, int64_t k, const uint8_t* w,
         for (int64_t r0 = 0; r0 < rows; r0 += 4) {
             const int64_t left = rows - r0;
             const float* xr = x + r0 * k;
-            const float* xs = xsum ? xsum + r0 * nb : nullptr;
             float* yr = y + r0 * ystride;
             // The first row tile prefetches the next chunk (the weights are then cache-hot for the rest);
             // never past the matrix's last column.
             const int64_t ahead = r0 == 0 && c1 + CHUNK <= n ? CHUNK : 0;
-            if (left >= 4) dot_cols<4, QT>(xr, k, xs, nb, w, row_bytes, yr, ystride, c0, c1, ahead);
-            else if (left == 3) dot_cols<3, QT>(xr, k, xs, nb, w, row_bytes, yr, ystride, c0, c1, ahead);
-            else if (left == 2) dot_cols<2, QT>(xr, k, xs, nb, w, row_bytes, yr, ystride, c0, c1, ahead);
-            else dot_cols<1, QT>(xr, k, xs, nb, w, row_bytes, yr, ystride, c0, c1, ahead);
+            if (left >= 4) dot_cols<4, QT>(xr, k, nb, w, row_bytes, yr, ystride, c0, c1, ahead);
+            else if (left == 3) dot_cols<3, QT>(xr, k, nb, w, row_bytes, yr, ystride, c0, c1, ahead);
+            else if (left == 2) dot_cols<2, QT>(xr, k, nb, w, row_bytes, yr, ystride, c0, c1, ahead);
+            else dot_cols<1, QT>(xr, k, nb, w, row_bytes, yr, ystride, c0, c1, ahead);
         }
     }
-    delete[] xsum;
 }
 
 static int qmatmul(int qt, const float* x, int64_t rows, int64_t k, const uint8_t* w, int64_t n, int64_t row_bytes,

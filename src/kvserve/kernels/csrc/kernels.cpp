@@ -11,6 +11,31 @@
 static int g_threads = 0;
 static inline int kv_threads() { return g_threads > 0 ? g_threads : omp_get_max_threads(); }
 
+// Every fp16 bit pattern as a float32, filled once when the library loads (plain bit arithmetic, no F16C:
+// loading must not fault on any CPU). The matmuls look block scales up here: a load instead of F16C's
+// convert-and-broadcast shuffles (impl.h's half_at). Values equal F16C's for every non-NaN pattern.
+struct HalfTable {
+    float value[65536];
+    HalfTable() {
+        for (uint32_t h = 0; h < 65536; ++h) {
+            const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, mant = h & 0x3FFu;
+            uint32_t bits;
+            if (exp == 0) {  // zero or subnormal: mant * 2^-24, exact in float32
+                const float f = static_cast<float>(mant) * 5.9604644775390625e-8f;
+                __builtin_memcpy(&bits, &f, 4);
+                bits |= sign;
+            } else if (exp == 31) {
+                bits = sign | 0x7F800000u | (mant << 13) | (mant ? 0x400000u : 0u);  // inf; NaN made quiet
+            } else {
+                bits = sign | ((exp + 112) << 23) | (mant << 13);
+            }
+            __builtin_memcpy(&value[h], &bits, 4);
+        }
+    }
+};
+static const HalfTable g_half_table;
+static inline const float* kv_half_table() { return g_half_table.value; }
+
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 namespace isa_avx2 {
