@@ -181,6 +181,31 @@ def test_layer_loop_decode_is_bit_identical(kernels, tiny_model_dir):
 
 
 @pytest.mark.parametrize("activation_quant", ["none", "int8"])
+@pytest.mark.parametrize("num_prompts", [1, 2, 4])
+def test_decode_step_is_bit_identical_whatever_the_threads(kernels, tiny_model_dir, monkeypatch, activation_quant,
+                                                           num_prompts):
+    """Decode steps of 1-4 rows run csrc/decode_step.h (one region between attentions, each kernel's chunks
+    shared out to the team and stolen when a thread is late): with 1, 2 or 3 native threads their logits
+    equal the Python loop's (which calls the same kernels one by one) bit for bit."""
+    model = quantized_tiny_llama(tiny_model_dir, Kernels("native", kernels.native, activation_quant=activation_quant))
+    prompts = [list(range(3 + 70 * i, 73 + 70 * i)) for i in range(num_prompts)]  # past the prefill bound
+    model.layer_loop = None
+    python = run_steps(model, prompts, 16, steps=3)
+    model.layer_loop = LayerLoop.build(model)
+    rows = []
+    original = LayerLoop.forward
+    monkeypatch.setattr(LayerLoop, "forward", lambda self, ids, *a: rows.append(ids.shape[0]) or original(self, ids, *a))
+    try:
+        for threads in (1, 2, 3):
+            kernels.native.lib.kv_set_num_threads(threads)
+            native = run_steps(model, prompts, 16, steps=3)
+            assert all(torch.equal(ours, theirs) for ours, theirs in zip(native, python, strict=True))
+    finally:
+        kernels.native.lib.kv_set_num_threads(torch.get_num_threads())
+    assert rows.count(num_prompts) >= 3 * 3  # the loop ran every decode step
+
+
+@pytest.mark.parametrize("activation_quant", ["none", "int8"])
 def test_layer_loop_covers_wide_decode_steps(kernels, tiny_model_dir, monkeypatch, activation_quant):
     """The loop takes decode-only steps beyond 16 rows (exact: the wide GEMM of qgemm.h; int8: the int8
     matmul), and agrees with the Python loop running the same matmuls."""

@@ -91,27 +91,42 @@ static inline void dot_cols(const float* x, int64_t k, int64_t nb, const uint8_t
     for (; col < c1; ++col) dot_tile<R, 1, QT>(x, k, nb, w + col * row_bytes, row_bytes, y + col, ystride);
 }
 
+constexpr int64_t QMATMUL_CHUNK = 16;  // output columns per task: their weights stay in L1 across row tiles
+
+// Output columns [c0, c1) of every row: one task of qmatmul (and of decode_step.h's phases).
+template <int QT>
+static void qmatmul_chunk(const float* x, int64_t rows, int64_t k, const uint8_t* w, int64_t n, int64_t row_bytes,
+                          float* y, int64_t ystride, int64_t c0, int64_t c1) {
+    const int64_t nb = k / QK;
+    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+        const int64_t left = rows - r0;
+        const float* xr = x + r0 * k;
+        float* yr = y + r0 * ystride;
+        // The first row tile prefetches the next chunk (the weights are then cache-hot for the rest);
+        // never past the matrix's last column.
+        const int64_t ahead = r0 == 0 && c1 + QMATMUL_CHUNK <= n ? QMATMUL_CHUNK : 0;
+        if (left >= 4) dot_cols<4, QT>(xr, k, nb, w, row_bytes, yr, ystride, c0, c1, ahead);
+        else if (left == 3) dot_cols<3, QT>(xr, k, nb, w, row_bytes, yr, ystride, c0, c1, ahead);
+        else if (left == 2) dot_cols<2, QT>(xr, k, nb, w, row_bytes, yr, ystride, c0, c1, ahead);
+        else dot_cols<1, QT>(xr, k, nb, w, row_bytes, yr, ystride, c0, c1, ahead);
+    }
+}
+
+static inline void qmatmul_cols(int qt, const float* x, int64_t rows, int64_t k, const uint8_t* w, int64_t n,
+                                int64_t row_bytes, float* y, int64_t ystride, int64_t c0, int64_t c1) {
+    if (qt == QT_Q4_1) qmatmul_chunk<QT_Q4_1>(x, rows, k, w, n, row_bytes, y, ystride, c0, c1);
+    else if (qt == QT_Q4_0) qmatmul_chunk<QT_Q4_0>(x, rows, k, w, n, row_bytes, y, ystride, c0, c1);
+    else qmatmul_chunk<QT_Q8_0>(x, rows, k, w, n, row_bytes, y, ystride, c0, c1);
+}
+
 template <int QT>
 static void qmatmul_t(const float* x, int64_t rows, int64_t k, const uint8_t* w, int64_t n, int64_t row_bytes,
                       float* y, int64_t ystride) {
-    const int64_t nb = k / QK;
-    constexpr int64_t CHUNK = 16;  // output columns per task: their weights stay in L1 across row tiles
-    const int64_t nchunks = (n + CHUNK - 1) / CHUNK;
+    const int64_t nchunks = (n + QMATMUL_CHUNK - 1) / QMATMUL_CHUNK;
 #pragma omp parallel for schedule(static) num_threads(kv_threads())
     for (int64_t c = 0; c < nchunks; ++c) {
-        const int64_t c0 = c * CHUNK, c1 = c0 + CHUNK < n ? c0 + CHUNK : n;
-        for (int64_t r0 = 0; r0 < rows; r0 += 4) {
-            const int64_t left = rows - r0;
-            const float* xr = x + r0 * k;
-            float* yr = y + r0 * ystride;
-            // The first row tile prefetches the next chunk (the weights are then cache-hot for the rest);
-            // never past the matrix's last column.
-            const int64_t ahead = r0 == 0 && c1 + CHUNK <= n ? CHUNK : 0;
-            if (left >= 4) dot_cols<4, QT>(xr, k, nb, w, row_bytes, yr, ystride, c0, c1, ahead);
-            else if (left == 3) dot_cols<3, QT>(xr, k, nb, w, row_bytes, yr, ystride, c0, c1, ahead);
-            else if (left == 2) dot_cols<2, QT>(xr, k, nb, w, row_bytes, yr, ystride, c0, c1, ahead);
-            else dot_cols<1, QT>(xr, k, nb, w, row_bytes, yr, ystride, c0, c1, ahead);
-        }
+        const int64_t c0 = c * QMATMUL_CHUNK, c1 = c0 + QMATMUL_CHUNK < n ? c0 + QMATMUL_CHUNK : n;
+        qmatmul_chunk<QT>(x, rows, k, w, n, row_bytes, y, ystride, c0, c1);
     }
 }
 

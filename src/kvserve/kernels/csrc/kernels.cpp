@@ -3,6 +3,9 @@
 // Python sets from kv_cpu_features() (run-time __builtin_cpu_supports checks) or an override.
 #include <immintrin.h>
 #include <omp.h>
+#include <sched.h>
+
+#include <atomic>
 #include <cstdint>
 
 // Threads per parallel region, set from torch.get_num_threads() when the library is loaded (0: OpenMP's

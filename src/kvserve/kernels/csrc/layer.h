@@ -44,6 +44,8 @@ static inline int layer_qmatmul(int act_quant, const float* x, int64_t rows, int
     return qmatmul(static_cast<int>(m.qtype), x, rows, k, m.data, m.rows, m.row_bytes, y, m.rows);
 }
 
+#include "decode_step.h"
+
 // hidden [T, hidden]: the token embeddings in, scratch afterwards; out [T, hidden]: the final-normed states.
 // pool: the KV pool tensor [L, 2, num_blocks, bs, KVH, D]; layer_stride = 2 * num_blocks * bs * KVH * D.
 // Row t attends to the first ctx_lens[t] tokens of the table at tables + t * table_stride. num_groups > 0:
@@ -58,6 +60,10 @@ static int layer_forward(const void* desc, int act_quant, float* hidden, int64_t
     const int64_t qkv_width = (H + 2 * KVH) * D;
     const float eps = static_cast<float>(m.eps), scale = static_cast<float>(m.scale);
     if (E % W != 0 || D % W != 0 || H % KVH != 0) return -2;
+    if (T <= DECODE_MAX_ROWS)  // decode steps: one region between attentions (decode_step.h)
+        return decode_forward(m, act_quant, hidden, T, positions, slots, pool, layer_stride, bs, tables, table_stride,
+                              ctx_lens, num_groups, group_offsets, group_rows, group_shared_blocks,
+                              row_shared_blocks, out);
     float* buf = new float[T * (3 * E + qkv_width + 2 * H * D + 3 * I)];
     float* normed = buf;                  // [T, E]
     float* delta = normed + T * E;        // [T, E] the sub-layer output added into the residual

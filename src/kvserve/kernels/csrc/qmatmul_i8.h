@@ -312,6 +312,51 @@ static void qmatmul_i8_interleaved(const Q8Rows& x, int64_t rows, int64_t k, con
 }
 #endif
 
+// Output columns [c0, c1) of rows <= RT quantized rows (c0 a multiple of I8_CHUNK): one task of
+// decode_step.h's int8 phases, the same arithmetic per column as qmatmul_i8. scratch: i8_chunk_scratch(nb)
+// bytes of the calling thread's own.
+constexpr int64_t I8_CHUNK = 16;
+static inline int64_t i8_chunk_scratch(int64_t nb) {
+#if KV_AVX512
+    return nb * static_cast<int64_t>(sizeof(Interleaved));
+#else
+    (void)nb;
+    return 0;
+#endif
+}
+
+template <int QT>
+static void qmatmul_i8_chunk(const Q8Rows& xq, int64_t rows, int64_t k, const uint8_t* w, int64_t n,
+                             int64_t row_bytes, float* y, int64_t ystride, int64_t c0, int64_t c1, void* scratch) {
+    const int64_t nb = k / QK;
+#if KV_AVX512
+    Interleaved* pk = static_cast<Interleaved*>(scratch);
+    for (int64_t g = c0; g < c1; g += ICOLS) {
+        const int64_t ncols = g + ICOLS < n ? ICOLS : n - g;
+        interleave_columns<QT>(w + g * row_bytes, row_bytes, ncols, nb, pk,
+                               g + 2 * ICOLS <= n ? w + (g + ICOLS) * row_bytes : nullptr);
+        interleaved_rows<QT>(xq, rows, k, nb, pk, y + g, ystride, ncols);
+    }
+#else
+    (void)scratch;
+    if (c1 + I8_CHUNK <= n) prefetch_span(w + c1 * row_bytes, I8_CHUNK * row_bytes);  // the next task's
+    const WSource src{nullptr, w + c0 * row_bytes, row_bytes};
+    float* yc = y + c0;
+    if (rows >= 4) i8_cols<4, QT>(xq, k, nb, src, c1 - c0, yc, ystride);
+    else if (rows == 3) i8_cols<3, QT>(xq, k, nb, src, c1 - c0, yc, ystride);
+    else if (rows == 2) i8_cols<2, QT>(xq, k, nb, src, c1 - c0, yc, ystride);
+    else i8_cols<1, QT>(xq, k, nb, src, c1 - c0, yc, ystride);
+#endif
+}
+
+static inline void qmatmul_i8_cols(int qt, const Q8Rows& xq, int64_t rows, int64_t k, const uint8_t* w, int64_t n,
+                                   int64_t row_bytes, float* y, int64_t ystride, int64_t c0, int64_t c1,
+                                   void* scratch) {
+    if (qt == QT_Q4_1) qmatmul_i8_chunk<QT_Q4_1>(xq, rows, k, w, n, row_bytes, y, ystride, c0, c1, scratch);
+    else if (qt == QT_Q4_0) qmatmul_i8_chunk<QT_Q4_0>(xq, rows, k, w, n, row_bytes, y, ystride, c0, c1, scratch);
+    else qmatmul_i8_chunk<QT_Q8_0>(xq, rows, k, w, n, row_bytes, y, ystride, c0, c1, scratch);
+}
+
 // Activation rows quantized into caller-provided buffers (q [rows, k], d and s [rows, k/32]).
 static int quantize_i8(const float* x, int64_t rows, int64_t k, int8_t* q, float* d, float* s) {
     if (k % QK != 0) return -2;
