@@ -194,7 +194,8 @@ def test_decode_step_is_bit_identical_whatever_the_threads(kernels, tiny_model_d
     model.layer_loop = LayerLoop.build(model)
     rows = []
     original = LayerLoop.forward
-    monkeypatch.setattr(LayerLoop, "forward", lambda self, ids, *a: rows.append(ids.shape[0]) or original(self, ids, *a))
+    monkeypatch.setattr(LayerLoop, "forward",
+                        lambda self, ids, *args: rows.append(ids.shape[0]) or original(self, ids, *args))
     try:
         for threads in (1, 2, 3):
             kernels.native.lib.kv_set_num_threads(threads)
