@@ -36,9 +36,16 @@ static void phase_reset(Phase& p, int64_t n) {
     }
 }
 
-// Run chunks of p (own lane first, then the others'), then wait until all n are done.
+// Weights a thread will read next, prefetched while it waits for a phase (one row's norm, RoPE or attention
+// is a single chunk: the other threads would only spin), so its next matmul starts from cache.
+struct Ahead {
+    const uint8_t* data;
+    int64_t bytes;
+};
+
+// Run chunks of p (own lane first, then the others'), then wait until all n are done (prefetching `ahead`).
 template <class F>
-static inline void phase_run(Phase& p, int tid, F&& work) {
+static inline void phase_run(Phase& p, int tid, F&& work, Ahead ahead = Ahead{nullptr, 0}) {
     for (int s = 0; s < p.team; ++s) {
         WorkLane& lane = p.lanes[(tid + s) % p.team];
         while (lane.next.load(std::memory_order_relaxed) < lane.end) {
@@ -48,10 +55,17 @@ static inline void phase_run(Phase& p, int tid, F&& work) {
             p.done[tid].value.fetch_add(1, std::memory_order_release);
         }
     }
+    int64_t prefetched = 0;
     for (int spins = 0;; ++spins) {
         int64_t finished = 0;
         for (int t = 0; t < p.team; ++t) finished += p.done[t].value.load(std::memory_order_acquire);
         if (finished >= p.n) return;
+        if (prefetched < ahead.bytes) {  // a few lines per check: the phase may end any moment
+            const int64_t piece = ahead.bytes - prefetched < 512 ? ahead.bytes - prefetched : 512;
+            prefetch_span(ahead.data + prefetched, piece);
+            prefetched += piece;
+            continue;
+        }
         if (spins < 4096) _mm_pause();
         else sched_yield();  // the thread running the last chunk was descheduled: let it run
     }
@@ -119,6 +133,17 @@ struct DecodeStep {
     }
 
     static int64_t chunks(int64_t n, int64_t size) { return (n + size - 1) / size; }
+
+    // The weight rows of thread tid's lane of a matmul phase over `n` columns of w starting at column `first`
+    // (at most 256 KB: what its L2 takes on top of the rest).
+    Ahead lane_weights(const LayerMatrix& w, int64_t n, int64_t first, int tid, int team) const {
+        const int64_t nc = chunks(n, chunk_cols());
+        const int64_t c0 = nc * tid / team * chunk_cols(), c1 = nc * (tid + 1) / team * chunk_cols();
+        const int64_t end = c1 < n ? c1 : n;
+        if (c0 >= end) return Ahead{nullptr, 0};
+        const int64_t bytes = (end - c0) * w.row_bytes;
+        return Ahead{w.data + (first + c0) * w.row_bytes, bytes < (int64_t(1) << 18) ? bytes : int64_t(1) << 18};
+    }
     int64_t chunk_cols() const { return act_quant ? I8_CHUNK : QMATMUL_CHUNK; }
 
     // One matmul as a phase over output-column chunks.
@@ -132,13 +157,13 @@ struct DecodeStep {
 
     // A norm per row (x += residual first when given), the normed row quantized for an int8 matmul.
     void norm_phase(Phase& p, int tid, float* x, const float* residual, const float* weight, float* y,
-                    bool quantize) const {
+                    bool quantize, Ahead ahead) const {
         const int64_t E = m.hidden;
         phase_run(p, tid, [&](int64_t t) {
             rms_norm(x + t * E, residual ? residual + t * E : nullptr, weight, 1, E, static_cast<float>(m.eps),
                      y + t * E);
             if (quantize) quantize_row(y, E, t);
-        });
+        }, ahead);
     }
 };
 
@@ -150,7 +175,9 @@ static void decode_pre_attention(const DecodeStep& s, Phase* ph, int tid, int64_
     const LayerWeightsDesc& w = m.layers[l];
     const int64_t E = m.hidden, H = m.heads, KVH = m.kv_heads, D = m.head_dim;
     const int64_t width = (H + 2 * KVH) * D;
-    s.norm_phase(ph[0], tid, residual, delta, w.input_norm, s.normed, s.act_quant != 0);
+    const int team = ph[0].team;
+    s.norm_phase(ph[0], tid, residual, delta, w.input_norm, s.normed, s.act_quant != 0,
+                 s.lane_weights(w.qkv, w.qkv.rows, 0, tid, team));
     s.matmul_phase(ph[1], tid, s.normed, E, w.qkv, s.qkv);
     float* kpool = s.pool + l * s.layer_stride;
     float* vpool = kpool + s.layer_stride / 2;
@@ -166,9 +193,11 @@ static void decode_post_attention(const DecodeStep& s, Phase* ph, int tid, int64
     const LayerModel& m = s.m;
     const LayerWeightsDesc& w = m.layers[l];
     const int64_t E = m.hidden, HD = m.heads * m.head_dim, I = m.intermediate, T = s.T;
+    const int team = ph[0].team;
     if (s.act_quant) phase_run(ph[0], tid, [&](int64_t t) { s.quantize_row(s.attn, HD, t); });
     s.matmul_phase(ph[1], tid, s.attn, HD, w.o, other);
-    s.norm_phase(ph[2], tid, other, residual, w.post_attention_norm, s.normed, s.act_quant != 0);
+    s.norm_phase(ph[2], tid, other, residual, w.post_attention_norm, s.normed, s.act_quant != 0,
+                 s.lane_weights(w.gate_up, I, 0, tid, team));
     const int64_t size = s.chunk_cols();
     phase_run(ph[3], tid, [&](int64_t c) {
         const int64_t c0 = c * size, c1 = c0 + size < I ? c0 + size : I;
@@ -176,7 +205,8 @@ static void decode_post_attention(const DecodeStep& s, Phase* ph, int tid, int64
         s.matmul_cols(tid, s.normed, E, w.gate_up, s.gate_up, I + c0, I + c1);
         for (int64_t t = 0; t < T; ++t) swiglu_cols(s.gate_up, t, I, s.act, c0, c1);
     });
-    if (s.act_quant) phase_run(ph[4], tid, [&](int64_t t) { s.quantize_row(s.act, I, t); });
+    if (s.act_quant)
+        phase_run(ph[4], tid, [&](int64_t t) { s.quantize_row(s.act, I, t); }, s.lane_weights(w.down, E, 0, tid, team));
     s.matmul_phase(ph[5], tid, s.act, I, w.down, s.delta);
 }
 
@@ -259,7 +289,8 @@ static int decode_forward(const LayerModel& m, int act_quant, float* hidden, int
         for (int64_t l = 0; l < L; ++l) {
             Phase* p = ph + l * per_layer;
             decode_pre_attention(s, p, tid, l, res, l ? s.delta : nullptr);
-            phase_run(p[3], tid, [&](int64_t t) { attention(l, t); });
+            const LayerMatrix& o = m.layers[l].o;
+            phase_run(p[3], tid, [&](int64_t t) { attention(l, t); }, s.lane_weights(o, o.rows, 0, tid, team));
             // `oth` becomes the residual after the post-attention norm, as in layer_forward.
             decode_post_attention(s, p + 4, tid, l, res, oth);
             float* swap = res;
