@@ -1,16 +1,15 @@
 // The decode step of the layer loop (up to DECODE_MAX_ROWS rows), compiled once per ISA and included by
 // layer.h. Per layer the kernels are those of layer_forward, in the same order and with the same per-row
-// arithmetic (bit-identical results), but the work between two attentions -- o proj, residual + norm,
-// gate_up with SwiGLU fused per column chunk, down, the next layer's norm, qkv and RoPE + KV write -- runs
-// in ONE OpenMP region for the whole step (attention included: each row's paged attention a chunk), where
-// layer_forward opens ~5 a layer.
+// arithmetic (bit-identical results): norm, qkv, RoPE + KV write, paged (or cascade) attention, o proj,
+// residual + norm, gate_up with SwiGLU fused per column chunk, down; then the final norm. The whole step
+// runs in ONE OpenMP region, where layer_forward opens ~5 a layer (~150 a step, each ending in a barrier).
 //
-// Inside a region each kernel is a phase of chunks (16 output columns of a matmul, one row of a norm or of
-// RoPE), dealt in contiguous lanes, one per thread; a thread runs its own lane in order (its prefetches of
-// the next chunk stay on its core), then takes what is left of the others'. A phase ends when all its
-// chunks are done, whoever ran them, not when every thread has arrived: on a loaded machine, a thread the
-// OS has descheduled no longer stalls every kernel; the others do its work and move on (only the region's
-// end, once a step, waits for every thread).
+// Inside the region each kernel is a phase of chunks (16 output columns of a matmul; one row of a norm, of
+// RoPE or of attention, whose own parallel region runs as a team of one here), dealt in contiguous lanes,
+// one per thread; a thread runs its own lane in order (its prefetches of the next chunk stay on its core),
+// then takes what is left of the others'. A phase ends when all its chunks are done, whoever ran them, not
+// when every thread has arrived: on a loaded machine a thread the OS has descheduled no longer stalls every
+// kernel; the others do its share and move on (only the region's end, once a step, waits for every thread).
 
 struct alignas(64) WorkLane {
     std::atomic<int64_t> next;
