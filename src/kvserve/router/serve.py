@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import httpx
 import uvicorn
@@ -21,6 +22,7 @@ from kvserve.router.policies import (
     Policy,
     RoundRobinPolicy,
 )
+from kvserve.router.policies.eta import EtaCost
 from kvserve.router.workers import WorkerPool
 from kvserve.server.auth import load_api_keys, read_key_entries
 
@@ -47,11 +49,13 @@ def build_policy(config: RouterConfig) -> Policy:
         return RoundRobinPolicy()
     if config.policy == "least_load":
         return LeastLoadPolicy()
+    cost = EtaCost(config.load_weight, config.request_overhead)
     if config.policy == "kv_events":
-        return KvEventsPolicy(config.load_weight, config.balance_abs, config.balance_rel)
-    settings = CacheAwareSettings(config.balance_abs, config.balance_rel, config.cache_threshold, config.tree_budget)
-    if config.policy == "pd":
-        return PdPolicy(settings, config.pd_min_prompt)
+        return KvEventsPolicy(cost, config.balance_abs, config.balance_rel)
+    settings = CacheAwareSettings(config.balance_abs, config.balance_rel, config.cache_threshold, config.tree_budget,
+                                  config.load_estimate, cost)
+    if config.policy == "pd":  # its prefill hand-offs bypass the proxy's pending-prefill count: requests only
+        return PdPolicy(replace(settings, load_estimate="requests"), config.pd_min_prompt)
     return CacheAwarePolicy(settings)
 
 

@@ -8,7 +8,9 @@ it (its cache died with the old process).
 
 Load as the router sees it: `max(in_flight, running + waiting)`. The router's own count of requests
 it has outstanding on a worker is exact and immediate; the polled counts catch traffic that did not
-come through this router.
+come through this router. `pending_prefill` is the router's own count of prefill work queued there:
+the uncached prompt tokens (as the policy estimated them) of the requests it sent that have not
+answered their first token yet (`policies/eta.py` scores workers by it).
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ class Worker:
     generation: int = 0
     load: WorkerLoad = field(default_factory=WorkerLoad)
     in_flight: int = 0
+    pending_prefill: int = 0  # prompt tokens routed here, not cached there, whose first token has not come back
     failures: int = 0
 
     @property
