@@ -69,13 +69,15 @@ class Sample:
 
     @property
     def kind(self) -> str:
-        """Why it was slow, as far as the client can tell: a cold read (under half the prompt cached), queued
-        behind other requests while some worker was idle, queued with every worker busy, or neither."""
+        """Why it was slow, as far as the client can tell: a cold read (under half the prompt cached); sent
+        where more requests were in flight than on another worker; sent beside others where no worker had
+        fewer; or alone on its worker."""
         if self.cached < self.prompt / 2:
             return "cold"
-        if int(self.route.get("ahead_requests", 0)) > 0:
-            return "queued, a worker idle" if int(self.route.get("idle_workers", 0)) > 0 else "queued, all busy"
-        return "alone"
+        ahead = int(self.route.get("ahead_requests", 0))
+        if ahead > int(self.route.get("others_min_requests", ahead)):
+            return "busier than another"
+        return "beside others, none less busy" if ahead > 0 else "alone"
 
 
 @dataclass(slots=True)
@@ -243,7 +245,7 @@ def compare_policies(cluster: Cluster, single: str, model: str, args: argparse.N
         tails.append([name, 1, "one worker", stats.tail()])
         for num_workers in sorted({min(2, args.max_workers), args.max_workers} & set(args.worker_counts)):
             urls = cluster.urls[:num_workers]
-            for policy in POLICIES:
+            for policy in args.policies:
                 progress(began, f"{name}: {num_workers} workers, {policy}")
                 reset_caches(urls)
                 config = RouterConfig(workers=urls, policy=policy, poll_interval=0.25)
@@ -439,6 +441,8 @@ def main() -> None:
     parser.add_argument("--worker-counts", nargs="+", type=int, default=[2, 4],
                         help="... at these cluster sizes: with either flag narrowed, the new rows replace their "
                              "twins in the last run's results/router.json (same sizes required)")
+    parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES,
+                        help="... with these policies (the targets need round_robin's rows, old or new)")
     parser.add_argument("--reuse-policies", action="store_true",
                         help="take the policy table from the last run's results/router.json (re-measure the rest)")
     parser.add_argument("--token-range", type=int, nargs=2, default=TOKEN_RANGE, help="prompt ids: [low, high)")
@@ -468,7 +472,8 @@ def main() -> None:
         else:
             rows, sizes = compare_policies(cluster, single.urls[0], model, args, began, tails), sizes_note(args)
             command = command_line()
-            if set(args.workloads) != set(DEFAULT_WORKLOADS) or not {2, args.max_workers} <= set(args.worker_counts):
+            partial = set(args.policies) != set(POLICIES) or set(args.workloads) != set(DEFAULT_WORKLOADS)
+            if partial or not {2, args.max_workers} <= set(args.worker_counts):
                 rows, tails, command = merge_rows(saved, rows, tails, sizes, command)
             saved.write_text(json.dumps({"command": command, "rows": rows, "sizes": sizes, "tails": tails}))
 
@@ -481,10 +486,11 @@ def main() -> None:
     table_command = json.loads((RESULTS / "router.json").read_text())["command"]
     policy_source = f"Policy table from: `{table_command}`\n\n" if table_command != command_line() else ""
     notes = policy_source + sizes + "\n\n" + targets(rows) + (
-        "\n\n**The tail, request by request** (the requests at or above each run's p90: cold = under half the "
-        "prompt cached; queued = the router had sent the chosen worker other requests still running, while "
-        "some other worker was idle or while all were busy; prefill queued ahead = uncached prompt tokens of "
-        "those requests as the router estimated them, from its `x-kvserve-route` header):\n\n"
+        "\n\n**The tail, request by request** (the requests at or above each run's p90, from the router's "
+        "`x-kvserve-route` header and the usage the worker reports: cold = under half the prompt cached; busier "
+        "than another = sent to a worker with more requests in flight than some other worker had; beside others "
+        "= sent where other requests ran, no worker having fewer; prefill queued ahead = the uncached prompt "
+        "tokens of the requests in flight there, as the router estimated them):\n\n"
         f"{tail_table}\n\n"
         "**Router decision latency** (in process, no HTTP):\n\n"
         f"{decision_table}\n\n**Proxied vs direct TTFT** (unique 4-token prompts, 1 output token, alternating "

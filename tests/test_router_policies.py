@@ -257,63 +257,73 @@ def test_kv_events_policy_follows_the_index_within_the_tenant():
 
 
 def test_kv_events_policy_weighs_queued_prefill_against_cached_blocks():
-    """eta = uncached tokens + load_weight × (pending prefill + overhead × requests in flight)."""
+    """eta = uncached tokens + load_weight × (Σ min(pending prefill, uncached) + overhead × in flight)."""
     policy, pool = KvEventsPolicy(EtaCost(load_weight=1.0, request_overhead=0.0), balance_abs=8), workers(2)
     tokens = list(range(16))
     hashes = block_hashes(tokens, 4, ALICE, "sha256")
-    policy.index.store(pool[0].url, hashes[:1])  # 4 tokens cached on w0 only
-    pool[0].in_flight, pool[0].pending_prefill = 1, 24  # 12 + 24 > 16 + 0
+    policy.index.store(pool[0].url, hashes[:1])  # 4 tokens cached on w0 only: 12 uncached there
+    pool[0].in_flight, pool[0].prefills = 1, [24]  # 12 + min(24, 12) > 16 + 0
     decision = policy.choose(key(tokens), pool)
     assert decision.worker is pool[1] and decision.reason == "rebalance" and decision.matched_tokens == 0
-    policy.index.store(pool[0].url, hashes)  # the whole prompt: 0 + 24 > 16 still
-    assert policy.choose(key(tokens), pool).worker is pool[1]
-    pool[0].pending_prefill = 12  # 0 + 12 < 16
-    assert policy.choose(key(tokens), pool).reason == "cache_hit"
-    pool[1].in_flight, pool[1].pending_prefill = 1, 12  # 12 < 16 + 12: the idle-looking worker is busy too
+    pool[0].prefills = [2]  # 12 + 2 < 16
+    decision = policy.choose(key(tokens), pool)
+    assert decision.worker is pool[0] and decision.reason == "cache_hit" and decision.matched_tokens == 4
+    pool[0].prefills = [24]
+    pool[1].in_flight, pool[1].prefills = 1, [24]  # 12 + 12 < 16 + 16: the other worker is busy too
     assert policy.choose(key(tokens), pool).worker is pool[0]
     pool[0].in_flight = 3  # 3 − 1 > balance_abs 1 and 3 > 1.5 × 1: SGLang's guard, before any score
     assert KvEventsPolicy(balance_abs=1).choose(key(tokens), pool).reason == "imbalance"
 
 
 def chat_turn(policy: KvEventsPolicy, pool: list[Worker]) -> RouteKey:
-    """Turn 3 of a conversation at the benchmark's sizes (blocks of 16): both workers hold the shared
-    512-token system prompt, only w0 the conversation's 480-token history; 48 new tokens."""
-    system, history, question = list(range(512)), list(range(1000, 1480)), list(range(2000, 2048))
-    tokens = system + history + question
+    """A turn at the benchmark's sizes (blocks of 16): both workers hold the shared 512-token system
+    prompt, w0 also the conversation's previous prompt (240 tokens); the reply carried into the history
+    (192) and the new question (48) are new. Uncached: 240 on w0, 480 on w1."""
+    system, previous, new = list(range(512)), list(range(1000, 1240)), list(range(2000, 2240))
+    tokens = system + previous + new
     hashes = block_hashes(tokens, 16, ALICE, "sha256")
-    policy.index.store(pool[0].url, hashes[:62])  # system + history
+    policy.index.store(pool[0].url, hashes[:47])  # system + previous prompt
     policy.index.store(pool[1].url, hashes[:32])  # system only
     return key(tokens)
 
 
 def test_kv_events_policy_moves_a_conversation_only_when_its_queue_outweighs_its_history():
-    """Defaults (load_weight 2/3, 32 tokens per request). w0: 48 uncached; w1: 528."""
+    """Defaults (load_weight 2/3, 32 tokens per request in flight)."""
     policy, pool = KvEventsPolicy(balance_abs=8), workers(2, block_size=16)
     turn = chat_turn(policy, pool)
-    pool[0].in_flight, pool[0].pending_prefill = 2, 480  # two turns of 240 new tokens: 48 + ⅔ × 544 = 411
-    pool[1].in_flight, pool[1].pending_prefill = 1, 240  # 528 + ⅔ × 272 = 709
+    pool[0].in_flight, pool[0].prefills = 2, [240, 240]  # 240 + ⅔ × (480 + 64) = 603
+    pool[1].in_flight, pool[1].prefills = 1, [240]  # 480 + ⅔ × (240 + 32) = 661
     decision = policy.choose(turn, pool)
-    assert decision.worker is pool[0] and decision.reason == "cache_hit" and decision.matched_tokens == 992
-    pool[1].in_flight = pool[1].pending_prefill = 0
-    pool[0].in_flight, pool[0].pending_prefill = 3, 720  # 48 + ⅔ × 816 = 592 > 528: the other one idles
+    assert decision.worker is pool[0] and decision.reason == "cache_hit" and decision.matched_tokens == 752
+    pool[1].in_flight, pool[1].prefills = 0, []
+    pool[0].in_flight, pool[0].prefills = 3, [240, 240, 240]  # 240 + ⅔ × (720 + 96) = 784 > 480: w1 idles
     decision = policy.choose(turn, pool)
     assert decision.worker is pool[1] and decision.reason == "rebalance" and decision.matched_tokens == 512
-    pool[0].pending_prefill = 144  # the same 3 requests, but short ones: 48 + ⅔ × 240 = 208 < 528
+    pool[0].prefills = [48, 48, 48]  # as many requests, short ones: 240 + ⅔ × (144 + 96) = 400 < 480
     assert policy.choose(turn, pool).worker is pool[0]
 
 
 def test_kv_events_policy_load_weight_prices_a_copy():
-    """A second question about a document whose first read is still running on w0: waiting for it there
-    (48 + w × 1104) against reading the document again on the idle w1 (1072). At ⅔ it waits (the copy
-    would cost a prefill to save about its own length); at 1 it copies."""
+    """The first case above at load_weight 1: 240 + 544 > 480 + 272, the turn moves (and copies its
+    history) where at ⅔ it waits."""
+    policy, pool = KvEventsPolicy(EtaCost(load_weight=1.0), balance_abs=8), workers(2, block_size=16)
+    turn = chat_turn(policy, pool)
+    pool[0].in_flight, pool[0].prefills = 2, [240, 240]
+    pool[1].in_flight, pool[1].prefills = 1, [240]
+    assert policy.choose(turn, pool).worker is pool[1]
+
+
+def test_a_short_request_does_not_wait_for_a_long_prefill_ahead():
+    """The workers share each step among the prefills they run (chunked, newcomers first), so a question
+    about a document whose first read still runs on w0 waits for about its own length of that read
+    (48 + ⅔ × (48 + 32) on w0), not for all of it: it stays rather than read the document again on the
+    idle w1 (1,072). Counting the whole read ahead (1,072 + ...) would copy the document."""
     doc, question = list(range(5000, 6024)), list(range(7000, 7048))
-    for weight, expected in ((2 / 3, 0), (1.0, 1)):
-        policy, pool = KvEventsPolicy(EtaCost(load_weight=weight)), workers(2, block_size=16)
-        first = key(doc + list(range(8000, 8048)))
-        policy.on_routed(first, pool[0])  # pending on w0: no event yet
-        pool[0].in_flight, pool[0].pending_prefill = 1, 1072
-        decision = policy.choose(key(doc + question), pool)
-        assert decision.worker is pool[expected], weight
+    policy, pool = KvEventsPolicy(EtaCost(load_weight=1.0)), workers(2, block_size=16)
+    policy.on_routed(key(doc + list(range(8000, 8048))), pool[0])  # pending on w0: no event yet
+    pool[0].in_flight, pool[0].prefills = 1, [1072]
+    decision = policy.choose(key(doc + question), pool)
+    assert decision.worker is pool[0] and decision.matched_tokens == 1024
 
 
 def test_eta_cost_is_checked_and_counts_work_ahead():
@@ -324,28 +334,29 @@ def test_eta_cost_is_checked_and_counts_work_ahead():
     with pytest.raises(ValueError, match="load_estimate"):
         CacheAwareSettings(load_estimate="guess")
     worker = workers(1)[0]
-    worker.in_flight, worker.pending_prefill = 2, 100
+    worker.in_flight, worker.prefills = 2, [60, 40]
     cost = EtaCost(load_weight=0.5, request_overhead=10.0)
-    assert cost.queued(worker) == 120 and cost.eta(worker, 30) == 30 + 60
-    assert cost.costs(50, {worker: 80}) == {worker: 60.0}  # more held than asked: nothing uncached
+    assert cost.queued(worker, 30) == 30 + 30 + 20 and cost.eta(worker, 30) == 30 + 0.5 * 80
+    assert cost.queued(worker, 50) == 50 + 40 + 20
+    assert cost.costs(50, {worker: 80}) == {worker: 0.5 * 20}  # more held than asked: nothing uncached
 
 
 def test_cache_aware_eta_leaves_a_busy_holder_for_an_idle_worker():
     """SGLang's rule (requests) keeps a hit on its busy holder while the load gap is within balance_abs;
     with eta the same hit moves once the queue outweighs the prompt. A miss still goes to the smallest
     tree; among equal trees, to the least estimate."""
-    conversation = list(range(100, 400))
+    conversation, new = list(range(100, 400)), list(range(1000, 1240))
     for estimate, expected in (("requests", 0), ("eta", 1)):
         policy, pool = CacheAwarePolicy(CacheAwareSettings(load_estimate=estimate)), workers(2)
         policy.on_routed(key(conversation), pool[0])
-        pool[0].in_flight, pool[0].pending_prefill = 2, 600  # 2 − 0 is not > balance_abs 2
-        decision = policy.choose(key(conversation + [1, 2, 3]), pool)
+        pool[0].in_flight, pool[0].prefills = 2, [300, 300]  # 2 − 0 is not > balance_abs 2
+        decision = policy.choose(key(conversation + new), pool)  # eta: 240 + ⅔ × (480 + 64) > 540 + 0
         assert decision.worker is pool[expected], estimate
         assert decision.reason == ("cache_hit" if estimate == "requests" else "rebalance")
     policy, pool = CacheAwarePolicy(), workers(3)
     policy.on_routed(key([9] * 50), pool[2])  # w2's tree is the bigger
-    pool[0].in_flight, pool[0].pending_prefill = 1, 200  # w0 and w1: 1 request each, w0's the longer
-    pool[1].in_flight, pool[1].pending_prefill = 1, 20
+    pool[0].in_flight, pool[0].prefills = 1, [200]  # w0 and w1: 1 request each, w0's the longer
+    pool[1].in_flight, pool[1].prefills = 1, [20]
     decision = policy.choose(key(range(500, 540)), pool)
     assert decision.worker is pool[1] and decision.reason == "smallest_tree"
 

@@ -207,10 +207,11 @@ def build_router_app(router: Router) -> FastAPI:
 def route_header(decision: Decision, key: RouteKey, candidates: list[Worker]) -> str:
     """`proxy.ROUTE_HEADER`'s value: the decision and the chosen worker's queue as the router saw it."""
     worker = decision.worker
-    idle = sum(1 for other in candidates if other is not worker and other.in_flight == 0)
+    others = [other.in_flight for other in candidates if other is not worker]
     prompt = len(key.tokens) if key.tokens is not None else 0
     return (f"worker={worker.url}; reason={decision.reason}; prompt={prompt}; matched={decision.matched_tokens}; "
-            f"ahead_requests={worker.in_flight}; ahead_tokens={worker.pending_prefill}; idle_workers={idle}")
+            f"ahead_requests={worker.in_flight}; ahead_tokens={worker.pending_prefill}; "
+            f"others_min_requests={min(others, default=0)}")
 
 
 async def _read_body(request: Request) -> bytes | None:

@@ -9,7 +9,7 @@ BALANCE_ABS = 2  # load difference (requests) beyond which cache affinity is ign
 BALANCE_REL = 1.5  # ... if the busiest worker also has this many times the least busy one's load
 CACHE_THRESHOLD = 0.5  # cache_aware: follow the best match only if it covers more than this of the prompt
 TREE_BUDGET = 1_000_000  # tokens per worker tree
-LOAD_WEIGHT = 0.8  # eta = uncached tokens + LOAD_WEIGHT × work queued ahead (policies/eta.py)
+LOAD_WEIGHT = 2 / 3  # eta = uncached tokens + LOAD_WEIGHT × work beside it (policies/eta.py)
 REQUEST_OVERHEAD = 32.0  # tokens of prefill one request in flight costs besides its prompt (policies/eta.py)
 LOAD_ESTIMATES = ("eta", "requests")  # cache_aware: how it picks among cache holders and new workers
 PD_MIN_PROMPT = 128  # pd: shorter prompts skip the prefill pool (a chat turn is cheaper to compute than to ship)

@@ -17,7 +17,7 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import httpx
@@ -30,8 +30,9 @@ from kvserve.server.roles import FLUSH_BYTES_HEADER, FLUSH_HEADER, FLUSH_MS_HEAD
 
 CLIENT_CLOSED_REQUEST = 499
 # What the router decided for a request, for whoever studies its tail (benchmarks/router.py):
-# `worker=URL; reason=R; prompt=N; matched=N; ahead_requests=N; ahead_tokens=N; idle_workers=N`, the
-# chosen worker's in-flight requests and pending prefill tokens at the moment of the decision.
+# `worker=URL; reason=R; prompt=N; matched=N; ahead_requests=N; ahead_tokens=N; others_min_requests=N`:
+# the chosen worker's requests in flight and their pending prefill tokens at the moment of the decision,
+# and the fewest requests in flight on any other candidate.
 ROUTE_HEADER = "x-kvserve-route"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # Hop-by-hop and framing headers are the proxy's own business; everything else passes unchanged.
@@ -67,14 +68,18 @@ class Upstream:
     prefill_tokens: int = 0  # the policy's estimate of the prompt tokens the worker must compute
     route_header: str | None = None  # ROUTE_HEADER's value for our caller (None: not sent)
 
+    _pending: bool = field(default=False, init=False)  # our entry is in worker.prefills
+
     def _begin(self) -> None:
         self.worker.in_flight += 1
-        self.worker.pending_prefill += self.prefill_tokens
+        self.worker.prefills.append(self.prefill_tokens)
+        self._pending = True
 
     def _prefilled(self) -> None:
         """The first token is back (or the attempt ended): the prefill no longer waits on the worker."""
-        self.worker.pending_prefill -= self.prefill_tokens
-        self.prefill_tokens = 0
+        if self._pending:
+            self.worker.prefills.remove(self.prefill_tokens)
+            self._pending = False
 
     def _own_headers(self) -> dict[str, str]:
         return {ROUTE_HEADER: self.route_header} if self.route_header is not None else {}

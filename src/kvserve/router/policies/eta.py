@@ -1,17 +1,20 @@
 """A worker's estimated time to first token for a request, in tokens of prefill: the load term of the
 cache-aware policies.
 
-    eta(worker) = uncached prompt tokens there
-                + load_weight × (pending prefill there + request_overhead × requests in flight there)
+    eta(worker) = uncached prompt tokens there (u)
+                + load_weight × (Σ over its pending prefills p of min(p, u) + overhead × requests there)
 
-`pending prefill` is the uncached prompt tokens of the requests this router sent the worker that have
-not answered their first token yet (`Worker.pending_prefill`, kept by the proxy): exact and immediate,
+The pending prefills are the uncached prompt tokens of each request this router sent the worker that
+has not answered its first token yet (`Worker.prefills`, kept by the proxy): exact and immediate,
 where a polled count is a poll late and counts every request alike, though three chat turns of 240
-new tokens each and three first reads of a 1,024-token document are very different waits.
-`request_overhead` prices what every request in flight costs besides its prefill (its scheduling and
-decode steps, which share the worker's batch with the new request's prefill). This is Dynamo's KV
-router cost (`overlap_weight × prefill blocks + decode blocks`, the lowest wins) in tokens, with the
-request's own prefill and the work queued ahead of it weighed apart:
+new tokens each and three first reads of a 1,024-token document are different waits. A worker shares
+each step among the prefills it runs (chunked prefill, newcomers first: `engine/scheduler.py`), so a
+request of u new tokens is delayed by about u tokens of each longer prefill running beside it, not by
+all of it (processor sharing: a 48-token question beside a 1,024-token first read waits ~48 tokens).
+`request_overhead` prices what each request in flight costs besides its prefill (its scheduling and
+decode rows, which share the steps too). This is Dynamo's KV router cost (`overlap_weight × prefill
+blocks + decode blocks`, the lowest wins) in tokens, with the request's own prefill and the work
+beside it weighed apart:
 
 `load_weight` below 1 charges a copy for the work it adds, not only for the wait it causes this
 request: a prefix computed again on a second worker delays every later request there too, while the
@@ -42,13 +45,14 @@ class EtaCost:
         if self.request_overhead < 0:
             raise ValueError(f"request_overhead must be >= 0, got {self.request_overhead}")
 
-    def queued(self, worker: Worker) -> float:
-        """The work ahead of a new request on `worker`, in tokens of prefill."""
-        return worker.pending_prefill + self.request_overhead * worker.in_flight
+    def queued(self, worker: Worker, uncached: int) -> float:
+        """The work that delays a new request of `uncached` tokens on `worker`, in tokens of prefill."""
+        shared = sum(min(pending, uncached) for pending in worker.prefills)
+        return shared + self.request_overhead * worker.in_flight
 
     def eta(self, worker: Worker, uncached: int) -> float:
         """The request's estimate on `worker`, where `uncached` of its tokens are not cached."""
-        return uncached + self.load_weight * self.queued(worker)
+        return uncached + self.load_weight * self.queued(worker, uncached)
 
     def costs(self, prompt_tokens: int, matches: dict[Worker, int]) -> dict[Worker, float]:
         """Each worker's estimate; `matches`: the prompt tokens each one holds."""
