@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 
 import httpx
 import uvicorn
@@ -54,8 +53,8 @@ def build_policy(config: RouterConfig) -> Policy:
         return KvEventsPolicy(cost, config.balance_abs, config.balance_rel)
     settings = CacheAwareSettings(config.balance_abs, config.balance_rel, config.cache_threshold, config.tree_budget,
                                   config.load_estimate, cost)
-    if config.policy == "pd":  # its prefill hand-offs bypass the proxy's pending-prefill count: requests only
-        return PdPolicy(replace(settings, load_estimate="requests"), config.pd_min_prompt)
+    if config.policy == "pd":  # plans by request counts (PdPolicy)
+        return PdPolicy(settings, config.pd_min_prompt)
     return CacheAwarePolicy(settings)
 
 
