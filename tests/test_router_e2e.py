@@ -148,6 +148,9 @@ def test_route_header_names_the_decision_and_pending_prefill_comes_back(router):
     assert bad.status_code == 400
     for worker in router.router.pool.workers:
         assert worker.prefills == [] and worker.in_flight == 0, worker
+    gauges = [line for line in httpx.get(router.url + "/metrics", headers=OPS).text.splitlines()
+              if line.startswith("kvserve_router_worker_pending_prefill_tokens{")]
+    assert len(gauges) == 2 and all(float(line.rsplit(" ", 1)[1]) == 0 for line in gauges), gauges
 
 
 def test_tenant_b_is_not_steered_by_tenant_as_warm_replica(router):
