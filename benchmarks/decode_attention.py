@@ -5,7 +5,9 @@ contexts drawn uniformly from 70-150 tokens (a batched decode step of benchmarks
 block tables a random permutation of the pool (the allocator's free list after some churn), one pool per
 layer as the engine's. CPU time of the process (robust to a shared machine), best of the repeats; every
 layer's K/V is read once per step, so the pool's bytes stream from memory as in a real step. `--before REV`
-times the kernel built from git revision REV's csrc/ in the same process, interleaved.
+times the kernel built from git revision REV's csrc/ in the same process, interleaved. The `cascade` rows run
+`kv_cascade_attention` instead, the rows in groups of 8 sharing their first 64 tokens (the shared part read
+once per group, each row's own tokens after it through the decode kernel).
 
     python benchmarks/decode_attention.py --before main
 """
@@ -25,14 +27,16 @@ from common import markdown_table, write_result  # noqa: E402
 from kernels import build_revision, load_average  # noqa: E402
 from kvserve.kernels import build  # noqa: E402
 from kvserve.kernels.native import NativeLibrary  # noqa: E402
+from kvserve.kv.cascade import plan_cascade  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, LAYERS, BLOCK = 9, 3, 64, 30, 16
+SHARED_BLOCKS = 4  # --cascade rows: 64 shared leading tokens per group of 8
 
 
 class Step:
     """One decode step's attention inputs: per-layer pools, block tables, context lengths, queries."""
 
-    def __init__(self, rows: int, low: int, high: int, seed: int = 0) -> None:
+    def __init__(self, rows: int, low: int, high: int, cascade: bool = False, seed: int = 0) -> None:
         gen = torch.Generator().manual_seed(seed)
         self.lens = torch.randint(low, high + 1, (rows,), generator=gen)
         width = -(-high // BLOCK)
@@ -42,15 +46,28 @@ class Step:
         self.tables = torch.randperm(num_blocks, generator=gen)[: rows * width].view(rows, width).contiguous()
         self.queries = torch.randn(rows, HEADS, HEAD_DIM, generator=gen)
         self.scale = HEAD_DIM**-0.5
+        self.plan = None
+        if cascade:  # groups of 8 rows: each member's first 4 blocks are its group's first member's
+            for row in range(rows):
+                self.tables[row, :SHARED_BLOCKS] = self.tables[row - row % 8, :SHARED_BLOCKS]
+            self.plan = plan_cascade(self.tables.tolist(), self.lens.tolist(), BLOCK, min_rows=2,
+                                     min_blocks=SHARED_BLOCKS)
 
     def run(self, native: NativeLibrary) -> None:
         for keys, values in self.pools:
-            native.paged_attention(self.queries, keys, values, self.tables, self.lens, self.scale)
+            if self.plan is None:
+                native.paged_attention(self.queries, keys, values, self.tables, self.lens, self.scale)
+            else:
+                native.cascade_attention(self.queries, keys, values, self.tables, self.lens, self.plan, self.scale)
 
     @property
     def bytes(self) -> int:
-        """K and V bytes a step must read: every row's context, every layer."""
-        return int(self.lens.sum()) * KV_HEADS * HEAD_DIM * 4 * 2 * LAYERS
+        """K and V bytes a step must read: every row's context (a group's shared tokens once), every layer."""
+        tokens = int(self.lens.sum())
+        if self.plan is not None:
+            members = self.plan.group_offsets.diff()
+            tokens -= int(((members - 1) * self.plan.group_shared_blocks).sum()) * BLOCK
+        return tokens * KV_HEADS * HEAD_DIM * 4 * 2 * LAYERS
 
     @property
     def macs(self) -> int:
@@ -75,6 +92,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--cascade-rows", default="32", help="row counts of the cascade case (groups of 8)")
     parser.add_argument("--write", action="store_true", help="write benchmarks/results/decode_attention.md")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -85,19 +103,23 @@ def main() -> None:
             libraries = {f"before ({args.before})": NativeLibrary.load(build_revision(args.before, Path(workdir))),
                          **libraries}
         rows_out = []
-        for span in args.contexts.split(","):
+        cases = [(span, rows, False) for span in args.contexts.split(",") for rows in args.rows.split(",")]
+        cases += [(args.contexts.split(",")[0], rows, True) for rows in args.cascade_rows.split(",") if rows]
+        for span, rows, cascade in cases:
             low, high = (int(x) for x in span.split("-"))
-            for rows in (int(n) for n in args.rows.split(",")):
-                step = Step(rows, low, high)
-                best = {name: float("inf") for name in libraries}
-                for _ in range(args.rounds):
-                    for name, native in libraries.items():
-                        best[name] = min(best[name], best_cpu_ms(lambda n=native: step.run(n), args.reps))
-                for name, ms in best.items():
-                    rows_out.append([f"{low}-{high}", rows, name, ms, step.macs / ms / 1e6, step.bytes / ms / 1e6])
-                print(rows_out[-1], flush=True)
+            step = Step(int(rows), low, high, cascade)
+            best = {name: float("inf") for name in libraries}
+            for _ in range(args.rounds):
+                for name, native in libraries.items():
+                    best[name] = min(best[name], best_cpu_ms(lambda n=native, s=step: s.run(n), args.reps))
+            for name, ms in best.items():
+                kind = "cascade" if cascade else "paged"
+                rows_out.append([f"{low}-{high}", int(rows), kind, name, ms, step.macs / ms / 1e6,
+                                 step.bytes / ms / 1e6])
+            print(rows_out[-1], flush=True)
     notes.append(f"Load average after: {load_average()}.")
-    table = markdown_table(["context", "rows", "kernel", "ms / step (30 layers)", "GMAC/s", "GB/s of K+V"], rows_out)
+    header = ["context", "rows", "attention", "kernels", "ms / step (30 layers)", "GMAC/s", "GB/s of K+V read"]
+    table = markdown_table(header, rows_out)
     print(table)
     if args.write:
         write_result("decode_attention", "Paged decode attention alone (CPU ms per decode step, 30 layers)", table,
