@@ -195,6 +195,10 @@ static void da_attend(DecodeScratch w, int64_t M, int64_t G, int64_t g0, int64_t
                     rows[b ^ 1][1]);
             da_prefetch(rows[b ^ 1][0], off0, span);
         }
+        else {  // the last K tile: P x V's first V tile next
+            da_rows(table, bs, kstride, kpool, vpool, tok0, last ? W : tail, rows[b ^ 1][0], rows[b ^ 1][1]);
+            da_prefetch(rows[b ^ 1][1], off0, span);
+        }
         for (int64_t m = 0; m < M; ++m) vstore(w.s + m * ks + k, da_scores(w.qs + m * D, DV, krow, (g0 + m / G) * D));
     }
     for (int64_t m = 0; m < M; ++m) {
