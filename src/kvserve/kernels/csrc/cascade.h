@@ -17,6 +17,9 @@
 // out [T, H, D].
 
 constexpr int64_t CASCADE_CHUNK_TOKENS = 256;  // shared tokens per parallel task
+// A group's shared part with fewer stacked queries than one vector (e.g. 2 rows x 3 heads) runs on the
+// decode kernel (keys in lanes) instead of prefill.h's tiles (queries in lanes, mostly empty lanes then).
+constexpr int64_t CASCADE_LANE_TILE_MIN_QUERIES = W;
 
 // Folds state `part` (query j) into the running merge (m, l, acc): log-sum-exp rescaling of both sides.
 static inline void merge_into(float& m, float& l, float* acc, float pm, float pl, const float* pacc, int64_t D) {
@@ -60,15 +63,16 @@ static int cascade_attention(const float* q, int64_t T, int64_t H, int64_t KVH, 
     // Phase 2 tasks as paged_attention's: a row's KV heads together once every thread has two rows.
     const int threads = kv_threads();
     const int64_t heads_per_task = T >= 2 * threads ? KVH : 1, parts = KVH / heads_per_task;
-    int64_t max_own = 1;
+    int64_t max_keys = chunk_blocks * bs;  // the decode scratch serves shared chunks and own parts
     for (int64_t t = 0; t < T; ++t) {
         const int64_t own = ctx_lens[t] - row_shared_blocks[t] * bs;
-        max_own = own > max_own ? own : max_own;
+        max_keys = own > max_keys ? own : max_keys;
     }
+    const int64_t max_da = max_m > heads_per_task * G ? max_m : heads_per_task * G;
 #pragma omp parallel num_threads(threads)
     {
         PrefillScratch pw = pf_scratch_new((max_m + W - 1) / W * W, D);
-        DecodeScratch dw = da_scratch_new(heads_per_task * G, D, max_own);
+        DecodeScratch dw = da_scratch_new(max_da, D, max_keys);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < task_offset[num_groups]; ++task) {
             int64_t i = 0;
@@ -77,18 +81,31 @@ static int cascade_attention(const float* q, int64_t T, int64_t H, int64_t KVH, 
             const int64_t chunks = (task_offset[i + 1] - task_offset[i]) / KVH;
             const int64_t g = (task - task_offset[i]) / chunks, c = (task - task_offset[i]) % chunks;
             const int64_t* table = tables + group_rows[group_offsets[i]] * table_stride;
-            // The stacked queries in lanes against each shared key row (prefill.h's tiles, no mask).
-            const int64_t Mp = (M + W - 1) / W * W;
-            pf_begin(pw, M, Mp, D);
-            for (int64_t r = 0; r < members; ++r)
-                for (int64_t j = 0; j < G; ++j)
-                    pf_put_query(pw, Mp, D, r * G + j, q + (group_rows[group_offsets[i] + r] * H + g * G + j) * D, scale);
             const int64_t b0 = c * chunk_blocks;
             const int64_t b1 = b0 + chunk_blocks < group_shared_blocks[i] ? b0 + chunk_blocks : group_shared_blocks[i];
-            pf_attend(pw, Mp, D, G, kpool, vpool, KVH, g, bs, table, b0 * bs, b1 * bs, -1);
             float* base = states + state_offset[i] + (g * chunks + c) * M * (D + 2);
-            for (int64_t m = 0; m < M; ++m) { base[m] = pw.mx[m]; base[M + m] = pw.sum[m]; }
-            for (int64_t e = 0; e < M * D; ++e) base[2 * M + e] = pw.acc[e];
+            const float *mx, *sum, *acc;
+            if (M < CASCADE_LANE_TILE_MIN_QUERIES) {  // keys in lanes: the M queries all of KV head g
+                for (int64_t r = 0; r < members; ++r)
+                    for (int64_t j = 0; j < G; ++j) {
+                        const float* src = q + (group_rows[group_offsets[i] + r] * H + g * G + j) * D;
+                        for (int64_t e = 0; e < D; e += W)
+                            vstore(dw.qs + (r * G + j) * D + e, vmul(vload(src + e), vset1(scale)));
+                    }
+                da_attend(dw, M, M, g, D, KVH, kpool, vpool, bs, table, b0 * bs, b1 * bs);
+                mx = dw.mx; sum = dw.sum; acc = dw.acc;
+            } else {  // the stacked queries in lanes against each shared key row (prefill.h's tiles, no mask)
+                const int64_t Mp = (M + W - 1) / W * W;
+                pf_begin(pw, M, Mp, D);
+                for (int64_t r = 0; r < members; ++r)
+                    for (int64_t j = 0; j < G; ++j)
+                        pf_put_query(pw, Mp, D, r * G + j, q + (group_rows[group_offsets[i] + r] * H + g * G + j) * D,
+                                     scale);
+                pf_attend(pw, Mp, D, G, kpool, vpool, KVH, g, bs, table, b0 * bs, b1 * bs, -1);
+                mx = pw.mx; sum = pw.sum; acc = pw.acc;
+            }
+            for (int64_t m = 0; m < M; ++m) { base[m] = mx[m]; base[M + m] = sum[m]; }
+            for (int64_t e = 0; e < M * D; ++e) base[2 * M + e] = acc[e];
         }
         // Phase 2: each row's own blocks, then the merge with its group's shared chunks.
 #pragma omp for schedule(dynamic, 1)
