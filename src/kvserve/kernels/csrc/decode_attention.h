@@ -2,20 +2,22 @@
 //
 // A decode row has only G = H / KVH queries per KV head (3 for SmolLM2): too few to fill vector lanes with
 // queries, as prefill.h does. So keys go in the lanes: a tile of W keys (16 on AVX-512, 8 on AVX2) yields
-// one partial-dot vector per key (D / W FMAs each, the query vector broadcast-free), and a transpose-reduce
-// (log2 W levels of in-register shuffles and adds) turns those W vectors into one vector of W scores --
-// instead of W horizontal sums. Online softmax runs once per tile on whole vectors (one vector exp per W
-// keys; the running sum stays a vector until the end), and P x V is a register-blocked broadcast-FMA over D
-// with the rescale folded into the accumulators' load. Tiles follow the token order through the block
-// table (any block size: a tile may span blocks); a short last tile repeats its last key, masked out.
+// one partial-dot vector per key (D / W FMAs each, the query held in registers), and a transpose-reduce
+// (in-register interleaves and adds) turns those W vectors into one vector of W scores -- instead of W
+// horizontal sums. Softmax is two-pass per task: every score first (K streamed once, maxima as vectors),
+// then one vector exp per W keys (sums as vectors), then P x V as register-blocked broadcast-FMAs over D
+// (V streamed once) -- no per-tile rescale or horizontal max. Tiles follow the token order through the
+// block table (any block size: a tile may span blocks; a short last tile repeats its last key with
+// probability exactly 0), and each tile prefetches the next one's rows.
 //
 // A task is a row's queries for a range of KV heads: a whole row (every KV head, so its blocks are read
-// front to back once) when there are enough rows to keep every thread busy, one KV head otherwise (a single
-// long row still runs on every thread). Scratch is allocated once per thread per call.
+// front to back once) when rows number at least twice the threads, one KV head otherwise (a single row
+// still runs on every thread). Scratch is allocated once per thread per call.
 //
 // C entry (kernels.cpp: kv_paged_attention): q [T, H, D]; K/V pools [blocks, bs, KVH, D]; row t attends to
 // the first ctx_lens[t] tokens of the table at tables + t * table_stride (stride 0: every row shares one
-// table, as a prefill chunk's rows); out [T, H, D]. cascade.h runs each row's own blocks on da_attend.
+// table, as a prefill chunk's rows); out [T, H, D]. cascade.h runs each row's own blocks, and small
+// groups' shared blocks, on da_attend.
 
 #if KV_AVX512
 constexpr int DA_VR = 4;  // queries per P x V register tile (x DA_VC vectors of D): 32 zmm registers
@@ -194,8 +196,7 @@ static void da_attend(DecodeScratch w, int64_t M, int64_t G, int64_t g0, int64_t
             da_rows(table, bs, kstride, kpool, vpool, tok0 + k + W, k + W == last ? tail : W, rows[b ^ 1][0],
                     rows[b ^ 1][1]);
             da_prefetch(rows[b ^ 1][0], off0, span);
-        }
-        else {  // the last K tile: P x V's first V tile next
+        } else {  // the last K tile: P x V's first V tile next
             da_rows(table, bs, kstride, kpool, vpool, tok0, last ? W : tail, rows[b ^ 1][0], rows[b ^ 1][1]);
             da_prefetch(rows[b ^ 1][1], off0, span);
         }
