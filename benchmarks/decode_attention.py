@@ -93,6 +93,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--cascade-rows", default="32", help="row counts of the cascade case (groups of 8)")
+    parser.add_argument("--max-pool-gib", type=float, default=1.0, help="skip cases whose 30 pools exceed this")
     parser.add_argument("--write", action="store_true", help="write benchmarks/results/decode_attention.md")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -107,6 +108,10 @@ def main() -> None:
         cases += [(args.contexts.split(",")[0], rows, True) for rows in args.cascade_rows.split(",") if rows]
         for span, rows, cascade in cases:
             low, high = (int(x) for x in span.split("-"))
+            pool_gib = int(rows) * -(-high // BLOCK) * BLOCK * KV_HEADS * HEAD_DIM * 4 * 2 * LAYERS / 2**30
+            if pool_gib > args.max_pool_gib:
+                notes.append(f"Skipped {rows} rows of {span} tokens ({pool_gib:.1f} GiB of pools).")
+                continue
             step = Step(int(rows), low, high, cascade)
             best = {name: float("inf") for name in libraries}
             for _ in range(args.rounds):
