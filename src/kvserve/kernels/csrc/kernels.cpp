@@ -17,6 +17,7 @@ namespace isa_avx2 {
 #define KV_AVX512 0
 #include "simd.h"
 #include "impl.h"
+#include "decode_attention.h"
 #include "qmatmul_i8.h"
 #include "prefill.h"
 #include "cascade.h"
@@ -33,6 +34,7 @@ namespace isa_avx512 {
 #define KV_AVX512 1
 #include "simd.h"
 #include "impl.h"
+#include "decode_attention.h"
 #include "qmatmul_i8.h"
 #include "prefill.h"
 #include "cascade.h"
