@@ -186,7 +186,9 @@ def test_layer_loop_runs_long_prefills(kernels, tiny_model_dir, monkeypatch, act
     model = quantized_tiny_llama(tiny_model_dir, chosen)
     calls = []
     original = LayerLoop.forward
-    monkeypatch.setattr(LayerLoop, "forward", lambda self, *args: calls.append(args[0].shape[0]) or original(self, *args))
+    monkeypatch.setattr(
+        LayerLoop, "forward", lambda self, *args: calls.append(args[0].shape[0]) or original(self, *args)
+    )
     long = 600 if activation_quant == "int8" else 300
     prompts = [[5, 9, 200], [17, 4], [3 + (7 * i) % 250 for i in range(long)], list(range(7, 16))]
     native = run_steps(model, prompts, 16, steps=2)

@@ -1,8 +1,8 @@
 """The wide quantized GEMM (csrc/qgemm.h) against its torch twin, dequantize + matmul, on random shapes.
 
 Row counts cover a single row, partial tiles (1..W and W+1..2W rows left over), several M blocks (over
-64 rows), several superblocks of row blocks (prefill sizes) and more; widths cover one block and several 128-input panel blocks with a remainder; output
-counts cover partial panels (any N, odd included). Each runs for every ISA the CPU has, the forced AVX2
+64 rows), several superblocks of row blocks (prefill sizes) and more; widths cover one block and several
+128-input panel blocks with a remainder; output counts cover partial panels (any N, odd included). Each runs for every ISA the CPU has, the forced AVX2
 path included (`conftest.ISA_PARAMS`).
 """
 
