@@ -2,8 +2,8 @@
 
 Row counts cover a single row, partial tiles (1..W and W+1..2W rows left over), several M blocks (over
 64 rows), several superblocks of row blocks (prefill sizes) and more; widths cover one block and several
-128-input panel blocks with a remainder; output counts cover partial panels (any N, odd included). Each runs for every ISA the CPU has, the forced AVX2
-path included (`conftest.ISA_PARAMS`).
+128-input panel blocks with a remainder; output counts cover partial panels (any N, odd included). Each
+runs for every ISA the CPU has, the forced AVX2 path included (`conftest.ISA_PARAMS`).
 """
 
 from __future__ import annotations
