@@ -24,6 +24,12 @@ the rest of the loop, lm head, sampler, engine), exact and int8, with `--before 
 (benchmarks/decode_batch.py; results/decode_step_batch.md).
 
     python benchmarks/decode_step.py --rows 8,32,64 --before main
+
+`--split-src SRC` times instead only the batch-32 generate split (prefill steps / decode steps), with another
+checkout's whole kvserve (SRC: its src directory) against this one (benchmarks/source_ab.py;
+results/decode_step_batch_split.md).
+
+    python benchmarks/decode_step.py --split-src /tmp/before/src --rounds 2
 """
 
 from __future__ import annotations
@@ -234,7 +240,14 @@ def main() -> None:
     parser.add_argument("--rows", help="batched decode steps of these row counts (e.g. 8,32,64)")
     parser.add_argument("--before-min-rows", type=int, default=10,
                         help="--rows: the row count from which --before's layer loop took the wide GEMM")
+    parser.add_argument("--split-src", metavar="SRC",
+                        help="batch 32's prefill / decode split, SRC's sources against these (source_ab.py)")
     args = parser.parse_args()
+    if args.split_src:
+        from source_ab import split_ab
+
+        split_ab(args.split_src, args.rounds)
+        return
     if args.rows:
         from decode_batch import run_batch
 

@@ -4,22 +4,21 @@ At 135M parameters a decode step's Python loop spends as long in ~15 torch ops a
 as in the matmuls themselves (benchmarks/step_profile.py). `LayerLoop` describes every layer's weights to
 the C side once, at model load (ctypes structures pointing at the model's own tensors, kept alive by the
 model), and each step passes only its tokens, slots, block tables and context lengths
-(csrc/layer.h). It runs the same kernels in the same order as the Python loop with native kernels, so
-decode steps are bit-identical to it; prefill rows attend through the pool (paged attention) where the
-Python loop runs torch's SDPA on a fresh prompt: logits agree within 1e-4 relative.
+(csrc/layer.h). It runs the same kernels in the same order as the Python loop with native kernels: decode
+rows attend through paged attention (cascade groups in a decode-only step), each prefill chunk through
+csrc/prefill.h (query tiles against the pool's keys, fresh or after cached blocks), so up to
+`QGEMM_MAX_ROWS` rows a step's logits are bit-identical to the Python loop's; beyond, that loop's
+dequantize + torch GEMM differs from qgemm.h in summation order only.
 
 It applies to: native kernels, float32 on the CPU, every layer projection quantized (GGUF blocks), hidden
-and head sizes a multiple of the SIMD width, no LoRA in the step, and a step of at most `MAX_ROWS` tokens or
-of up to `MAX_STEP_ROWS` rows whose prefill tokens number at most `MAX_MIXED_PREFILL_TOKENS`: decode-only
-steps and the mixed steps of a loaded server (a dozen or more decodes beside a newcomer's short chat
-prefill: that step is most of the newcomer's TTFT). From 5 rows its exact matmuls run the wide GEMM of
-csrc/qgemm.h, as `Kernels.linear` does; int8 activations run the int8 matmul at any row count. Each prefill
-row attends through the pool to its first `ctx_lens[t]` tokens (cached blocks, then its chunk causally;
-every row's K/V is written before any row attends), row by row. Whole step beside 16 decodes, 1 thread: a
-chunk of 128 tokens after 1,024 cached ones took 1.5x the Python loop's time (its gather + flash SDPA), one
-of 64 (where the Python loop also reads the pool in place) 0.93x, a fresh 48-token prompt 0.92x
-(benchmarks/decode_step.py --mixed).
-Longer prefills run the Python loop; so does everything else.
+and head sizes a multiple of the SIMD width, no LoRA in the step, and a step of at most `MAX_ROWS` tokens
+or, with the engine's metadata, of up to `EXACT_MAX_STEP_ROWS` rows (float32 activations) or
+`MAX_STEP_ROWS` (int8): decodes, prefill chunks, any mix. From 5 rows its exact matmuls run the wide GEMM of
+csrc/qgemm.h; int8 activations run the int8 matmul at any row count. Prefill, 1 thread, CPU time, whole
+request (benchmarks/results/kernels_prefill.md): exact 256-512 tokens 1.03-1.11x the Python loop, 1,024-2,048
+0.85x (torch's GEMM on dequantized weights is faster there, hence the exact bound); int8 512 tokens 1.07x,
+2,048 1.22x (the same int8 kernel; the Python loop's fresh per-layer buffers and ~15 calls per layer cost).
+Longer steps run the Python loop; so does everything else.
 """
 
 from __future__ import annotations
