@@ -386,3 +386,21 @@ def _tiny_models(tiny_model_dir, kernels: Kernels | None) -> LlamaModel:
     if key not in _TINY:
         _TINY[key] = quantized_tiny_llama(tiny_model_dir, kernels or Kernels.create("torch"))
     return _TINY[key]
+
+
+def test_layer_loop_checks_prefill_spans_before_c():
+    """Spans that would send C past its rows or a block table are refused in Python (ValueError)."""
+    from kvserve.model.layer_loop import _check_spans
+
+    table = torch.tensor([[3, 1]])
+    _check_spans(torch.tensor([[2, 5, 7]]), table, 2, 7, num_blocks=4, block_size=4)  # rows 2..6 after 2 decodes
+    bad = [
+        (torch.tensor([[1, 5, 7]]), table, "follow"),  # overlaps the decode rows
+        (torch.tensor([[2, 4, 7]]), table, "end at row"),  # leaves row 6 uncovered
+        (torch.tensor([[2, 5, 9]]), table, "follow"),  # context beyond the table's 8 slots
+        (torch.tensor([[2, 5, 4]]), table, "follow"),  # fewer context tokens than new ones
+        (torch.tensor([[2, 5, 7]]), torch.tensor([[3, 4]]), "out of range"),  # block 4 of 4
+    ]
+    for spans, tables, message in bad:
+        with pytest.raises(ValueError, match=message):
+            _check_spans(spans, tables, 2, 7, num_blocks=4, block_size=4)
