@@ -41,6 +41,10 @@ class SourceRunner:
     def prefill(self, prompt: list[int]) -> float:
         return float(self._ask({"op": "prefill", "prompt": prompt}))
 
+    def prefill_cpu(self, prompt: list[int]) -> float:
+        """Prompt tokens per CPU second of the child (with 1 thread: robust to the machine's other load)."""
+        return float(self._ask({"op": "prefill_cpu", "prompt": prompt}))
+
     def generate_split(self, prompts: list[list[int]], new: int) -> dict[str, float]:
         return dict(self._ask({"op": "split", "prompts": prompts, "new": new}))
 
@@ -62,10 +66,12 @@ def _serve(args: dict[str, str], threads: int) -> None:
         model.kernels.native.lib.kv_set_num_threads(threads)
     for line in sys.stdin:
         request = json.loads(line)
-        if request["op"] == "prefill":
+        if request["op"] in ("prefill", "prefill_cpu"):
             params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+            start = time.process_time()
             out = llm.generate([request["prompt"]], params, cache_salt=str(time.perf_counter()))[0]
-            answer: object = len(request["prompt"]) / out.metrics.ttft
+            spent = out.metrics.ttft if request["op"] == "prefill" else time.process_time() - start
+            answer: object = len(request["prompt"]) / spent
         else:
             answer = _split(llm, request["prompts"], request["new"])
         print("RESULT " + json.dumps(answer), flush=True)
@@ -98,8 +104,45 @@ def _split(llm, prompts: list[list[int]], new: int) -> dict[str, float]:
     return spent
 
 
+def prefill_cpu_ab(before_src: str, rounds: int) -> None:
+    """Prefill 256 / 512 / 2,048 tokens, exact and int8, prompt tokens per CPU second with 1 thread, `before_src`
+    against this checkout (alternating, the best of `rounds`): a before/after the machine's load hardly moves."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from common import ROOT, load_workloads, markdown_table
+    from kernels import load_average
+
+    workloads = load_workloads()["prefill"]
+    prompts = {"256": workloads["512"][:256], "512": workloads["512"], "2048": workloads["2048"]}
+    loads, rows = [load_average()], []
+    for mode, extra in {"exact": {}, "int8": {"activation_quant": "int8"}}.items():
+        args = {"kernels": "native", "weights": "native", **extra}
+        runners = {name: SourceRunner(name, src, args, 1)
+                   for name, src in {"before": before_src, "now": str(ROOT / "src")}.items()}
+        best: dict[str, dict[str, float]] = {name: {} for name in runners}
+        for name in runners:
+            runners[name].prefill_cpu(prompts["256"][:64])  # warm-up
+        for round_index in range(rounds):
+            for size, prompt in prompts.items():
+                for name in runners if round_index % 2 == 0 else list(runners)[::-1]:
+                    value = runners[name].prefill_cpu(prompt)
+                    best[name][size] = max(best[name].get(size, 0.0), value)
+        for runner in runners.values():
+            runner.close()
+        loads.append(load_average())
+        rows += [[mode, name, *(best[name][size] for size in prompts)] for name in runners]
+        rows.append([mode, "now / before", *(best["now"][s] / best["before"][s] for s in prompts)])
+        print(markdown_table(["activations", "kvserve", *prompts], rows[-3:]), flush=True)
+    header = ["activations", "kvserve", *(f"prefill {size} tok / CPU s" for size in prompts)]
+    print(markdown_table(header, rows))
+    print(f"`python benchmarks/source_ab.py --prefill-cpu {before_src} --rounds {rounds}`: 1 thread, best of "
+          f"{rounds} alternating rounds; load average (1 / 5 / 15 min): {'; '.join(loads)}.")
+
+
 if __name__ == "__main__":
-    _serve(json.loads(sys.argv[1]), int(sys.argv[2]))
+    if sys.argv[1] == "--prefill-cpu":  # python benchmarks/source_ab.py --prefill-cpu SRC [ROUNDS]
+        prefill_cpu_ab(sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 3)
+    else:
+        _serve(json.loads(sys.argv[1]), int(sys.argv[2]))
 
 
 def split_ab(before_src: str, rounds: int) -> None:
