@@ -197,7 +197,7 @@ def run_mixed(reps: int, threads: int, prefills: list[int], cached: int) -> None
     llm = LLM("smollm2-135m", progress=False, kv_cache_memory="64MiB", kernels="native", weights="native")
     model = llm.engine.model
     loop = model.layer_loop
-    layer_loop.MAX_MIXED_PREFILL_TOKENS = 1 << 30  # measure the loop past its bound too, to place the bound
+    layer_loop.EXACT_MAX_STEP_ROWS = 1 << 30  # measure the loop past its bound too, to place the bound
     calls = []
     original = loop.forward
     loop.forward = lambda *args: calls.append(args[0].shape[0]) or original(*args)
@@ -219,7 +219,7 @@ def run_mixed(reps: int, threads: int, prefills: list[int], cached: int) -> None
                  f"head for the 17 sampled rows), {threads} thread(s), median of {reps} paired interleaved "
                  "repeats (speedup: the median of the pairs' ratios); CPU time sums both threads. Decode contexts "
                  "129 tokens, block size 16. The C loop column runs the loop whatever the prefill length; the "
-                 "engine gives it such steps up to layer_loop.MAX_MIXED_PREFILL_TOKENS prefill tokens.")
+                 "engine gives it such steps up to layer_loop.EXACT_MAX_STEP_ROWS rows.")
     header = ["step", "rows", "Python loop wall", "C loop wall", "wall speedup", "Python loop CPU", "C loop CPU",
               "CPU speedup"]
     write_result(f"decode_step_mixed_{threads}t" + (f"_cached{cached}" if cached else ""),
