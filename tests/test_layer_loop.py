@@ -404,3 +404,47 @@ def test_layer_loop_checks_prefill_spans_before_c():
     for spans, tables, message in bad:
         with pytest.raises(ValueError, match=message):
             _check_spans(spans, tables, 2, 7, num_blocks=4, block_size=4)
+
+
+def test_layer_loop_runs_cascade_groups_beside_a_prefill(kernels, tiny_model_dir):
+    """Decode rows sharing leading blocks beside a prefill chunk: the loop runs cascade attention for the
+    decode rows and prefill.h for the chunk, as the Python loop does -- logits equal bit for bit -- and
+    differs (summation order only) from the loop without the plan."""
+    from kvserve.kv.attention import AttentionMetadata, PrefillSpan
+    from kvserve.kv.cascade import plan_cascade
+
+    model = quantized_tiny_llama(tiny_model_dir, kernels)
+    config, block_size = model.config, 4
+    shape = KVPoolShape(config.num_layers, 32, block_size, config.num_kv_heads, config.head_dim)
+    base = torch.randn(config.num_layers, 2, 32, block_size, config.num_kv_heads, config.head_dim,
+                       generator=torch.Generator().manual_seed(11)) * 0.5
+    shared = [3, 9, 12, 20, 1]
+    tables = [shared + [5, 6], shared + [7, 8], shared + [10, 11]]
+    context_lens = [23, 25, 22]
+    slots = [tables[row][(n - 1) // block_size] * block_size + (n - 1) % block_size
+             for row, n in enumerate(context_lens)]
+    span_table = [13, 14, 15]  # a chunk of 5 tokens after 6 cached ones: positions 6..10
+    slots += [span_table[p // block_size] * block_size + p % block_size for p in range(6, 11)]
+    positions = torch.tensor([n - 1 for n in context_lens] + list(range(6, 11)))
+    ids = torch.tensor([4, 8, 15, 16, 23, 42, 7, 9])
+    plan = plan_cascade(tables, context_lens, block_size)
+    assert plan is not None and plan.num_groups == 1
+
+    def step(use_plan: bool, loop: bool) -> torch.Tensor:
+        pool = KVPool(shape, torch.float32, "cpu")
+        pool.tensor.copy_(base)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots), num_decodes=3, decode_block_tables=torch.tensor(tables),
+            decode_context_lens=torch.tensor(context_lens), decode_key_mask=None,
+            prefills=[PrefillSpan(3, 8, 11, torch.tensor(span_table))], decode_cascade=plan if use_plan else None,
+        )
+        saved, model.layer_loop = model.layer_loop, (model.layer_loop if loop else None)
+        try:
+            return model.forward(ids, positions, pool, meta)
+        finally:
+            model.layer_loop = saved
+
+    loop_cascade, loop_paged, python_cascade = step(True, True), step(False, True), step(True, False)
+    assert torch.equal(loop_cascade, python_cascade)
+    assert (loop_cascade - loop_paged).abs().max() <= 1e-4 * loop_paged.abs().max()
+    assert not torch.equal(loop_cascade[:3], loop_paged[:3])  # the loop ran the cascade kernel for decodes

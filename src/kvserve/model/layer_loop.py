@@ -5,7 +5,7 @@ as in the matmuls themselves (benchmarks/step_profile.py). `LayerLoop` describes
 the C side once, at model load (ctypes structures pointing at the model's own tensors, kept alive by the
 model), and each step passes only its tokens, slots, block tables and context lengths
 (csrc/layer.h). It runs the same kernels in the same order as the Python loop with native kernels: decode
-rows attend through paged attention (cascade groups in a decode-only step), each prefill chunk through
+rows attend through paged attention (cascade attention with a shared-prefix plan), each prefill chunk through
 csrc/prefill.h (query tiles against the pool's keys, fresh or after cached blocks), so up to
 `QGEMM_MAX_ROWS` rows a step's logits are bit-identical to the Python loop's; beyond, that loop's
 dequantize + torch GEMM differs from qgemm.h in summation order only.
@@ -155,10 +155,12 @@ class LayerLoop:
         spans, span_tables = meta.native_spans
         _check_spans(spans, span_tables, num_decodes, num_tokens, pool.shape[2], block_size)
         spans_t = spans.t().contiguous()  # [3, S]: first rows, lengths, context lengths
+        cascade = _cascade_arguments(meta, tables, context_lens, block_size, num_decodes) if num_decodes else (
+            0, None, None, None, None)
         status = self.native.lib.kv_layer_forward_spans(
             self.native.code, ctypes.byref(self._model), self.act_quant, hidden.data_ptr(), num_tokens,
             positions.data_ptr(), slots.data_ptr(), pool.data_ptr(), layer_stride, block_size,
-            tables.data_ptr(), tables.shape[1], context_lens.data_ptr(), num_decodes, spans.shape[0],
+            tables.data_ptr(), tables.shape[1], context_lens.data_ptr(), *cascade, num_decodes, spans.shape[0],
             spans_t[0].data_ptr(), spans_t[1].data_ptr(), spans_t[2].data_ptr(), span_tables.data_ptr(),
             span_tables.shape[1], out.data_ptr(),
         )
@@ -169,10 +171,11 @@ class LayerLoop:
 def _cascade_arguments(
     meta: AttentionMetadata, tables: torch.Tensor, context_lens: torch.Tensor, block_size: int, num_tokens: int
 ) -> tuple[int, ...]:
-    """The step's cascade groups as the C call takes them (checked first), or no groups: a decode-only step
-    with a plan runs cascade attention in every layer, anything else plain paged attention."""
+    """The step's cascade groups among its decode rows as the C call takes them (checked first), or no groups:
+    decode rows with a plan run cascade attention in every layer (beside prefill chunks too, as the Python
+    loop does), otherwise plain paged attention."""
     plan = meta.decode_cascade
-    if plan is None or meta.prefills or plan.num_groups == 0:
+    if plan is None or plan.num_groups == 0:
         return (0, None, None, None, None)
     for name in CASCADE_FIELDS:
         tensor = getattr(plan, name)
