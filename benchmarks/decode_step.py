@@ -24,6 +24,12 @@ the rest of the loop, lm head, sampler, engine), exact and int8, with `--before 
 (benchmarks/decode_batch.py; results/decode_step_batch.md).
 
     python benchmarks/decode_step.py --rows 8,32,64 --before main
+
+`--split-src SRC` times instead only the batch-32 generate split (prefill steps / decode steps), with another
+checkout's whole kvserve (SRC: its src directory) against this one (benchmarks/source_ab.py;
+results/decode_step_batch_split.md).
+
+    python benchmarks/decode_step.py --split-src /tmp/before/src --rounds 2
 """
 
 from __future__ import annotations
@@ -191,7 +197,7 @@ def run_mixed(reps: int, threads: int, prefills: list[int], cached: int) -> None
     llm = LLM("smollm2-135m", progress=False, kv_cache_memory="64MiB", kernels="native", weights="native")
     model = llm.engine.model
     loop = model.layer_loop
-    layer_loop.MAX_MIXED_PREFILL_TOKENS = 1 << 30  # measure the loop past its bound too, to place the bound
+    layer_loop.EXACT_MAX_STEP_ROWS = 1 << 30  # measure the loop past its bound too, to place the bound
     calls = []
     original = loop.forward
     loop.forward = lambda *args: calls.append(args[0].shape[0]) or original(*args)
@@ -213,7 +219,7 @@ def run_mixed(reps: int, threads: int, prefills: list[int], cached: int) -> None
                  f"head for the 17 sampled rows), {threads} thread(s), median of {reps} paired interleaved "
                  "repeats (speedup: the median of the pairs' ratios); CPU time sums both threads. Decode contexts "
                  "129 tokens, block size 16. The C loop column runs the loop whatever the prefill length; the "
-                 "engine gives it such steps up to layer_loop.MAX_MIXED_PREFILL_TOKENS prefill tokens.")
+                 "engine gives it such steps up to layer_loop.EXACT_MAX_STEP_ROWS rows.")
     header = ["step", "rows", "Python loop wall", "C loop wall", "wall speedup", "Python loop CPU", "C loop CPU",
               "CPU speedup"]
     write_result(f"decode_step_mixed_{threads}t" + (f"_cached{cached}" if cached else ""),
@@ -234,7 +240,14 @@ def main() -> None:
     parser.add_argument("--rows", help="batched decode steps of these row counts (e.g. 8,32,64)")
     parser.add_argument("--before-min-rows", type=int, default=10,
                         help="--rows: the row count from which --before's layer loop took the wide GEMM")
+    parser.add_argument("--split-src", metavar="SRC",
+                        help="batch 32's prefill / decode split, SRC's sources against these (source_ab.py)")
     args = parser.parse_args()
+    if args.split_src:
+        from source_ab import split_ab
+
+        split_ab(args.split_src, args.rounds)
+        return
     if args.rows:
         from decode_batch import run_batch
 

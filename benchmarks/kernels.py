@@ -12,12 +12,15 @@ decode step (matmuls, attention, norms, lm head, the rest) before (torch kernels
     python benchmarks/kernels.py            # about 10 minutes on 2 busy cores
     python benchmarks/kernels.py --quick    # smaller decode lengths
     python benchmarks/kernels.py --decode-only 5 --before 0685dfc   # single-request decode only, 5 rounds
+    python benchmarks/kernels.py --prefill-only --rounds 2 --before-src /tmp/before/src  # prefill, paired
 
 `--decode-only ROUNDS` measures single-request decode alone: kvserve native Q4_1 with exact and int8
 activations, llama-cpp-python and llama-batched-bench, interleaved round by round (the machine's load hits
 all alike), median per runner, to benchmarks/results/kernels_decode.md. `--before REV` adds the same two
 kvserve variants running the native kernels as built from git revision REV (its csrc/, compiled with
 today's flags into a temporary library, same C ABI), for a paired before/after in one process.
+`--prefill-only --before-src SRC` adds the two variants as another checkout's whole kvserve runs them (its
+Python too: benchmarks/source_ab.py, a child process), interleaved with the rest.
 """
 
 from __future__ import annotations
@@ -222,6 +225,11 @@ def prefill_only(args: argparse.Namespace, workloads: dict) -> None:
     interleaved runner by runner (medians), then the seed's example; to results/kernels_prefill.md."""
     names = ("kvserve native Q4_1", "kvserve native Q4_1 int8")
     runners: list = [KvserveRunner(name, VARIANTS[name]) for name in names]
+    if args.before_src:  # the same variants from another checkout's sources (source_ab.py), same threads
+        from source_ab import SourceRunner
+
+        runners += [SourceRunner(f"{name} (before)", args.before_src, VARIANTS[name], torch.get_num_threads())
+                    for name in names]
     runners += [HFRunner(torch.float32)] + ([] if args.skip_hf_bf16 else [HFRunner(torch.bfloat16)])
     loads = [load_average()]
     samples: dict[str, dict[str, list[float]]] = {r.name: {"prefill512": [], "prefill2048": []} for r in runners}
@@ -241,6 +249,9 @@ def prefill_only(args: argparse.Namespace, workloads: dict) -> None:
     peers = [p for p in ("transformers fp32", "transformers bf16") if p in median]
     header = ["runner", "prefill 512 tok/s", "prefill 2048 tok/s"] + [
         f"÷ {peer} at {size}" for peer in peers for size in ("512", "2048")]
+    for runner in runners:
+        if hasattr(runner, "close"):
+            runner.close()
     del runners
     seed = seed_example(VARIANTS["kvserve native Q4_1"], workloads, 3)
     table = (markdown_table(header, rows)
@@ -433,6 +444,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="with --prefill-only: rounds")
     parser.add_argument("--decode-only", type=int, metavar="ROUNDS", help="single-request decode only")
     parser.add_argument("--before", metavar="REV", help="with --decode-only: also the kernels of git REV")
+    parser.add_argument("--before-src", metavar="SRC",
+                        help="with --prefill-only: also kvserve from another checkout's src directory (source_ab.py)")
     args = parser.parse_args()
     if args.decode_only:
         decode_only(args.decode_only, args.before, 32 if args.quick else 128)

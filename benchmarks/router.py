@@ -12,7 +12,9 @@ router: the same cores as the cluster, one cache), and 2 and 4 workers behind th
   tokens, carried into the history, as a client does; the benchmark's own output is --max-tokens) and a new
   question (--user tokens). Users start spread over --ramp seconds and think --think seconds on average
   (exponential) between turns;
-- rag:  --queries questions (--user tokens), each after one of --docs shared documents (--doc-len tokens).
+- rag:  --queries questions (--user tokens), each after one of --docs shared documents (--doc-len tokens);
+  enough questions (96) that the first reads of the documents, which no policy avoids, stay under about
+  10% of the requests: with 32, four first reads were 12.5% and the p90 of every policy was a first read.
 
 Default sizes follow the Mooncake conversation trace in benchmarks/data/ (see results/router.md: every
 request there starts with the same 512-token block, and a continued conversation adds hundreds of tokens
@@ -59,8 +61,31 @@ TOKEN_RANGE = [1000, 48000]  # benchmarks/data/workloads.json: ids fed directly 
 
 
 @dataclass(slots=True)
+class Sample:
+    """One request: its TTFT, what the worker had cached, and the router's decision (`x-kvserve-route`)."""
+
+    ttft: float
+    prompt: int
+    cached: int
+    route: dict[str, str]
+
+    @property
+    def kind(self) -> str:
+        """Why it was slow, as far as the client can tell: a cold read (under half the prompt cached); sent
+        where more requests were in flight than on another worker; sent beside others where no worker had
+        fewer; or alone on its worker."""
+        if self.cached < self.prompt / 2:
+            return "cold"
+        ahead = int(self.route.get("ahead_requests", 0))
+        if ahead > int(self.route.get("others_min_requests", ahead)):
+            return "busier than another"
+        return "beside others, none less busy" if ahead > 0 else "alone"
+
+
+@dataclass(slots=True)
 class RunStats:
     ttfts: list[float] = field(default_factory=list)
+    samples: list[Sample] = field(default_factory=list)
     prompt_tokens: int = 0
     cached_tokens: int = 0
     errors: int = 0
@@ -68,6 +93,23 @@ class RunStats:
     @property
     def hit_rate(self) -> float:
         return self.cached_tokens / max(self.prompt_tokens, 1)
+
+    def tail(self) -> str:
+        """The requests at or above p90: how many of each kind, and the prefill queued ahead of them."""
+        cut = percentile(self.ttfts, 0.9)
+        slow = [sample for sample in self.samples if sample.ttft >= cut]
+        if not slow:
+            return ""
+        kinds: dict[str, int] = {}
+        for sample in slow:
+            kinds[sample.kind] = kinds.get(sample.kind, 0) + 1
+        ahead = [int(sample.route["ahead_tokens"]) for sample in slow if "ahead_tokens" in sample.route]
+        uncached = sum(sample.prompt - sample.cached for sample in slow) / len(slow)
+        text = ", ".join(f"{count} {kind}" for kind, count in sorted(kinds.items(), key=lambda kv: -kv[1]))
+        text += f"; mean uncached {uncached:.0f} tokens"
+        if ahead:
+            text += f", mean prefill queued ahead {sum(ahead) / len(ahead):.0f} tokens"
+        return f"{len(slow)} requests ≥ p90: {text}"
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -79,12 +121,13 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: l
                       stats: RunStats) -> None:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
-    started, first = time.perf_counter(), None
+    started, first, prompt, cached, route = time.perf_counter(), None, 0, 0, {}
     try:
         async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
             if response.status_code != 200:
                 stats.errors += 1
                 return
+            route = parse_route(response.headers.get("x-kvserve-route", ""))
             async for line in response.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
@@ -92,14 +135,23 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: l
                 if first is None and event.get("choices"):
                     first = time.perf_counter() - started
                 if event.get("usage"):
-                    stats.prompt_tokens += event["usage"]["prompt_tokens"]
+                    prompt = event["usage"]["prompt_tokens"]
                     details = event["usage"].get("prompt_tokens_details") or {}
-                    stats.cached_tokens += details.get("cached_tokens") or 0
+                    cached = details.get("cached_tokens") or 0
     except httpx.HTTPError:
         stats.errors += 1
         return
+    stats.prompt_tokens += prompt
+    stats.cached_tokens += cached
     if first is not None:
         stats.ttfts.append(first)
+        stats.samples.append(Sample(first, prompt, cached, route))
+
+
+def parse_route(header: str) -> dict[str, str]:
+    """The router's `x-kvserve-route` header (`name=value; ...`) as a dict ({} when absent)."""
+    pairs = (item.strip().partition("=") for item in header.split(";") if "=" in item)
+    return {name: value for name, _, value in pairs}
 
 
 def random_ids(rng: random.Random, count: int) -> list[int]:
@@ -179,7 +231,8 @@ def progress(started: float, message: str) -> None:
 
 
 def compare_policies(cluster: Cluster, single: str, model: str, args: argparse.Namespace,
-                     began: float) -> list[list[object]]:
+                     began: float, tails: list[list[object]]) -> list[list[object]]:
+    """The policy table; `tails` gets each run's p90 diagnosis (`RunStats.tail`)."""
     rows: list[list[object]] = []
     for name, workload in WORKLOADS.items():
         if name not in args.workloads:
@@ -191,9 +244,10 @@ def compare_policies(cluster: Cluster, single: str, model: str, args: argparse.N
         rows.append(_row(name, 1, f"one worker (direct, {args.single_threads} threads)", stats, [len(stats.ttfts)],
                          time.perf_counter() - started))
         progress(began, f"  {rows[-1]}")
+        tails.append([name, 1, "one worker", stats.tail()])
         for num_workers in sorted({min(2, args.max_workers), args.max_workers} & set(args.worker_counts)):
             urls = cluster.urls[:num_workers]
-            for policy in POLICIES:
+            for policy in args.policies:
                 progress(began, f"{name}: {num_workers} workers, {policy}")
                 reset_caches(urls)
                 config = RouterConfig(workers=urls, policy=policy, poll_interval=0.25)
@@ -205,6 +259,8 @@ def compare_policies(cluster: Cluster, single: str, model: str, args: argparse.N
                     elapsed = time.perf_counter() - started
                     rows.append(_row(name, num_workers, policy, stats, served_per_worker(router.url, urls), elapsed))
                 progress(began, f"  {rows[-1]}")
+                tails.append([name, num_workers, policy, stats.tail()])
+                progress(began, f"  tail: {tails[-1][-1]}")
     return rows
 
 
@@ -231,14 +287,30 @@ def targets(rows: list[list[object]]) -> str:
             + ("; ".join(missed) or "none") + ".")
 
 
-def merge_rows(saved: Path, rows: list[list[object]], sizes: str, command: str) -> tuple[list[list[object]], str]:
-    """A partial re-run: its rows replace the same (workload, workers, policy) rows of the last full run."""
+def merge_rows(saved: Path, rows: list[list[object]], tails: list[list[object]], sizes: str,
+               command: str) -> tuple[list[list[object]], list[list[object]], str]:
+    """A partial re-run: its rows (and tails) replace the same (workload, workers, policy) ones of the last
+    full run."""
     previous = json.loads(saved.read_text())
     if previous.get("sizes") != sizes:
         raise SystemExit("a partial re-run must use the sizes of the run it amends (see results/router.json)")
-    fresh = {tuple(row[:3]): row for row in rows}
-    merged = [fresh.pop(tuple(row[:3]), row) for row in previous["rows"]] + list(fresh.values())
-    return merged, f"{previous['command']}` then `{command}"
+
+    def merge(old: list[list[object]], new: list[list[object]]) -> list[list[object]]:
+        fresh = {tuple(row[:3]): row for row in new}
+        return [fresh.pop(tuple(row[:3]), row) for row in old] + list(fresh.values())
+
+    return (merge(previous["rows"], rows), merge(previous.get("tails", []), tails),
+            f"{previous['command']}` then `{command}")
+
+
+KEPT_MARKER = "<!-- written by hand below this line: benchmarks/router.py keeps it -->"
+
+
+def kept_notes() -> str:
+    """The hand-written part of results/router.md (readings, earlier runs), kept across re-runs."""
+    path = RESULTS / "router.md"
+    text = path.read_text() if path.exists() else ""
+    return text[text.index(KEPT_MARKER):] if KEPT_MARKER in text else KEPT_MARKER + "\n"
 
 
 def sizes_note(args: argparse.Namespace) -> str:
@@ -361,7 +433,11 @@ def main() -> None:
     parser.add_argument("--ramp", type=float, default=4.0, help="users start within this many seconds")
     parser.add_argument("--docs", type=int, default=4)
     parser.add_argument("--doc-len", type=int, default=1024)
-    parser.add_argument("--queries", type=int, default=32)
+    parser.add_argument("--queries", type=int, default=96,
+                        help="RAG questions: 96 over 4 documents keeps the unavoidable first reads (4, or 8 "
+                             "and 16 for round_robin over 2 and 4 workers) near or under 10%% of the requests, "
+                             "so TTFT p90 compares routing, not cold starts (at 32, 4 first reads were 12.5%%: "
+                             "the p90 of every policy was a first read)")
     parser.add_argument("--concurrency", type=int, default=4, help="requests in flight at most (both workloads)")
     parser.add_argument("--max-tokens", type=int, default=2)
     parser.add_argument("--tree-tokens", type=int, default=100_000)
@@ -371,6 +447,8 @@ def main() -> None:
     parser.add_argument("--worker-counts", nargs="+", type=int, default=[2, 4],
                         help="... at these cluster sizes: with either flag narrowed, the new rows replace their "
                              "twins in the last run's results/router.json (same sizes required)")
+    parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES,
+                        help="... with these policies (the targets need round_robin's rows, old or new)")
     parser.add_argument("--reuse-policies", action="store_true",
                         help="take the policy table from the last run's results/router.json (re-measure the rest)")
     parser.add_argument("--token-range", type=int, nargs=2, default=TOKEN_RANGE, help="prompt ids: [low, high)")
@@ -393,28 +471,37 @@ def main() -> None:
         overhead = proxy_overhead(cluster, model, args.overhead_requests)
         progress(began, f"  {overhead}")
         saved = RESULTS / "router.json"
+        tails: list[list[object]] = []
         if args.reuse_policies:
             previous = json.loads(saved.read_text())
-            rows, sizes = previous["rows"], previous["sizes"]
+            rows, sizes, tails = previous["rows"], previous["sizes"], previous.get("tails", [])
         else:
-            rows, sizes = compare_policies(cluster, single.urls[0], model, args, began), sizes_note(args)
+            rows, sizes = compare_policies(cluster, single.urls[0], model, args, began, tails), sizes_note(args)
             command = command_line()
-            if set(args.workloads) != set(DEFAULT_WORKLOADS) or not {2, args.max_workers} <= set(args.worker_counts):
-                rows, command = merge_rows(saved, rows, sizes, command)
-            saved.write_text(json.dumps({"command": command, "rows": rows, "sizes": sizes}))
+            partial = set(args.policies) != set(POLICIES) or set(args.workloads) != set(DEFAULT_WORKLOADS)
+            if partial or not {2, args.max_workers} <= set(args.worker_counts):
+                rows, tails, command = merge_rows(saved, rows, tails, sizes, command)
+            saved.write_text(json.dumps({"command": command, "rows": rows, "sizes": sizes, "tails": tails}))
 
     table = markdown_table(["workload", "workers", "policy", "hit rate", "TTFT p50 ms", "TTFT p90 ms",
                             "requests per worker", "errors", "wall s"], rows)
     decision_table = markdown_table(["policy", "workers", "tokens indexed per worker", "prompt tokens",
                                      "decision p50 µs", "decision p99 µs"], decisions)
     overhead_table = markdown_table(["path", "requests", "TTFT p50 ms", "TTFT p90 ms"], overhead)
+    tail_table = markdown_table(["workload", "workers", "policy", "the slowest 10%"], tails)
     table_command = json.loads((RESULTS / "router.json").read_text())["command"]
     policy_source = f"Policy table from: `{table_command}`\n\n" if table_command != command_line() else ""
     notes = policy_source + sizes + "\n\n" + targets(rows) + (
-        "\n\n**Router decision latency** (in process, no HTTP):\n\n"
+        "\n\n**The tail, request by request** (the requests at or above each run's p90, from the router's "
+        "`x-kvserve-route` header and the usage the worker reports: cold = under half the prompt cached; busier "
+        "than another = sent to a worker with more requests in flight than some other worker had; beside others "
+        "= sent where other requests ran, no worker having fewer; prefill queued ahead = the uncached prompt "
+        "tokens of the requests in flight there, as the router estimated them):\n\n"
+        f"{tail_table}\n\n"
+        "**Router decision latency** (in process, no HTTP):\n\n"
         f"{decision_table}\n\n**Proxied vs direct TTFT** (unique 4-token prompts, 1 output token, alternating "
         "direct / router):\n\n"
-        f"{overhead_table}"
+        f"{overhead_table}\n\n{kept_notes()}"
     )
     path = write_result("router", "Router: policies over replicas", table, notes)
     print(path.read_text())

@@ -22,7 +22,7 @@ from kvserve.kernels.ops import Kernels
 from kvserve.kernels.quant import QuantWeight
 from kvserve.kv.pool import KVPool, KVPoolShape
 from kvserve.model.hf import load_hf_dir
-from kvserve.model.layer_loop import MAX_MIXED_PREFILL_TOKENS, MAX_STEP_ROWS, LayerLoop
+from kvserve.model.layer_loop import EXACT_MAX_STEP_ROWS, MAX_ROWS, MAX_STEP_ROWS, LayerLoop
 from kvserve.model.llama import LlamaModel
 
 SETTINGS = settings(max_examples=25, deadline=None)
@@ -140,20 +140,14 @@ def test_layer_loop_matches_python_loop(kernels, tiny_model_dir, block_size, mon
 def test_layer_loop_applies_only_where_it_can(kernels, tiny_model_dir):
     model = quantized_tiny_llama(tiny_model_dir, kernels)
     blocks = torch.zeros(1, 1, dtype=torch.float32)
-    assert model.layer_loop.applies(16, blocks) and not model.layer_loop.applies(17, blocks)
-    bound = MAX_MIXED_PREFILL_TOKENS
-
-    def step(*spans: int) -> SimpleNamespace:  # a step's metadata as applies reads it: its prefill spans
-        return SimpleNamespace(prefills=[SimpleNamespace(start=0, end=n) for n in spans])
-
-    assert model.layer_loop.applies(16 + bound, blocks, step(bound))  # decodes + a short prefill
-    assert model.layer_loop.applies(bound, blocks, step(bound // 2, bound - bound // 2))
-    assert not model.layer_loop.applies(16 + bound + 1, blocks, step(bound + 1))  # a long prefill
-    assert not model.layer_loop.applies(bound + 1, blocks, step(bound // 2, bound // 2 + 1))
-    assert model.layer_loop.applies(MAX_STEP_ROWS, blocks, step()) and not model.layer_loop.applies(
-        MAX_STEP_ROWS + 1, blocks, step()
-    )
-    assert not model.layer_loop.applies(4, blocks.bfloat16())
+    step = SimpleNamespace(prefills=[SimpleNamespace(start=0, end=300)])  # metadata: any mix of rows
+    loop = model.layer_loop
+    assert loop.applies(MAX_ROWS, blocks) and not loop.applies(MAX_ROWS + 1, blocks)  # no metadata: small only
+    assert loop.applies(EXACT_MAX_STEP_ROWS, blocks, step) and not loop.applies(EXACT_MAX_STEP_ROWS + 1, blocks, step)
+    int8 = quantized_tiny_llama(tiny_model_dir, Kernels("native", kernels.native, activation_quant="int8"))
+    assert int8.layer_loop.applies(MAX_STEP_ROWS, blocks, step)
+    assert not int8.layer_loop.applies(MAX_STEP_ROWS + 1, blocks, step)
+    assert not loop.applies(4, blocks.bfloat16())
     config, weights, _ = load_hf_dir(tiny_model_dir, progress=False)
     assert LlamaModel(config, weights, torch.float32, kernels=kernels).layer_loop is None  # dense weights
     assert LayerLoop.build(quantized_tiny_llama(tiny_model_dir, Kernels.create("torch"))) is None
@@ -168,13 +162,16 @@ def test_layer_loop_rejects_bad_slots(kernels, tiny_model_dir):
         ModelRunner(model, pool).run([ScheduledRequest(request, 2)])
 
 
-def test_layer_loop_decode_is_bit_identical(kernels, tiny_model_dir):
-    """Prompts over the loop's prefill bound prefill in the Python loop; then the decodes (the loop's) match
-    exactly."""
+def test_layer_loop_is_bit_identical_up_to_the_python_loops_gemm_crossover(kernels, tiny_model_dir, monkeypatch):
+    """Prompts of 66-72 tokens prefill in the loop beside decodes (prefill.h for their rows, qgemm.h for the
+    matmuls, as the Python loop's native path up to QGEMM_MAX_ROWS rows): every step's logits equal it."""
     model = quantized_tiny_llama(tiny_model_dir, kernels)
-    assert MAX_MIXED_PREFILL_TOKENS < 66
+    calls = []
+    original = LayerLoop.forward
+    monkeypatch.setattr(LayerLoop, "forward", lambda self, *args: calls.append(1) or original(self, *args))
     prompts = [list(range(3, 73)), list(range(140, 206)), list(range(300, 368))]
     native = run_steps(model, prompts, 4, steps=3)
+    assert len(calls) == 3 + 3
     model.layer_loop = None
     python = run_steps(model, prompts, 4, steps=3)
     assert all(torch.equal(ours, theirs) for ours, theirs in zip(native, python, strict=True))
@@ -204,6 +201,35 @@ def test_decode_step_is_bit_identical_whatever_the_threads(kernels, tiny_model_d
     finally:
         kernels.native.lib.kv_set_num_threads(torch.get_num_threads())
     assert rows.count(num_prompts) >= 3 * 3  # the loop ran every decode step
+
+
+@pytest.mark.parametrize("activation_quant", ["none", "int8"])
+def test_layer_loop_runs_long_prefills(kernels, tiny_model_dir, monkeypatch, activation_quant):
+    """A 300-token prompt beside two decodes and a 9-token prompt (311 rows: the Python loop dequantizes for
+    torch's GEMM there, exact) runs in the loop; int8 also a 600-token one. Logits agree with the Python loop
+    and (exact) with the torch kernels, argmax equal."""
+    chosen = Kernels("native", kernels.native, activation_quant=activation_quant)
+    model = quantized_tiny_llama(tiny_model_dir, chosen)
+    calls = []
+    original = LayerLoop.forward
+    monkeypatch.setattr(
+        LayerLoop, "forward", lambda self, *args: calls.append(args[0].shape[0]) or original(self, *args)
+    )
+    long = 600 if activation_quant == "int8" else 300
+    prompts = [[5, 9, 200], [17, 4], [3 + (7 * i) % 250 for i in range(long)], list(range(7, 16))]
+    native = run_steps(model, prompts, 16, steps=2)
+    assert 2 + long in calls
+    assert len(calls) == len(prompts) + 2  # every step ran in the loop
+    model.layer_loop = None
+    python = run_steps(model, prompts, 16, steps=2)
+    for ours, theirs in zip(native, python, strict=True):
+        assert (ours - theirs).abs().max() <= 1e-4 * theirs.abs().max()
+        assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+    if activation_quant == "none":
+        oracle = run_steps(quantized_tiny_llama(tiny_model_dir, Kernels.create("torch")), prompts, 16, steps=2)
+        for ours, reference_logits in zip(native, oracle, strict=True):
+            assert (ours - reference_logits).abs().max() <= 1e-4 * reference_logits.abs().max()
+            assert torch.equal(ours.argmax(-1), reference_logits.argmax(-1))
 
 
 @pytest.mark.parametrize("activation_quant", ["none", "int8"])
@@ -305,3 +331,146 @@ def test_layer_loop_runs_cascade_groups(kernels, tiny_model_dir, monkeypatch):
     plan.checked_with = None
     with pytest.raises(ValueError, match="same blocks|exceed"):
         step(True, True)
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    decodes=st.lists(st.integers(1, 40), max_size=4), spans=st.lists(
+        st.tuples(st.integers(1, 45), st.integers(0, 30)), min_size=1, max_size=3),  # (new tokens, cached)
+    block_size=st.sampled_from([1, 4, 16]), seed=st.integers(0, 2**16),
+)
+def test_layer_loop_prefill_spans_match_python_loop_and_torch(kernels, tiny_model_dir, decodes, spans, block_size,
+                                                              seed):
+    """One step of decode rows (context lengths `decodes`) beside prefill chunks (some after cached tokens),
+    built by hand over a random pool: the loop (decode attention for the decode rows, prefill.h for the
+    chunks) equals the Python loop with native kernels bit for bit (the same kernels, at most 256 rows) and
+    the torch kernels within 1e-4 relative."""
+    from kvserve.kv.attention import AttentionMetadata, PrefillSpan
+
+    model = _tiny_models(tiny_model_dir, kernels)
+    config = model.config
+    generator = torch.Generator().manual_seed(seed)
+    contexts = decodes + [new + cached for new, cached in spans]
+    needed = [-(-n // block_size) for n in contexts]
+    num_blocks = sum(needed) + 1
+    order = torch.randperm(num_blocks, generator=generator).tolist()
+    tables, start = [], 0
+    for count in needed:
+        tables.append(order[start : start + count])
+        start += count
+    positions, slots = [], []
+    for row, n in enumerate(contexts):
+        first = n - 1 if row < len(decodes) else n - spans[row - len(decodes)][0]
+        for pos in range(first, n):
+            positions.append(pos)
+            slots.append(tables[row][pos // block_size] * block_size + pos % block_size)
+    width = max(needed)
+    padded = [table + [0] * (width - len(table)) for table in tables]
+    prefills, row = [], len(decodes)
+    for index, (new, _) in enumerate(spans):
+        table = tables[len(decodes) + index]
+        prefills.append(PrefillSpan(row, row + new, contexts[len(decodes) + index], torch.tensor(table)))
+        row += new
+    decode_lens = torch.tensor(decodes, dtype=torch.long)
+    key_pos = torch.arange(width * block_size)
+    meta_args = dict(
+        slot_mapping=torch.tensor(slots), num_decodes=len(decodes),
+        decode_block_tables=torch.tensor(padded[: len(decodes)]).view(len(decodes), width) if decodes else None,
+        decode_context_lens=decode_lens if decodes else None,
+        decode_key_mask=(key_pos < decode_lens.view(-1, 1)).view(len(decodes), 1, 1, -1) if decodes else None,
+    )
+    ids = torch.randint(0, 512, (len(positions),), generator=generator)
+    base = torch.randn(config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim,
+                       generator=generator)
+    shape = KVPoolShape(config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+
+    def forward(chosen: LlamaModel, loop: bool) -> torch.Tensor:
+        pool = KVPool(shape, torch.float32, "cpu")
+        pool.tensor.copy_(base)
+        saved = chosen.layer_loop
+        chosen.layer_loop = saved if loop else None
+        try:
+            meta = AttentionMetadata(prefills=list(prefills), **meta_args)
+            if loop:
+                assert saved is not None and saved.applies(len(positions), pool.tensor[0, 0], meta)
+            return chosen.forward(ids, torch.tensor(positions), pool, meta)
+        finally:
+            chosen.layer_loop = saved
+
+    ours, python = forward(model, True), forward(model, False)
+    oracle = forward(_tiny_models(tiny_model_dir, None), False)
+    assert torch.equal(ours, python)
+    assert (ours - oracle).abs().max() <= 1e-4 * oracle.abs().max()
+
+
+_TINY: dict = {}
+
+
+def _tiny_models(tiny_model_dir, kernels: Kernels | None) -> LlamaModel:
+    """The quantized tiny Llama for these kernels (None: the torch kernels), built once per test module run."""
+    key = (str(tiny_model_dir), None if kernels is None else kernels.isa)
+    if key not in _TINY:
+        _TINY[key] = quantized_tiny_llama(tiny_model_dir, kernels or Kernels.create("torch"))
+    return _TINY[key]
+
+
+def test_layer_loop_checks_prefill_spans_before_c():
+    """Spans that would send C past its rows or a block table are refused in Python (ValueError)."""
+    from kvserve.model.layer_loop import _check_spans
+
+    table = torch.tensor([[3, 1]])
+    _check_spans(torch.tensor([[2, 5, 7]]), table, 2, 7, num_blocks=4, block_size=4)  # rows 2..6 after 2 decodes
+    bad = [
+        (torch.tensor([[1, 5, 7]]), table, "follow"),  # overlaps the decode rows
+        (torch.tensor([[2, 4, 7]]), table, "end at row"),  # leaves row 6 uncovered
+        (torch.tensor([[2, 5, 9]]), table, "follow"),  # context beyond the table's 8 slots
+        (torch.tensor([[2, 5, 4]]), table, "follow"),  # fewer context tokens than new ones
+        (torch.tensor([[2, 5, 7]]), torch.tensor([[3, 4]]), "out of range"),  # block 4 of 4
+    ]
+    for spans, tables, message in bad:
+        with pytest.raises(ValueError, match=message):
+            _check_spans(spans, tables, 2, 7, num_blocks=4, block_size=4)
+
+
+def test_layer_loop_runs_cascade_groups_beside_a_prefill(kernels, tiny_model_dir):
+    """Decode rows sharing leading blocks beside a prefill chunk: the loop runs cascade attention for the
+    decode rows and prefill.h for the chunk, as the Python loop does -- logits equal bit for bit -- and
+    differs (summation order only) from the loop without the plan."""
+    from kvserve.kv.attention import AttentionMetadata, PrefillSpan
+    from kvserve.kv.cascade import plan_cascade
+
+    model = quantized_tiny_llama(tiny_model_dir, kernels)
+    config, block_size = model.config, 4
+    shape = KVPoolShape(config.num_layers, 32, block_size, config.num_kv_heads, config.head_dim)
+    base = torch.randn(config.num_layers, 2, 32, block_size, config.num_kv_heads, config.head_dim,
+                       generator=torch.Generator().manual_seed(11)) * 0.5
+    shared = [3, 9, 12, 20, 1]
+    tables = [shared + [5, 6], shared + [7, 8], shared + [10, 11]]
+    context_lens = [23, 25, 22]
+    slots = [tables[row][(n - 1) // block_size] * block_size + (n - 1) % block_size
+             for row, n in enumerate(context_lens)]
+    span_table = [13, 14, 15]  # a chunk of 5 tokens after 6 cached ones: positions 6..10
+    slots += [span_table[p // block_size] * block_size + p % block_size for p in range(6, 11)]
+    positions = torch.tensor([n - 1 for n in context_lens] + list(range(6, 11)))
+    ids = torch.tensor([4, 8, 15, 16, 23, 42, 7, 9])
+    plan = plan_cascade(tables, context_lens, block_size)
+    assert plan is not None and plan.num_groups == 1
+
+    def step(use_plan: bool, loop: bool) -> torch.Tensor:
+        pool = KVPool(shape, torch.float32, "cpu")
+        pool.tensor.copy_(base)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots), num_decodes=3, decode_block_tables=torch.tensor(tables),
+            decode_context_lens=torch.tensor(context_lens), decode_key_mask=None,
+            prefills=[PrefillSpan(3, 8, 11, torch.tensor(span_table))], decode_cascade=plan if use_plan else None,
+        )
+        saved, model.layer_loop = model.layer_loop, (model.layer_loop if loop else None)
+        try:
+            return model.forward(ids, positions, pool, meta)
+        finally:
+            model.layer_loop = saved
+
+    loop_cascade, loop_paged, python_cascade = step(True, True), step(False, True), step(True, False)
+    assert torch.equal(loop_cascade, python_cascade)
+    assert (loop_cascade - loop_paged).abs().max() <= 1e-4 * loop_paged.abs().max()
+    assert not torch.equal(loop_cascade[:3], loop_paged[:3])  # the loop ran the cascade kernel for decodes

@@ -1,9 +1,9 @@
 """The wide quantized GEMM (csrc/qgemm.h) against its torch twin, dequantize + matmul, on random shapes.
 
 Row counts cover a single row, partial tiles (1..W and W+1..2W rows left over), several M blocks (over
-64 rows) and more; widths cover one block and several 128-input panel blocks with a remainder; output
-counts cover partial panels (any N, odd included). Each runs for every ISA the CPU has, the forced AVX2
-path included (`conftest.ISA_PARAMS`).
+64 rows), several superblocks of row blocks (prefill sizes) and more; widths cover one block and several
+128-input panel blocks with a remainder; output counts cover partial panels (any N, odd included). Each
+runs for every ISA the CPU has, the forced AVX2 path included (`conftest.ISA_PARAMS`).
 """
 
 from __future__ import annotations
@@ -44,6 +44,23 @@ def test_qgemm_every_tile_shape_and_row_block(kernels, rows, qtype):
     x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
     got = kernels.native.qgemm(x, weight.data, weight.qtype, weight.in_features)
     torch.testing.assert_close(got, reference.qlinear(x, weight), rtol=1e-5, atol=1e-4)
+
+
+@SETTINGS
+@given(
+    rows=st.integers(60, 700), blocks=st.sampled_from([18, 40, 64, 130]), out_features=st.integers(1, 30),
+    qtype=st.sampled_from(sorted(QTYPES)), seed=st.integers(0, 2**16),
+)
+def test_qgemm_across_superblocks(kernels, rows, blocks, out_features, qtype, seed):
+    """Prefill-sized calls: each panel is dequantized once per superblock of row blocks (about 1 MiB of packed
+    x: 455 rows at 576 inputs, 128 at 2,048, one 64-row block at 4,160), kept and reused by its other blocks;
+    rows cross superblock boundaries with partial last tiles and blocks."""
+    weight = random_quant(out_features, blocks * 32, qtype, seed)
+    x = torch.randn(rows, blocks * 32, generator=torch.Generator().manual_seed(seed))
+    got = kernels.native.qgemm(x, weight.data, weight.qtype, weight.in_features)
+    # Up to summation order over up to 4,160 inputs: bounded by a few dozen ulps of the sum of |products|.
+    bound = 4e-6 * (x.abs() @ reference.dequantize(weight).abs().t()) + 1e-6
+    assert ((got - reference.qlinear(x, weight)).abs() <= bound).all()
 
 
 @pytest.mark.parametrize("rows", [ops.QGEMM_MIN_ROWS - 1, ops.QGEMM_MIN_ROWS, ops.QGEMM_MAX_ROWS,

@@ -92,9 +92,12 @@ class Cluster:
         self.cached_tokens += cached
         self.routed[sim.worker.url] = self.routed.get(sim.worker.url, 0) + 1
         sim.worker.in_flight += 1
+        pending = decision.uncached(key)  # the proxy's count: the policy's estimate, until the answer
+        sim.worker.prefills.append(pending)
 
         def finished() -> None:
             sim.worker.in_flight -= 1
+            sim.worker.prefills.remove(pending)
             new = [h for h in hashes if h not in sim.cached]
             sim.cached.update(new)
             if isinstance(self.policy, KvEventsPolicy) and new:  # the worker's BlockStored event

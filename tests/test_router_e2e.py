@@ -126,6 +126,33 @@ def test_a_conversation_stays_on_its_worker(router):
     assert cached[0] == 0 and all(hits >= 16 for hits in cached[1:]), cached
 
 
+def test_route_header_names_the_decision_and_pending_prefill_comes_back(router):
+    """`x-kvserve-route` says where a request went and what was in flight there; the pending prefill the
+    proxy counts for a request leaves its worker with the first token (streamed) or the answer (unary),
+    and a request that fails at the worker (400) leaves nothing either."""
+    prompt = list(range(40, 80))
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 4, **GREEDY}
+    first = httpx.post(router.url + "/v1/completions", json=body, headers=ALICE, timeout=120)
+    assert first.status_code == 200
+    route = dict(item.strip().split("=", 1) for item in first.headers["x-kvserve-route"].split(";"))
+    assert route["prompt"] == "40" and route["ahead_requests"] == "0" and route["ahead_tokens"] == "0"
+    again = sse_events(router.url, "/v1/completions", {**body, "prompt": prompt + [81, 82]})
+    assert again[-1] == "[DONE]"
+    with httpx.stream("POST", router.url + "/v1/completions", json={**body, "stream": True}, headers=ALICE,
+                      timeout=120) as response:
+        streamed = dict(item.strip().split("=", 1) for item in response.headers["x-kvserve-route"].split(";"))
+        response.read()
+    assert streamed["worker"] == route["worker"] and streamed["reason"] == "cache_hit"
+    assert int(streamed["matched"]) >= 32
+    bad = httpx.post(router.url + "/v1/completions", json={**body, "max_tokens": -1}, headers=ALICE, timeout=60)
+    assert bad.status_code == 400
+    for worker in router.router.pool.workers:
+        assert worker.prefills == [] and worker.in_flight == 0, worker
+    gauges = [line for line in httpx.get(router.url + "/metrics", headers=OPS).text.splitlines()
+              if line.startswith("kvserve_router_worker_pending_prefill_tokens{")]
+    assert len(gauges) == 2 and all(float(line.rsplit(" ", 1)[1]) == 0 for line in gauges), gauges
+
+
 def test_tenant_b_is_not_steered_by_tenant_as_warm_replica(router):
     """B's identical prompt: no cache_hit decision, zero matched tokens, and a cold prefill -- the paired
     cross-tenant probe reads the same through the router as on one server. (Where B lands is left to the

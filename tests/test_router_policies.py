@@ -21,11 +21,13 @@ from kvserve.router.policies import (
     LeastLoadPolicy,
     RoundRobinPolicy,
 )
+from kvserve.router.policies.eta import EtaCost
 from kvserve.router.radix import TokenTree
 from kvserve.router.workers import Worker, WorkerLoad
 from kvserve.server.auth import load_api_keys
 
 ALICE, BOB = ("alice", ""), ("bob", "")
+
 
 
 def workers(count: int, block_size: int = 4) -> list[Worker]:
@@ -109,8 +111,9 @@ def test_cache_aware_sends_a_prefix_back_where_it_went():
     assert follow_up.matched_tokens == len(conversation)
 
 
-def test_cache_aware_spreads_new_prefixes_by_tree_size():
-    policy, pool = CacheAwarePolicy(), workers(2)
+@pytest.mark.parametrize("estimate", ["requests", "eta"])
+def test_cache_aware_spreads_new_prefixes_by_tree_size(estimate):
+    policy, pool = CacheAwarePolicy(CacheAwareSettings(load_estimate=estimate)), workers(2)
     chosen = []
     for i in range(6):
         prompt = key([1000 + i] * 32)
@@ -122,7 +125,9 @@ def test_cache_aware_spreads_new_prefixes_by_tree_size():
 
 
 def test_cache_aware_ignores_affinity_when_imbalanced():
-    policy, pool = CacheAwarePolicy(CacheAwareSettings(balance_abs=4, balance_rel=1.5)), workers(2)
+    """SGLang's rule as the issue states it (load_estimate="requests")."""
+    settings = CacheAwareSettings(balance_abs=4, balance_rel=1.5, load_estimate="requests")
+    policy, pool = CacheAwarePolicy(settings), workers(2)
     prompt = key(range(64))
     policy.on_routed(prompt, pool[0])
     pool[0].in_flight = 10  # 10 − 0 > 4 and 10 > 1.5 × 0
@@ -139,7 +144,7 @@ def test_imbalance_guard_copies_only_a_hot_prefix(make):
     document is asked 16 times in the last 28 it is hot and copied to an idle worker. The old guard, on
     request counts alone, copied both."""
     policy, pool = make(), workers(4)
-    docs = [list(range(1000 * d, 1000 * d + 64)) for d in range(1, 5)]
+    docs = [list(range(1000 * d, 1000 * d + 256)) for d in range(1, 5)]
 
     def route(prompt, worker):
         policy.on_routed(key(prompt), worker)
@@ -160,7 +165,7 @@ def test_imbalance_guard_copies_only_a_hot_prefix(make):
 
 
 def test_cache_aware_threshold_fraction():
-    policy, pool = CacheAwarePolicy(CacheAwareSettings(cache_threshold=0.5)), workers(2)
+    policy, pool = CacheAwarePolicy(CacheAwareSettings(cache_threshold=0.5, load_estimate="requests")), workers(2)
     policy.on_routed(key(range(10)), pool[0])
     policy.on_routed(key([999] * 40), pool[1])  # pool[1] has the bigger tree
     assert policy.choose(key(range(30)), pool).reason == "smallest_tree"  # 10/30 matched: not enough
@@ -251,55 +256,109 @@ def test_kv_events_policy_follows_the_index_within_the_tenant():
     assert bob.matched_tokens == 0 and bob.reason == "least_load"
 
 
-def test_kv_events_policy_weighs_load_against_cached_blocks():
-    policy, pool = KvEventsPolicy(load_weight=1.0, balance_abs=8), workers(2, block_size=4)
-    policy.request_cost.mean = 8.0  # one request of load gap costs 8 tokens of prefill
+def test_kv_events_policy_weighs_queued_prefill_against_cached_blocks():
+    """eta = uncached tokens + load_weight × (Σ min(pending prefill, uncached) + overhead × in flight)."""
+    policy, pool = KvEventsPolicy(EtaCost(load_weight=1.0, request_overhead=0.0), balance_abs=8), workers(2)
     tokens = list(range(16))
     hashes = block_hashes(tokens, 4, ALICE, "sha256")
-    policy.index.store(pool[0].url, hashes[:1])  # 4 tokens cached on w0 only
-    pool[0].in_flight = 2  # and w0 is 2 requests busier: 12 + 2 × 8 > 16 + 0
+    policy.index.store(pool[0].url, hashes[:1])  # 4 tokens cached on w0 only: 12 uncached there
+    pool[0].in_flight, pool[0].prefills = 1, [24]  # 12 + min(24, 12) > 16 + 0
     decision = policy.choose(key(tokens), pool)
-    assert decision.worker is pool[1] and decision.reason == "rebalance"
-    policy.index.store(pool[0].url, hashes)  # the whole prompt: 0 + 2 × 6 < 16 + 0
-    policy.request_cost.mean = 6.0
+    assert decision.worker is pool[1] and decision.reason == "rebalance" and decision.matched_tokens == 0
+    pool[0].prefills = [2]  # 12 + 2 < 16
+    decision = policy.choose(key(tokens), pool)
+    assert decision.worker is pool[0] and decision.reason == "cache_hit" and decision.matched_tokens == 4
+    pool[0].prefills = [24]
+    pool[1].in_flight, pool[1].prefills = 1, [24]  # 12 + 12 < 16 + 16: the other worker is busy too
     assert policy.choose(key(tokens), pool).worker is pool[0]
-    pool[0].in_flight = 3  # 3 − 0 > balance_abs 2: SGLang's guard, before any score
-    assert KvEventsPolicy(balance_abs=2).choose(key(tokens), pool).reason == "imbalance"
+    pool[0].in_flight = 3  # 3 − 1 > balance_abs 1 and 3 > 1.5 × 1: SGLang's guard, before any score
+    assert KvEventsPolicy(balance_abs=1).choose(key(tokens), pool).reason == "imbalance"
 
 
-def test_kv_events_policy_keeps_a_conversation_whose_history_only_its_worker_holds():
-    """A chat turn: both workers hold the shared system prompt, only w0 the conversation's history. A
-    one-request load gap is worth less than the history: the turn stays (the old score, cached fraction
-    − gap / 4, moved it: 320/336 − 0.25 < 256/336)."""
-    policy, pool = KvEventsPolicy(), workers(2, block_size=16)
-    system, history, question = list(range(256)), list(range(1000, 1064)), list(range(2000, 2016))
-    tokens = system + history + question
+def chat_turn(policy: KvEventsPolicy, pool: list[Worker]) -> RouteKey:
+    """A turn at the benchmark's sizes (blocks of 16): both workers hold the shared 512-token system
+    prompt, w0 also the conversation's previous prompt (240 tokens); the reply carried into the history
+    (192) and the new question (48) are new. Uncached: 240 on w0, 480 on w1."""
+    system, previous, new = list(range(512)), list(range(1000, 1240)), list(range(2000, 2240))
+    tokens = system + previous + new
     hashes = block_hashes(tokens, 16, ALICE, "sha256")
-    policy.index.store(pool[0].url, hashes[:20])  # system + history
-    policy.index.store(pool[1].url, hashes[:16])  # system only
-    pool[0].in_flight, pool[1].in_flight = 2, 1
-    policy.request_cost.mean = 48.0  # a chat turn's question and reply
-    decision = policy.choose(key(tokens), pool)
-    assert decision.worker is pool[0] and decision.reason == "cache_hit" and decision.matched_tokens == 320
-    pool[0].in_flight = 3  # two requests busier (the guard stays off at 3 − 1): 16 + 2 × 48 > 80
-    policy.request_cost.mean = 48.0
-    assert policy.choose(key(tokens), pool).worker is pool[1]
+    policy.index.store(pool[0].url, hashes[:47])  # system + previous prompt
+    policy.index.store(pool[1].url, hashes[:32])  # system only
+    return key(tokens)
 
 
-def test_kv_events_request_cost_tracks_the_uncached_tokens_of_warm_requests():
-    policy, pool = KvEventsPolicy(), workers(2, block_size=4)
-    assert policy.request_cost.tokens(4) == 4  # nothing routed yet: one block
-    doc = list(range(100, 140))
-    first = policy.choose(key(doc + [1, 2, 3, 4]), pool)  # a first read: cached nowhere, not counted
-    assert first.reason == "least_load" and policy.request_cost.mean is None
-    policy.on_routed(key(doc + [1, 2, 3, 4]), first.worker)  # pending on its worker from now on
-    pool[0].in_flight = pool[1].in_flight = 0
-    pool[pool.index(first.worker)].in_flight = 1  # its worker is busy with the document's prefill
-    second = policy.choose(key(doc + [5, 6, 7, 8]), pool)  # 4 uncached there + 1 × 4 < 44 elsewhere
-    assert second.worker is first.worker and second.reason == "cache_hit"
-    assert policy.request_cost.mean == 4
-    policy.choose(key(range(100, 180)), pool)  # 40 uncached on the warm worker
-    assert 4 < policy.request_cost.mean < 40
+def test_kv_events_policy_moves_a_conversation_only_when_its_queue_outweighs_its_history():
+    """Defaults (load_weight 2/3, 32 tokens per request in flight)."""
+    policy, pool = KvEventsPolicy(balance_abs=8), workers(2, block_size=16)
+    turn = chat_turn(policy, pool)
+    pool[0].in_flight, pool[0].prefills = 2, [240, 240]  # 240 + ⅔ × (480 + 64) = 603
+    pool[1].in_flight, pool[1].prefills = 1, [240]  # 480 + ⅔ × (240 + 32) = 661
+    decision = policy.choose(turn, pool)
+    assert decision.worker is pool[0] and decision.reason == "cache_hit" and decision.matched_tokens == 752
+    pool[1].in_flight, pool[1].prefills = 0, []
+    pool[0].in_flight, pool[0].prefills = 3, [240, 240, 240]  # 240 + ⅔ × (720 + 96) = 784 > 480: w1 idles
+    decision = policy.choose(turn, pool)
+    assert decision.worker is pool[1] and decision.reason == "rebalance" and decision.matched_tokens == 512
+    pool[0].prefills = [48, 48, 48]  # as many requests, short ones: 240 + ⅔ × (144 + 96) = 400 < 480
+    assert policy.choose(turn, pool).worker is pool[0]
+
+
+def test_kv_events_policy_load_weight_prices_a_copy():
+    """The first case above at load_weight 1: 240 + 544 > 480 + 272, the turn moves (and copies its
+    history) where at ⅔ it waits."""
+    policy, pool = KvEventsPolicy(EtaCost(load_weight=1.0), balance_abs=8), workers(2, block_size=16)
+    turn = chat_turn(policy, pool)
+    pool[0].in_flight, pool[0].prefills = 2, [240, 240]
+    pool[1].in_flight, pool[1].prefills = 1, [240]
+    assert policy.choose(turn, pool).worker is pool[1]
+
+
+def test_a_short_request_does_not_wait_for_a_long_prefill_ahead():
+    """The workers share each step among the prefills they run (chunked, newcomers first), so a question
+    about a document whose first read still runs on w0 waits for about its own length of that read
+    (48 + ⅔ × (48 + 32) on w0), not for all of it: it stays rather than read the document again on the
+    idle w1 (1,072). Counting the whole read ahead (1,072 + ...) would copy the document."""
+    doc, question = list(range(5000, 6024)), list(range(7000, 7048))
+    policy, pool = KvEventsPolicy(EtaCost(load_weight=1.0)), workers(2, block_size=16)
+    policy.on_routed(key(doc + list(range(8000, 8048))), pool[0])  # pending on w0: no event yet
+    pool[0].in_flight, pool[0].prefills = 1, [1072]
+    decision = policy.choose(key(doc + question), pool)
+    assert decision.worker is pool[0] and decision.matched_tokens == 1024
+
+
+def test_eta_cost_is_checked_and_counts_work_ahead():
+    with pytest.raises(ValueError, match="load_weight"):
+        EtaCost(load_weight=-1.0)
+    with pytest.raises(ValueError, match="request_overhead"):
+        EtaCost(request_overhead=-1.0)
+    with pytest.raises(ValueError, match="load_estimate"):
+        CacheAwareSettings(load_estimate="guess")
+    worker = workers(1)[0]
+    worker.in_flight, worker.prefills = 2, [60, 40]
+    cost = EtaCost(load_weight=0.5, request_overhead=10.0)
+    assert cost.queued(worker, 30) == 30 + 30 + 20 and cost.eta(worker, 30) == 30 + 0.5 * 80
+    assert cost.queued(worker, 50) == 50 + 40 + 20
+    assert cost.costs(50, {worker: 80}) == {worker: 0.5 * 20}  # more held than asked: nothing uncached
+
+
+def test_cache_aware_eta_leaves_a_busy_holder_for_an_idle_worker():
+    """SGLang's rule (requests) keeps a hit on its busy holder while the load gap is within balance_abs;
+    with eta the same hit moves once the queue outweighs the prompt. A miss still goes to the smallest
+    tree; among equal trees, to the least estimate."""
+    conversation, new = list(range(100, 400)), list(range(1000, 1240))
+    for estimate, expected in (("requests", 0), ("eta", 1)):
+        policy, pool = CacheAwarePolicy(CacheAwareSettings(load_estimate=estimate)), workers(2)
+        policy.on_routed(key(conversation), pool[0])
+        pool[0].in_flight, pool[0].prefills = 2, [300, 300]  # 2 − 0 is not > balance_abs 2
+        decision = policy.choose(key(conversation + new), pool)  # eta: 240 + ⅔ × (480 + 64) > 540 + 0
+        assert decision.worker is pool[expected], estimate
+        assert decision.reason == ("cache_hit" if estimate == "requests" else "rebalance")
+    policy, pool = CacheAwarePolicy(), workers(3)
+    policy.on_routed(key([9] * 50), pool[2])  # w2's tree is the bigger
+    pool[0].in_flight, pool[0].prefills = 1, [200]  # w0 and w1: 1 request each, w0's the longer
+    pool[1].in_flight, pool[1].prefills = 1, [20]
+    decision = policy.choose(key(range(500, 540)), pool)
+    assert decision.worker is pool[1] and decision.reason == "smallest_tree"
 
 
 def test_kv_events_policy_counts_what_it_just_sent_until_the_worker_reports():

@@ -34,6 +34,8 @@ _SIGNATURES = {
     "kv_swiglu": [ctypes.c_int, _P, _I, _I, _P],
     "kv_layer_forward": [ctypes.c_int, _P, ctypes.c_int, _P, _I, _P, _P, _P, _I, _I, _P, _I, _P, _I, _P, _P, _P, _P,
                          _P],
+    "kv_layer_forward_spans": [ctypes.c_int, _P, ctypes.c_int, _P, _I, _P, _P, _P, _I, _I, _P, _I, _P, _I, _P, _P, _P,
+                               _P, _I, _I, _P, _P, _P, _P, _I, _P],
     "kv_cascade_attention": [ctypes.c_int, _P, _I, _I, _I, _I, _P, _P, _I, _P, _I, _P, _I, _P, _P, _P, _P, _F, _P],
     "kv_prefill_attention": [ctypes.c_int, _P, _I, _I, _I, _P, _P, _I, _I, _P, _P, _P, _P, _I, _F, _P],
 }

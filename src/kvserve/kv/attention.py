@@ -23,11 +23,6 @@ import torch.nn.functional as F
 from kvserve.kernels.cascade_plan import CascadeTensors
 from kvserve.kernels.ops import Kernels
 
-# The C layer loop (model/layer_loop.py) attends prefill rows one by one through paged_attention (no query
-# tiling), so it takes mixed steps only up to this many prefill tokens; the Python loop's native path tiles
-# queries (csrc/prefill.h) at any length.
-IN_PLACE_PREFILL_MAX_TOKENS = 64
-
 
 @dataclass(slots=True)
 class PrefillSpan:
@@ -99,7 +94,7 @@ def paged_attention(
         # Every prefill chunk (fresh or after cached blocks) in one native call: query tiles against the
         # pool's keys in place (csrc/prefill.h), no gather, both threads busy across spans and KV heads.
         if meta.native_spans is None:
-            meta.native_spans = _native_spans(meta.prefills, queries.device)
+            meta.native_spans = native_spans(meta.prefills, queries.device)
         spans, tables = meta.native_spans
         kernels.native.prefill_attention(queries.contiguous(), key_blocks, value_blocks, spans, tables, scale,
                                          out=output)
@@ -112,7 +107,7 @@ def paged_attention(
     return output.view(num_tokens, num_heads * head_dim)
 
 
-def _native_spans(prefills: list[PrefillSpan], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def native_spans(prefills: list[PrefillSpan], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The spans as the native prefill kernel takes them: ``[S, 3]`` (first row, tokens, context length)
     and their block tables padded to one width (padding is never read: it lies past every context)."""
     spans = torch.tensor([[span.start, span.end - span.start, span.context_len] for span in prefills],

@@ -4,22 +4,21 @@ At 135M parameters a decode step's Python loop spends as long in ~15 torch ops a
 as in the matmuls themselves (benchmarks/step_profile.py). `LayerLoop` describes every layer's weights to
 the C side once, at model load (ctypes structures pointing at the model's own tensors, kept alive by the
 model), and each step passes only its tokens, slots, block tables and context lengths
-(csrc/layer.h). It runs the same kernels in the same order as the Python loop with native kernels, so
-decode steps are bit-identical to it; prefill rows attend through the pool (paged attention) where the
-Python loop runs torch's SDPA on a fresh prompt: logits agree within 1e-4 relative.
+(csrc/layer.h). It runs the same kernels in the same order as the Python loop with native kernels: decode
+rows attend through paged attention (cascade attention with a shared-prefix plan), each prefill chunk through
+csrc/prefill.h (query tiles against the pool's keys, fresh or after cached blocks), so up to
+`QGEMM_MAX_ROWS` rows a step's logits are bit-identical to the Python loop's; beyond, that loop's
+dequantize + torch GEMM differs from qgemm.h in summation order only.
 
 It applies to: native kernels, float32 on the CPU, every layer projection quantized (GGUF blocks), hidden
-and head sizes a multiple of the SIMD width, no LoRA in the step, and a step of at most `MAX_ROWS` tokens or
-of up to `MAX_STEP_ROWS` rows whose prefill tokens number at most `MAX_MIXED_PREFILL_TOKENS`: decode-only
-steps and the mixed steps of a loaded server (a dozen or more decodes beside a newcomer's short chat
-prefill: that step is most of the newcomer's TTFT). From 5 rows its exact matmuls run the wide GEMM of
-csrc/qgemm.h, as `Kernels.linear` does; int8 activations run the int8 matmul at any row count. Each prefill
-row attends through the pool to its first `ctx_lens[t]` tokens (cached blocks, then its chunk causally;
-every row's K/V is written before any row attends), row by row. Whole step beside 16 decodes, 1 thread: a
-chunk of 128 tokens after 1,024 cached ones took 1.5x the Python loop's time (its gather + flash SDPA), one
-of 64 (where the Python loop also reads the pool in place) 0.93x, a fresh 48-token prompt 0.92x
-(benchmarks/decode_step.py --mixed).
-Longer prefills run the Python loop; so does everything else.
+and head sizes a multiple of the SIMD width, no LoRA in the step, and a step of at most `MAX_ROWS` tokens
+or, with the engine's metadata, of up to `EXACT_MAX_STEP_ROWS` rows (float32 activations) or
+`MAX_STEP_ROWS` (int8): decodes, prefill chunks, any mix. From 5 rows its exact matmuls run the wide GEMM of
+csrc/qgemm.h; int8 activations run the int8 matmul at any row count. Prefill, 1 thread, CPU time, whole
+request (benchmarks/results/kernels_prefill.md): exact 256-512 tokens 1.03-1.11x the Python loop, 1,024-2,048
+0.85x (torch's GEMM on dequantized weights is faster there, hence the exact bound); int8 512 tokens 1.07x,
+2,048 1.22x (the same int8 kernel; the Python loop's fresh per-layer buffers and ~15 calls per layer cost).
+Longer steps run the Python loop; so does everything else.
 """
 
 from __future__ import annotations
@@ -32,18 +31,21 @@ import torch
 from kvserve.kernels.cascade_plan import CASCADE_FIELDS, check_cascade_plan
 from kvserve.kernels.ops import NATIVE_QMATMUL_MAX_ROWS, Kernels
 from kvserve.kernels.quant import QuantWeight
-from kvserve.kv.attention import IN_PLACE_PREFILL_MAX_TOKENS, AttentionMetadata
+from kvserve.kv.attention import AttentionMetadata, native_spans
 from kvserve.kv.pool import KVPool
 
 if TYPE_CHECKING:
     from kvserve.model.llama import LlamaModel
 
 MAX_ROWS = NATIVE_QMATMUL_MAX_ROWS
-MAX_STEP_ROWS = 256  # wider steps (decodes, plus short prefills) up to this many rows, matmuls through qgemm.h
-# A step over MAX_ROWS takes the loop only while its prefill tokens are at most this many: each prefill row
-# attends through the pool row by row (no query tiling); past kv/attention.py's IN_PLACE_PREFILL_MAX_TOKENS
-# a chunk continuing a long context loses to the Python loop's flash SDPA (benchmarks/decode_step.py --mixed).
-MAX_MIXED_PREFILL_TOKENS = IN_PLACE_PREFILL_MAX_TOKENS
+# Steps with the engine's metadata run here up to this many rows (decodes, prefill chunks, any mix) with int8
+# activations; past it (a --max-num-batched-tokens above the default 2,048) the Python loop, whose per-layer
+# buffers are smaller.
+MAX_STEP_ROWS = 4096
+# With float32 activations only up to this many: beyond it torch's GEMM on weights dequantized per call beats
+# qgemm.h (1 thread, CPU time: the whole prefill ran 0.85x the Python loop's speed at 1,024 and 2,048 tokens,
+# 1.03-1.11x at 256-512; the int8 matmul is the same kernel in both loops).
+EXACT_MAX_STEP_ROWS = 512
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 
@@ -103,11 +105,8 @@ class LayerLoop:
     def applies(self, num_tokens: int, key_blocks: torch.Tensor, meta: AttentionMetadata | None = None) -> bool:
         if key_blocks.dtype != torch.float32 or num_tokens <= 0:
             return False
-        if num_tokens <= MAX_ROWS:
-            return True
-        if meta is None or num_tokens > MAX_STEP_ROWS:
-            return False
-        return sum(span.end - span.start for span in meta.prefills) <= MAX_MIXED_PREFILL_TOKENS
+        limit = MAX_STEP_ROWS if self.act_quant else EXACT_MAX_STEP_ROWS
+        return num_tokens <= MAX_ROWS or (meta is not None and num_tokens <= limit)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_pool: KVPool, meta: AttentionMetadata
@@ -116,15 +115,19 @@ class LayerLoop:
         model = self.model
         hidden = model.kernels.embedding(input_ids, model.embed_tokens).float().contiguous()
         num_tokens = hidden.shape[0]
-        tables, context_lens = _row_tables(meta, num_tokens)
         pool = kv_pool.tensor
         slots, positions = meta.slot_mapping.contiguous(), positions.contiguous()
         config = model.config
         if pool.shape[0] != config.num_layers or pool.shape[4:] != (config.num_kv_heads, config.head_dim):
             raise ValueError(f"KV pool {tuple(pool.shape)} does not match the model")
-        _check_step(pool, positions, slots, tables, context_lens, model.rope_cos.shape[0], num_tokens)
         out = torch.empty_like(hidden)
         layer_stride = pool[0].numel()
+        if meta.prefills:
+            self._forward_spans(hidden, num_tokens, positions, slots, pool, layer_stride, kv_pool.block_size, meta,
+                                out)
+            return out
+        tables, context_lens = meta.decode_block_tables.contiguous(), meta.decode_context_lens.contiguous()
+        _check_step(pool, positions, slots, tables, context_lens, model.rope_cos.shape[0], num_tokens)
         cascade = _cascade_arguments(meta, tables, context_lens, kv_pool.block_size, num_tokens)
         status = self.native.lib.kv_layer_forward(
             self.native.code, ctypes.byref(self._model), self.act_quant, hidden.data_ptr(), num_tokens,
@@ -135,14 +138,44 @@ class LayerLoop:
             raise ValueError(f"native layer loop failed with status {status}")
         return out
 
+    def _forward_spans(
+        self, hidden: torch.Tensor, num_tokens: int, positions: torch.Tensor, slots: torch.Tensor,
+        pool: torch.Tensor, layer_stride: int, block_size: int, meta: AttentionMetadata, out: torch.Tensor,
+    ) -> None:
+        """A step with prefill chunks: decode rows attend through their tables, each chunk through prefill.h."""
+        num_decodes = meta.num_decodes
+        if num_decodes:
+            tables, context_lens = meta.decode_block_tables.contiguous(), meta.decode_context_lens.contiguous()
+        else:  # no decode rows: a placeholder table the checks accept and the kernel never reads
+            tables, context_lens = torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, dtype=torch.int64)
+        _check_step(pool, positions, slots, tables, context_lens, self.model.rope_cos.shape[0], num_decodes or 1,
+                    num_tokens)
+        if meta.native_spans is None:
+            meta.native_spans = native_spans(meta.prefills, hidden.device)
+        spans, span_tables = meta.native_spans
+        _check_spans(spans, span_tables, num_decodes, num_tokens, pool.shape[2], block_size)
+        spans_t = spans.t().contiguous()  # [3, S]: first rows, lengths, context lengths
+        cascade = _cascade_arguments(meta, tables, context_lens, block_size, num_decodes) if num_decodes else (
+            0, None, None, None, None)
+        status = self.native.lib.kv_layer_forward_spans(
+            self.native.code, ctypes.byref(self._model), self.act_quant, hidden.data_ptr(), num_tokens,
+            positions.data_ptr(), slots.data_ptr(), pool.data_ptr(), layer_stride, block_size,
+            tables.data_ptr(), tables.shape[1], context_lens.data_ptr(), *cascade, num_decodes, spans.shape[0],
+            spans_t[0].data_ptr(), spans_t[1].data_ptr(), spans_t[2].data_ptr(), span_tables.data_ptr(),
+            span_tables.shape[1], out.data_ptr(),
+        )
+        if status != 0:
+            raise ValueError(f"native layer loop failed with status {status}")
+
 
 def _cascade_arguments(
     meta: AttentionMetadata, tables: torch.Tensor, context_lens: torch.Tensor, block_size: int, num_tokens: int
 ) -> tuple[int, ...]:
-    """The step's cascade groups as the C call takes them (checked first), or no groups: a decode-only step
-    with a plan runs cascade attention in every layer, anything else plain paged attention."""
+    """The step's cascade groups among its decode rows as the C call takes them (checked first), or no groups:
+    decode rows with a plan run cascade attention in every layer (beside prefill chunks too, as the Python
+    loop does), otherwise plain paged attention."""
     plan = meta.decode_cascade
-    if plan is None or meta.prefills or plan.num_groups == 0:
+    if plan is None or plan.num_groups == 0:
         return (0, None, None, None, None)
     for name in CASCADE_FIELDS:
         tensor = getattr(plan, name)
@@ -153,37 +186,22 @@ def _cascade_arguments(
             plan.group_shared_blocks.data_ptr(), plan.row_shared_blocks.data_ptr())
 
 
-def _row_tables(meta: AttentionMetadata, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One block table row and context length per token: decodes as they are, each prefill row its span's
-    table with the context up to and including itself."""
-    if not meta.prefills:
-        return meta.decode_block_tables.contiguous(), meta.decode_context_lens.contiguous()
-    width = max(len(span.block_table) for span in meta.prefills)
-    if meta.num_decodes:
-        width = max(width, meta.decode_block_tables.shape[1])
-    tables = torch.zeros(num_tokens, width, dtype=torch.int64)
-    context_lens = torch.empty(num_tokens, dtype=torch.int64)
-    if meta.num_decodes:
-        tables[: meta.num_decodes, : meta.decode_block_tables.shape[1]] = meta.decode_block_tables
-        context_lens[: meta.num_decodes] = meta.decode_context_lens
-    for span in meta.prefills:
-        tables[span.start : span.end, : len(span.block_table)] = span.block_table
-        num_new = span.end - span.start
-        context_lens[span.start : span.end] = torch.arange(span.context_len - num_new + 1, span.context_len + 1)
-    return tables, context_lens
-
-
 def _check_step(
     pool: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
-    context_lens: torch.Tensor, max_positions: int, num_tokens: int,
+    context_lens: torch.Tensor, max_positions: int, num_rows: int, num_tokens: int | None = None,
 ) -> None:
-    """Raw pointers go to C: every index it will follow is checked first (a ValueError, never a wild read)."""
+    """Raw pointers go to C: every index it will follow is checked first (a ValueError, never a wild read).
+    `num_rows`: the rows of `tables` / `context_lens` (every token's, unless prefill spans cover the rest)."""
+    num_tokens = num_rows if num_tokens is None else num_tokens
     num_blocks, block_size = pool.shape[2], pool.shape[3]
     if not pool.is_contiguous() or pool.dtype != torch.float32:
         raise ValueError("the KV pool must be a contiguous float32 tensor")
-    for values, name in ((positions, "positions"), (slots, "slots"), (context_lens, "context lens")):
-        if values.dtype != torch.int64 or values.shape != (num_tokens,):
-            raise ValueError(f"{name} must be int64 [{num_tokens}], got {values.dtype} {tuple(values.shape)}")
+    for values, name, count in ((positions, "positions", num_tokens), (slots, "slots", num_tokens),
+                                (context_lens, "context lens", num_rows)):
+        if values.dtype != torch.int64 or values.shape != (count,):
+            raise ValueError(f"{name} must be int64 [{count}], got {values.dtype} {tuple(values.shape)}")
+    if tables.dtype != torch.int64 or tables.dim() != 2 or tables.shape[0] != num_rows:
+        raise ValueError(f"block tables must be int64 [{num_rows}, width], got {tables.dtype} {tuple(tables.shape)}")
     checks = (
         (positions, max_positions, "positions"), (slots, num_blocks * block_size, "slots"),
         (tables, num_blocks, "block tables"),
@@ -193,3 +211,22 @@ def _check_step(
             raise ValueError(f"{name} out of range [0, {limit})")
     if int(context_lens.min()) < 1 or int(context_lens.max()) > tables.shape[1] * block_size:
         raise ValueError("a context length is < 1 or exceeds its block table")
+
+
+def _check_spans(
+    spans: torch.Tensor, tables: torch.Tensor, num_decodes: int, num_tokens: int, num_blocks: int, block_size: int
+) -> None:
+    """The prefill spans tile rows [num_decodes, num_tokens) in order, each within its block table."""
+    if spans.dtype != torch.int64 or tables.dtype != torch.int64 or not tables.is_contiguous():
+        raise ValueError("prefill spans and their block tables must be contiguous int64")
+    if spans.dim() != 2 or spans.shape[1] != 3 or tables.dim() != 2 or tables.shape[0] != spans.shape[0]:
+        raise ValueError("prefill spans must be [S, 3] (start, tokens, context) with one block table row each")
+    if int(tables.min()) < 0 or int(tables.max()) >= num_blocks:
+        raise ValueError(f"prefill block tables out of range [0, {num_blocks})")
+    row, capacity = num_decodes, tables.shape[1] * block_size
+    for start, tokens, context in spans.tolist():
+        if start != row or tokens < 1 or not tokens <= context <= capacity:
+            raise ValueError("prefill spans must follow the decode rows in order, each non-empty within its table")
+        row += tokens
+    if row != num_tokens:
+        raise ValueError(f"prefill spans end at row {row}, the step has {num_tokens}")

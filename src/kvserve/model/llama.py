@@ -9,8 +9,8 @@ an `AttentionMetadata` argument.
 The hot ops go through a `Kernels` object (native C++ or the torch reference): quantized projections
 (`QuantWeight`, GGUF blocks kept as stored) run in the native matmul, RMSNorm is fused with the residual
 add, and decode attention reads the pool in place; RoPE + the KV write and SwiGLU are one fused call each.
-A step the native layer loop covers (`layer_loop.py`: quantized weights, float32, no LoRA, up to 16
-tokens, or up to 256 rows with at most 64 of them prefill) runs every layer in one C call instead of this loop.
+A step the native layer loop covers (`layer_loop.py`: quantized weights, float32, no LoRA, up to 512 rows
+of decodes and prefill chunks, 4,096 with int8 activations) runs every layer in one C call instead of this loop.
 """
 
 from __future__ import annotations

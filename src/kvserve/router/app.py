@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, Response
 from kvserve.router.handoff import FallbackLog, run_prefill
 from kvserve.router.keys import CHAT_PATH, COMPLETIONS_PATH, RequestKeyer, RouteKey
 from kvserve.router.metrics import RouterMetrics
-from kvserve.router.policies.base import Policy
+from kvserve.router.policies.base import Decision, Policy
 from kvserve.router.policies.pd import FALLBACK_REASONS, PdPolicy
 from kvserve.router.proxy import (
     CLIENT_CLOSED_REQUEST,
@@ -79,13 +79,17 @@ class Router:
             candidates = [worker for worker in self.pool.healthy() if worker not in tried]
             if not candidates:
                 break
+            prefill, route = 0, None
             if first is not None and first in candidates:
                 worker, first = first, None
                 self.policy.on_routed(key, worker)
             else:
-                worker = self._decide(key, candidates, started if attempt == 0 else None)
+                decision = self._decide(key, candidates, started if attempt == 0 else None)
+                worker, prefill = decision.worker, decision.uncached(key)
+                route = route_header(decision, key, candidates)
             tried.add(worker)
-            upstream = Upstream(self.client, worker, path, body, forward_headers(request), self.metrics)
+            upstream = Upstream(self.client, worker, path, body, forward_headers(request), self.metrics,
+                                prefill, route)
             try:
                 response = await (upstream.stream(request) if streaming else upstream.unary(request))
             except WorkerFailed as err:
@@ -124,7 +128,7 @@ class Router:
                                     forward_headers(request))
         return outcome.answer if outcome.answer is not None else plan.decode
 
-    def _decide(self, key: RouteKey, candidates: list[Worker], started: float | None) -> Worker:
+    def _decide(self, key: RouteKey, candidates: list[Worker], started: float | None) -> Decision:
         decision = self.policy.choose(key, candidates)
         self.policy.on_routed(key, decision.worker)
         self.metrics.decisions.labels(self.policy.name, decision.reason).inc()
@@ -134,7 +138,7 @@ class Router:
             self.metrics.matched_tokens.labels(decision.worker.url).inc(decision.matched_tokens)
         if started is not None:
             self.metrics.routing.observe(time.perf_counter() - started)
-        return decision.worker
+        return decision
 
     async def models(self, request: Request) -> Response:
         for worker in self.pool.healthy():
@@ -198,6 +202,16 @@ def build_router_app(router: Router) -> FastAPI:
         return Response(router.metrics.render(), media_type=PROMETHEUS_CONTENT_TYPE)
 
     return app
+
+
+def route_header(decision: Decision, key: RouteKey, candidates: list[Worker]) -> str:
+    """`proxy.ROUTE_HEADER`'s value: the decision and the chosen worker's queue as the router saw it."""
+    worker = decision.worker
+    others = [other.in_flight for other in candidates if other is not worker]
+    prompt = len(key.tokens) if key.tokens is not None else 0
+    return (f"worker={worker.url}; reason={decision.reason}; prompt={prompt}; matched={decision.matched_tokens}; "
+            f"ahead_requests={worker.in_flight}; ahead_tokens={worker.pending_prefill}; "
+            f"others_min_requests={min(others, default=0)}")
 
 
 async def _read_body(request: Request) -> bytes | None:

@@ -55,8 +55,13 @@ def _add_common_flags(parser: argparse.ArgumentParser, port: int) -> None:
     group.add_argument("--cache-threshold", type=float, default=defaults.CACHE_THRESHOLD)
     group.add_argument("--tree-budget", type=int, default=defaults.TREE_BUDGET, help="tokens per worker tree")
     group.add_argument("--load-weight", type=float, default=defaults.LOAD_WEIGHT,
-                       help="kv_events: each request of load gap costs this many times the mean uncached "
-                            "tokens of a request, against the tokens a worker's cache saves")
+                       help="cache_aware (eta) and kv_events: a worker's estimate is the prompt tokens it lacks "
+                            "+ this × the prefill tokens and requests (× --request-overhead) queued there")
+    group.add_argument("--request-overhead", type=float, default=defaults.REQUEST_OVERHEAD,
+                       help="tokens of prefill one request in flight costs besides its prompt")
+    group.add_argument("--load-estimate", default="eta", choices=defaults.LOAD_ESTIMATES,
+                       help="cache_aware: pick among cache holders and new workers by estimated time to first "
+                            "token (eta), or by request count (requests: SGLang's rule as is)")
     group.add_argument("--pd-min-prompt", type=int, default=defaults.PD_MIN_PROMPT,
                        help="pd: prompts shorter than this (tokens) skip the prefill workers")
 
@@ -66,7 +71,8 @@ def router_config(args: argparse.Namespace, workers: list[str]) -> RouterConfig:
         workers=workers, policy=args.policy, host=args.host, port=args.port, model=args.model,
         api_keys=args.api_keys, poll_interval=args.poll_interval, max_attempts=args.max_attempts,
         balance_abs=args.balance_abs, balance_rel=args.balance_rel, cache_threshold=args.cache_threshold,
-        tree_budget=args.tree_budget, load_weight=args.load_weight,
+        tree_budget=args.tree_budget, load_weight=args.load_weight, request_overhead=args.request_overhead,
+        load_estimate=args.load_estimate,
         pd_min_prompt=args.pd_min_prompt, open_metrics=args.open_metrics,
     )
 

@@ -9,7 +9,9 @@ BALANCE_ABS = 2  # load difference (requests) beyond which cache affinity is ign
 BALANCE_REL = 1.5  # ... if the busiest worker also has this many times the least busy one's load
 CACHE_THRESHOLD = 0.5  # cache_aware: follow the best match only if it covers more than this of the prompt
 TREE_BUDGET = 1_000_000  # tokens per worker tree
-LOAD_WEIGHT = 1.0  # kv_events: cost = uncached tokens + LOAD_WEIGHT × (load − min load) × mean uncached per request
+LOAD_WEIGHT = 2 / 3  # eta = uncached tokens + LOAD_WEIGHT × work beside it (policies/eta.py)
+REQUEST_OVERHEAD = 32.0  # tokens of prefill one request in flight costs besides its prompt (policies/eta.py)
+LOAD_ESTIMATES = ("eta", "requests")  # cache_aware: how it picks among cache holders and new workers
 PD_MIN_PROMPT = 128  # pd: shorter prompts skip the prefill pool (a chat turn is cheaper to compute than to ship)
 
 
@@ -29,6 +31,8 @@ class RouterConfig:
     cache_threshold: float = CACHE_THRESHOLD
     tree_budget: int = TREE_BUDGET
     load_weight: float = LOAD_WEIGHT
+    request_overhead: float = REQUEST_OVERHEAD
+    load_estimate: str = "eta"
     pd_min_prompt: int = PD_MIN_PROMPT
 
     def __post_init__(self) -> None:
@@ -38,6 +42,10 @@ class RouterConfig:
             raise ValueError(f"poll_interval must be > 0, got {self.poll_interval}")
         if self.pd_min_prompt < 0:
             raise ValueError(f"pd_min_prompt must be >= 0, got {self.pd_min_prompt}")
+        if self.load_estimate not in LOAD_ESTIMATES:
+            raise ValueError(f"load_estimate must be one of {LOAD_ESTIMATES}, got {self.load_estimate!r}")
+        if self.request_overhead < 0:
+            raise ValueError(f"request_overhead must be >= 0, got {self.request_overhead}")
         if self.load_weight < 0:
             raise ValueError(f"load_weight must be >= 0, got {self.load_weight}")
         if self.max_attempts < 1:

@@ -27,6 +27,10 @@ class WorkerCollector(Collector):
                                          labels=["worker"]),
             "in_flight": GaugeMetricFamily("kvserve_router_worker_in_flight",
                                            "Requests this router has outstanding on the worker.", labels=["worker"]),
+            "pending_prefill": GaugeMetricFamily(
+                "kvserve_router_worker_pending_prefill_tokens",
+                "Uncached prompt tokens of this router's requests on the worker still before their first token.",
+                labels=["worker"]),
             "running": GaugeMetricFamily("kvserve_router_worker_running", "Running requests (polled).",
                                          labels=["worker"]),
             "waiting": GaugeMetricFamily("kvserve_router_worker_waiting", "Waiting requests (polled).",
@@ -40,6 +44,7 @@ class WorkerCollector(Collector):
             labels = [worker.url]
             families["healthy"].add_metric(labels, float(worker.healthy))
             families["in_flight"].add_metric(labels, worker.in_flight)
+            families["pending_prefill"].add_metric(labels, worker.pending_prefill)
             families["running"].add_metric(labels, worker.load.running)
             families["waiting"].add_metric(labels, worker.load.waiting)
             families["kv_usage"].add_metric(labels, worker.load.kv_usage)

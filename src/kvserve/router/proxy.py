@@ -17,7 +17,7 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import httpx
@@ -29,6 +29,11 @@ from kvserve.router.workers import Worker
 from kvserve.server.roles import FLUSH_BYTES_HEADER, FLUSH_HEADER, FLUSH_MS_HEADER
 
 CLIENT_CLOSED_REQUEST = 499
+# What the router decided for a request, for whoever studies its tail (benchmarks/router.py):
+# `worker=URL; reason=R; prompt=N; matched=N; ahead_requests=N; ahead_tokens=N; others_min_requests=N`:
+# the chosen worker's requests in flight and their pending prefill tokens at the moment of the decision,
+# and the fewest requests in flight on any other candidate.
+ROUTE_HEADER = "x-kvserve-route"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # Hop-by-hop and framing headers are the proxy's own business; everything else passes unchanged.
 _DROPPED_REQUEST_HEADERS = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "upgrade",
@@ -60,10 +65,28 @@ class Upstream:
     body: bytes
     headers: dict[str, str]
     metrics: RouterMetrics
+    prefill_tokens: int = 0  # the policy's estimate of the prompt tokens the worker must compute
+    route_header: str | None = None  # ROUTE_HEADER's value for our caller (None: not sent)
+
+    _pending: bool = field(default=False, init=False)  # our entry is in worker.prefills
+
+    def _begin(self) -> None:
+        self.worker.in_flight += 1
+        self.worker.prefills.append(self.prefill_tokens)
+        self._pending = True
+
+    def _prefilled(self) -> None:
+        """The first token is back (or the attempt ended): the prefill no longer waits on the worker."""
+        if self._pending:
+            self.worker.prefills.remove(self.prefill_tokens)
+            self._pending = False
+
+    def _own_headers(self) -> dict[str, str]:
+        return {ROUTE_HEADER: self.route_header} if self.route_header is not None else {}
 
     async def unary(self, request: Request) -> Response:
         started = time.perf_counter()
-        self.worker.in_flight += 1
+        self._begin()
         try:
             answer = await _unless_disconnected(request, self.client.post(
                 self.worker.url + self.path, content=self.body, headers=self.headers, timeout=None))
@@ -71,15 +94,17 @@ class Upstream:
             raise WorkerFailed(f"{type(err).__name__}: {err}") from err
         finally:
             self.worker.in_flight -= 1
+            self._prefilled()
         self.metrics.first_byte.observe(time.perf_counter() - started)
         if answer.status_code == 503:
             raise WorkerFailed(f"worker answered 503: {answer.text[:200]}")
-        return Response(answer.content, status_code=answer.status_code, headers=_response_headers(answer))
+        return Response(answer.content, status_code=answer.status_code,
+                        headers=_response_headers(answer) | self._own_headers())
 
     async def stream(self, request: Request) -> Response:
         """Open the stream and wait for its first chunk (retryable until then), then relay the rest."""
         started = time.perf_counter()
-        self.worker.in_flight += 1
+        self._begin()
         answer: httpx.Response | None = None
         try:
             sent = self.client.build_request("POST", self.worker.url + self.path, content=self.body,
@@ -90,12 +115,16 @@ class Upstream:
                 if answer.status_code == 503:
                     raise WorkerFailed(f"worker answered 503: {content[:200]!r}")
                 self.worker.in_flight -= 1
+                self._prefilled()
                 await answer.aclose()
-                return Response(content, status_code=answer.status_code, headers=_response_headers(answer))
+                return Response(content, status_code=answer.status_code,
+                                headers=_response_headers(answer) | self._own_headers())
             chunks = answer.aiter_raw()
             first = await _unless_disconnected(request, anext(chunks, b""))
+            self._prefilled()
         except BaseException as err:
             self.worker.in_flight -= 1
+            self._prefilled()
             if answer is not None:
                 await answer.aclose()
             if isinstance(err, httpx.TransportError):
@@ -104,7 +133,7 @@ class Upstream:
         self.metrics.first_byte.observe(time.perf_counter() - started)
         return StreamingResponse(self._relay(request, answer, first, chunks), status_code=200,
                                  media_type=answer.headers.get("content-type", "text/event-stream"),
-                                 headers=SSE_HEADERS)
+                                 headers=SSE_HEADERS | self._own_headers())
 
     async def _relay(
         self, request: Request, answer: httpx.Response, first: bytes, chunks: AsyncIterator[bytes]

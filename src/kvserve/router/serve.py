@@ -21,6 +21,7 @@ from kvserve.router.policies import (
     Policy,
     RoundRobinPolicy,
 )
+from kvserve.router.policies.eta import EtaCost
 from kvserve.router.workers import WorkerPool
 from kvserve.server.auth import load_api_keys, read_key_entries
 
@@ -47,10 +48,12 @@ def build_policy(config: RouterConfig) -> Policy:
         return RoundRobinPolicy()
     if config.policy == "least_load":
         return LeastLoadPolicy()
+    cost = EtaCost(config.load_weight, config.request_overhead)
     if config.policy == "kv_events":
-        return KvEventsPolicy(config.load_weight, config.balance_abs, config.balance_rel)
-    settings = CacheAwareSettings(config.balance_abs, config.balance_rel, config.cache_threshold, config.tree_budget)
-    if config.policy == "pd":
+        return KvEventsPolicy(cost, config.balance_abs, config.balance_rel)
+    settings = CacheAwareSettings(config.balance_abs, config.balance_rel, config.cache_threshold, config.tree_budget,
+                                  config.load_estimate, cost)
+    if config.policy == "pd":  # plans by request counts (PdPolicy)
         return PdPolicy(settings, config.pd_min_prompt)
     return CacheAwarePolicy(settings)
 

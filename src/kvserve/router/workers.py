@@ -8,7 +8,9 @@ it (its cache died with the old process).
 
 Load as the router sees it: `max(in_flight, running + waiting)`. The router's own count of requests
 it has outstanding on a worker is exact and immediate; the polled counts catch traffic that did not
-come through this router.
+come through this router. `prefills` is the router's own count of prefill work queued there: the
+uncached prompt tokens (as the policy estimated them) of each request it sent that has not answered
+its first token yet (`policies/eta.py` scores workers by it).
 """
 
 from __future__ import annotations
@@ -62,7 +64,8 @@ class Worker:
     generation: int = 0
     load: WorkerLoad = field(default_factory=WorkerLoad)
     in_flight: int = 0
-    failures: int = 0
+    prefills: list[int] = field(default_factory=list)  # per request routed here and not answered yet: its
+    failures: int = 0                                   # uncached prompt tokens (the policy's estimate)
 
     @property
     def name(self) -> str:
@@ -74,6 +77,11 @@ class Worker:
         if self.load.num_blocks and self.load.block_size:
             return self.load.num_blocks * self.load.block_size
         return None
+
+    @property
+    def pending_prefill(self) -> int:
+        """Prompt tokens routed here, not cached there, whose first token has not come back."""
+        return sum(self.prefills)
 
     @property
     def load_score(self) -> int:

@@ -45,6 +45,7 @@ namespace isa_avx2 {
 #define KV_AVX512 0
 #include "simd.h"
 #include "impl.h"
+#include "decode_attention.h"
 #include "qmatmul_i8.h"
 #include "prefill.h"
 #include "cascade.h"
@@ -61,6 +62,7 @@ namespace isa_avx512 {
 #define KV_AVX512 1
 #include "simd.h"
 #include "impl.h"
+#include "decode_attention.h"
 #include "qmatmul_i8.h"
 #include "prefill.h"
 #include "cascade.h"
@@ -176,6 +178,36 @@ int kv_layer_forward(int isa, const void* model, int act_quant, float* hidden, i
     KV_DISPATCH(layer_forward(model, act_quant, hidden, T, positions, slots, pool, layer_stride, bs, tables,
                               table_stride, ctx_lens, num_groups, group_offsets, group_rows, group_shared_blocks,
                               row_shared_blocks, out));
+}
+
+// As kv_layer_forward, with prefill spans (layer.h's LayerSpans): rows [0, num_decodes) attend through
+// tables / ctx_lens (cascade groups among them as kv_layer_forward's), the spans' rows through
+// prefill_attention (prefill.h's arguments).
+int kv_layer_forward_spans(int isa, const void* model, int act_quant, float* hidden, int64_t T,
+                           const int64_t* positions, const int64_t* slots, float* pool, int64_t layer_stride,
+                           int64_t bs, const int64_t* tables, int64_t table_stride, const int64_t* ctx_lens,
+                           int64_t num_groups, const int64_t* group_offsets, const int64_t* group_rows,
+                           const int64_t* group_shared_blocks, const int64_t* row_shared_blocks,
+                           int64_t num_decodes, int64_t num_spans, const int64_t* span_start, const int64_t* span_len,
+                           const int64_t* span_ctx, const int64_t* span_tables, int64_t span_table_stride,
+                           float* out) {
+    if (isa == ISA_AVX512) {
+        const isa_avx512::LayerSpans spans{num_decodes, num_spans, span_start, span_len, span_ctx, span_tables,
+                                           span_table_stride};
+        return isa_avx512::layer_forward_spans(model, act_quant, hidden, T, positions, slots, pool, layer_stride, bs,
+                                               tables, table_stride, ctx_lens, num_groups, group_offsets, group_rows,
+                                               group_shared_blocks, row_shared_blocks,
+                                               spans, out);
+    }
+    if (isa == ISA_AVX2) {
+        const isa_avx2::LayerSpans spans{num_decodes, num_spans, span_start, span_len, span_ctx, span_tables,
+                                         span_table_stride};
+        return isa_avx2::layer_forward_spans(model, act_quant, hidden, T, positions, slots, pool, layer_stride, bs,
+                                             tables, table_stride, ctx_lens, num_groups, group_offsets, group_rows,
+                                               group_shared_blocks, row_shared_blocks,
+                                             spans, out);
+    }
+    return -3;
 }
 
 }  // extern "C"

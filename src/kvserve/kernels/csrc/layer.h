@@ -5,8 +5,9 @@
 //
 // Every layer's weights are described once, at model load, by a `LayerModel` that Python lays out (ctypes
 // structures, kernels/layer_loop.py); each step passes only its tokens' slots, block tables and context lens.
-// Each kernel is the same one the Python loop calls, in the same order: decode rows are bit-identical to it
-// (prefill rows use paged attention where the Python loop may use torch's SDPA).
+// Each kernel is the same one the Python loop calls, in the same order: decode rows are bit-identical to it;
+// prefill rows attend through prefill.h as the Python loop's native path does (the matmuls may differ: from
+// QGEMM_MAX_ROWS rows the Python loop dequantizes for torch's GEMM, this loop always runs qgemm.h).
 
 struct LayerMatrix {       // a quantized [out, in] weight as stored (GGUF blocks)
     const uint8_t* data;
@@ -50,17 +51,27 @@ static inline int layer_qmatmul(int act_quant, const float* x, int64_t rows, int
 // pool: the KV pool tensor [L, 2, num_blocks, bs, KVH, D]; layer_stride = 2 * num_blocks * bs * KVH * D.
 // Row t attends to the first ctx_lens[t] tokens of the table at tables + t * table_stride. num_groups > 0:
 // decode rows sharing leading blocks, as cascade.h's arguments -- attention runs as cascade_attention.
-static int layer_forward(const void* desc, int act_quant, float* hidden, int64_t T, const int64_t* positions,
-                         const int64_t* slots, float* pool, int64_t layer_stride, int64_t bs, const int64_t* tables,
-                         int64_t table_stride, const int64_t* ctx_lens, int64_t num_groups,
-                         const int64_t* group_offsets, const int64_t* group_rows,
-                         const int64_t* group_shared_blocks, const int64_t* row_shared_blocks, float* out) {
+// Prefill spans (prefill.h's arguments; num_spans 0: none): with spans, only the first `num_decodes` rows
+// attend through tables / ctx_lens (decode attention), and the spans' rows through prefill_attention -- query
+// tiles against the pool's keys, as the Python loop's native path runs them (kv/attention.py).
+struct LayerSpans {
+    int64_t num_decodes, num_spans;
+    const int64_t *start, *len, *ctx, *tables;
+    int64_t table_stride;
+};
+
+static int layer_forward_spans(const void* desc, int act_quant, float* hidden, int64_t T, const int64_t* positions,
+                               const int64_t* slots, float* pool, int64_t layer_stride, int64_t bs,
+                               const int64_t* tables, int64_t table_stride, const int64_t* ctx_lens,
+                               int64_t num_groups, const int64_t* group_offsets, const int64_t* group_rows,
+                               const int64_t* group_shared_blocks, const int64_t* row_shared_blocks,
+                               const LayerSpans& spans, float* out) {
     const LayerModel& m = *static_cast<const LayerModel*>(desc);
     const int64_t E = m.hidden, H = m.heads, KVH = m.kv_heads, D = m.head_dim, I = m.intermediate;
     const int64_t qkv_width = (H + 2 * KVH) * D;
     const float eps = static_cast<float>(m.eps), scale = static_cast<float>(m.scale);
     if (E % W != 0 || D % W != 0 || H % KVH != 0) return -2;
-    if (T <= DECODE_MAX_ROWS)  // decode steps: one region between attentions (decode_step.h)
+    if (T <= DECODE_MAX_ROWS && spans.num_spans == 0)  // decode-only steps: one region a step (decode_step.h)
         return decode_forward(m, act_quant, hidden, T, positions, slots, pool, layer_stride, bs, tables, table_stride,
                               ctx_lens, num_groups, group_offsets, group_rows, group_shared_blocks,
                               row_shared_blocks, out);
@@ -82,11 +93,15 @@ static int layer_forward(const void* desc, int act_quant, float* hidden, int64_t
         rc |= rms_norm(residual, l ? delta : nullptr, w.input_norm, T, E, eps, normed);  // residual += delta
         rc |= layer_qmatmul(act_quant, normed, T, E, w.qkv, qkv);
         rc |= rope_kv_write(qkv, T, H, KVH, D, positions, m.rope_cos, m.rope_sin, q, kpool, vpool, slots);
+        const int64_t Td = spans.num_spans > 0 ? spans.num_decodes : T;  // rows of decode attention
         if (num_groups > 0)
-            rc |= cascade_attention(q, T, H, KVH, D, kpool, vpool, bs, tables, table_stride, ctx_lens, num_groups,
+            rc |= cascade_attention(q, Td, H, KVH, D, kpool, vpool, bs, tables, table_stride, ctx_lens, num_groups,
                                     group_offsets, group_rows, group_shared_blocks, row_shared_blocks, scale, attn);
-        else
-            rc |= paged_attention(q, T, H, KVH, D, kpool, vpool, bs, tables, table_stride, ctx_lens, scale, attn);
+        else if (Td > 0)
+            rc |= paged_attention(q, Td, H, KVH, D, kpool, vpool, bs, tables, table_stride, ctx_lens, scale, attn);
+        if (spans.num_spans > 0)
+            rc |= prefill_attention(q, H, KVH, D, kpool, vpool, bs, spans.num_spans, spans.start, spans.len,
+                                    spans.ctx, spans.tables, spans.table_stride, scale, attn);
         rc |= layer_qmatmul(act_quant, attn, T, H * D, w.o, other);
         rc |= rms_norm(other, residual, w.post_attention_norm, T, E, eps, normed);  // other = attended + residual
         float* swap = residual;
@@ -99,4 +114,15 @@ static int layer_forward(const void* desc, int act_quant, float* hidden, int64_t
     if (rc == 0) rc = rms_norm(residual, m.num_layers ? delta : nullptr, m.final_norm, T, E, eps, out);
     delete[] buf;
     return rc;
+}
+
+static int layer_forward(const void* desc, int act_quant, float* hidden, int64_t T, const int64_t* positions,
+                         const int64_t* slots, float* pool, int64_t layer_stride, int64_t bs, const int64_t* tables,
+                         int64_t table_stride, const int64_t* ctx_lens, int64_t num_groups,
+                         const int64_t* group_offsets, const int64_t* group_rows,
+                         const int64_t* group_shared_blocks, const int64_t* row_shared_blocks, float* out) {
+    const LayerSpans none{T, 0, nullptr, nullptr, nullptr, nullptr, 0};
+    return layer_forward_spans(desc, act_quant, hidden, T, positions, slots, pool, layer_stride, bs, tables,
+                               table_stride, ctx_lens, num_groups, group_offsets, group_rows, group_shared_blocks,
+                               row_shared_blocks, none, out);
 }

@@ -2,9 +2,9 @@
 // tokens, or the first chunk) attends causally to its sequence's keys in place, compiled once per ISA
 // like impl.h (included after simd.h).
 //
-// paged_attention (impl.h) treats every query row as its own sequence: each row streams its whole context
-// for its G heads, one horizontal sum per key -- a decode kernel, ~11 GMAC/s per core on a 112-token chunk
-// over 2,000 keys (this: ~46; gather + torch's flash SDPA: ~36; MKL's fp32 GEMM peak: ~80). Here a task is (span, KV head, tile of QT tokens): the tile's QT x G queries are stacked,
+// paged_attention (decode_attention.h) treats every query row as its own sequence: each row streams its whole context
+// for its G heads -- a decode kernel (the earlier one, one horizontal sum per key: ~11 GMAC/s per core on a 112-token chunk
+// over 2,000 keys (this: ~46; gather + torch's flash SDPA: ~36; MKL's fp32 GEMM peak: ~80)). Here a task is (span, KV head, tile of QT tokens): the tile's QT x G queries are stacked,
 // transposed once ([D, M], queries in vector lanes) and meet every key of the span as a small matrix
 // product -- each key row is loaded once per tile and broadcast against all M queries, softmax max / sum /
 // rescale are vector ops across the queries, and P x V runs as a register-blocked rank-1 update. Keys go

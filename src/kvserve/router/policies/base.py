@@ -19,6 +19,10 @@ class Decision:
     reason: str
     matched_tokens: int = 0
 
+    def uncached(self, key: RouteKey) -> int:
+        """The prompt tokens the worker must compute (its pending prefill while the request waits)."""
+        return max(len(key.tokens) - self.matched_tokens, 0) if key.tokens is not None else 0
+
 
 class Policy:
     """Pick one of `workers` (non-empty, all healthy). Index hooks default to doing nothing."""

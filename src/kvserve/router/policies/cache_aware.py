@@ -8,6 +8,17 @@
 2. Else, if the best tree match covers more than `cache_threshold` of the prompt → that worker.
 3. Else → the worker with the smallest tree (then the least loaded): new prefixes spread out.
 
+That is the rule with `load_estimate="requests"`. With `"eta"` (the default) steps 2 and 3 weigh each
+worker's estimated time to first token (`EtaCost`: the prompt tokens its tree lacks + the prefill and
+requests this router has in flight there) instead of its request count: a hit goes to the best match
+unless the work queued there outweighs computing the prompt on another worker (reason `rebalance`);
+a miss still goes to the smallest tree (then the least estimate): a new prefix brings later requests
+with it, so spreading new prefixes spreads the load to come (by estimate alone, a simulated RAG run
+put 3 of 4 documents on one worker and 60% of the requests with them). The
+request count alone missed the difference between a busy worker and a busy one with an idle twin: over
+2 workers, a conversation's turn waited behind two others on its worker while the other idled, and
+chat TTFT p90 was 1.3× one worker's (benchmarks/results/router.md). Step 1 stays SGLang's.
+
 The chosen worker's tree then gets the prompt. A tree holds at most `tree_budget` tokens and never more
 than its worker's KV pool (`num_blocks` × `block_size` from `/load`). Tree keys start with the namespace marker, so a
 tenant's prompt can only ever match what was sent for the same tenant (and cache_salt).
@@ -17,9 +28,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvserve.router.config import BALANCE_ABS, BALANCE_REL, CACHE_THRESHOLD, TREE_BUDGET
+from kvserve.router.config import BALANCE_ABS, BALANCE_REL, CACHE_THRESHOLD, LOAD_ESTIMATES, TREE_BUDGET
 from kvserve.router.keys import RouteKey, namespace_marker
 from kvserve.router.policies.base import Decision, HotPrefixes, LoadTieBreaker, Policy, is_imbalanced
+from kvserve.router.policies.eta import EtaCost
 from kvserve.router.radix import TokenTree
 from kvserve.router.workers import Worker
 
@@ -30,8 +42,12 @@ class CacheAwareSettings:
     balance_rel: float = BALANCE_REL
     cache_threshold: float = CACHE_THRESHOLD
     tree_budget: int = TREE_BUDGET
+    load_estimate: str = "eta"  # "requests": SGLang's rule as is
+    cost: EtaCost = EtaCost()
 
     def __post_init__(self) -> None:
+        if self.load_estimate not in LOAD_ESTIMATES:
+            raise ValueError(f"load_estimate must be one of {LOAD_ESTIMATES}, got {self.load_estimate!r}")
         if self.balance_abs < 0 or self.balance_rel < 1.0:
             raise ValueError("balance thresholds: abs must be >= 0 and rel >= 1.0")
         if not 0.0 <= self.cache_threshold <= 1.0:
@@ -81,12 +97,29 @@ class CacheAwarePolicy(Policy):
             target = matches[chosen]
             if target > s.cache_threshold * len(key.tokens) or self.hot.worth_copying(key, matches, target):
                 return Decision(chosen, "imbalance", target)
+        if s.load_estimate == "eta":
+            return self._by_eta(key, workers, matches, hit)
         if hit:
             holders = [worker for worker in workers if matches[worker] == best]
             return Decision(self._ties.least_loaded(holders), "cache_hit", best)
         smallest = min(self.tree(worker).num_tokens for worker in workers)
         fresh = [worker for worker in workers if self.tree(worker).num_tokens == smallest]
         chosen = self._ties.least_loaded(fresh)
+        return Decision(chosen, "smallest_tree", matches[chosen])
+
+    def _by_eta(self, key: RouteKey, workers: list[Worker], matches: dict[Worker, int], hit: bool) -> Decision:
+        """Steps 2 and 3 by estimated time to first token. A hit: the cheapest worker (then the least
+        loaded). A miss: the smallest tree still (a new prefix brings later requests with it: spreading
+        prefixes spreads the load to come), then the cheapest, then the least loaded."""
+        assert key.tokens is not None
+        cost = self.settings.cost
+        if hit:
+            chosen = self._ties.least_loaded(EtaCost.cheapest(cost.costs(len(key.tokens), matches)))
+            reason = "cache_hit" if matches[chosen] == max(matches.values()) else "rebalance"
+            return Decision(chosen, reason, matches[chosen])
+        smallest = min(self.tree(worker).num_tokens for worker in workers)
+        fresh = {w: matches[w] for w in workers if self.tree(w).num_tokens == smallest}
+        chosen = self._ties.least_loaded(EtaCost.cheapest(cost.costs(len(key.tokens), fresh)))
         return Decision(chosen, "smallest_tree", matches[chosen])
 
     def on_routed(self, key: RouteKey, worker: Worker) -> None:

@@ -2,26 +2,26 @@
 
 Per request the router recomputes the prompt's chained block hashes (`prefix/hashing.py`, with the
 request's namespace and the workers' block size and hash function, learned from `/load`), finds each
-worker's longest run of leading cached blocks in the exact index, and picks the worker with the least
-estimated work, in tokens of prefill:
+worker's longest run of leading cached blocks in the exact index, and picks the worker of least
+estimated time to first token (`EtaCost`, Dynamo's KV router cost in tokens of prefill):
 
-    cost = uncached prompt tokens there + load_weight × (load − least load) × tokens per request
+    eta = uncached prompt tokens there + load_weight × (pending prefill there + overhead × requests there)
 
-where load is `Worker.load_score` (the requests this router has outstanding there, or the polled
-running + waiting when higher: known at once, not a poll later) and tokens per request is the running
-mean of the uncached tokens of the warm requests routed so far (`RequestCost`: what one request queued
-ahead typically costs a worker). A prompt cached nowhere goes to the least loaded worker. Only the
-cache a worker has beyond the others counts against the load: a prefix every worker holds (a shared
-system prompt) cancels out, so a conversation whose history only its own worker holds
-stays there unless its worker is busier by more requests than that history is worth. (An earlier score,
-cached fraction − load gap as a fraction, let a one-request gap outweigh a chat history that is short
-next to the shared system prompt, and moved conversations: 7-9 points of hit rate lost.) SGLang's
-imbalance guard comes first (max − min load above `balance_abs` and max above `balance_rel` × min → the
-least loaded), but only for a hot prefix (`HotPrefixes`: it brings its holders more traffic than the
-other workers get): it is what copies a hot document or a shared system prompt from a busy worker to an
-idle one (then both hold it and load splits it). One of 4 equally asked documents on 4 workers is not
-copied when its requests bunch up for a moment: the copy would cost a full prefill to save one wait.
-Reason `rebalance`: load outweighed a better-cached worker.
+where pending prefill is the uncached prompt tokens of the requests this router sent there that have
+not answered their first token yet. A prefix every worker holds (a shared system prompt) cancels out;
+a conversation whose history only its own worker holds stays there until the work queued ahead of it
+there outweighs recomputing that history elsewhere. (Earlier scores: cached fraction − load gap as a
+fraction let a one-request gap outweigh a chat history and moved conversations, 7-9 points of hit rate
+lost; uncached tokens + request-count gap × the mean uncached tokens of a request priced three queued
+chat turns like three queued first reads, and kept requests behind a busy worker while the other idled:
+chat p90 over 2 workers 1.1× round_robin's.) SGLang's imbalance guard comes first (max − min load above
+`balance_abs` and max above `balance_rel` × min → the least loaded), but only for a hot prefix
+(`HotPrefixes`: it brings its holders more traffic than the other workers get): it is what copies a
+hot document or a shared system prompt from a busy worker to an idle one (then both hold it and load
+splits it). One of 4 equally asked documents on 4 workers is not copied when its requests bunch up for
+a moment: the copy would cost a full prefill to save one wait. Reasons: `cache_hit` (the chosen worker
+holds the most), `rebalance` (the queue outweighed a better-cached worker), `least_load` (cached
+nowhere: the least estimated work).
 
 Blocks the router sent a worker moments ago count as cached there until its events report them
 (`PendingBlocks`), so a burst for one hot prefix is not spread before the first prefill finishes.
@@ -37,54 +37,32 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from kvserve.events.subscriber import EventStream
 from kvserve.prefix.hashing import block_hashes
-from kvserve.router.config import BALANCE_ABS, BALANCE_REL, LOAD_WEIGHT
+from kvserve.router.config import BALANCE_ABS, BALANCE_REL
 from kvserve.router.index import BlockIndex, PendingBlocks, WorkerEvents
 from kvserve.router.keys import RouteKey
 from kvserve.router.policies.base import Decision, HotPrefixes, LoadTieBreaker, Policy, is_imbalanced
+from kvserve.router.policies.eta import EtaCost
 from kvserve.router.workers import Worker
 
 logger = logging.getLogger("kvserve.router")
 PENDING_TTL_S = 30.0
-REQUEST_COST_DECAY = 0.05  # weight of the newest request in the running mean of tokens per request
-
-
-@dataclass(slots=True)
-class RequestCost:
-    """The running mean of the uncached prompt tokens of routed requests that some worker had cached in
-    part: what one request waiting ahead typically costs a worker, in the unit cached blocks save (tokens
-    of prefill). First reads of a new prefix are left out: they are rare once a workload is warm, and
-    counting them priced load so high at the start (every request is cold then) that the second question
-    about a document was sent to copy the document rather than wait one request."""
-
-    mean: float | None = None
-
-    def add(self, tokens: int) -> None:
-        self.mean = tokens if self.mean is None else self.mean + REQUEST_COST_DECAY * (tokens - self.mean)
-
-    def tokens(self, floor: float) -> float:
-        """The mean, never below `floor` (one block: a queued request costs at least that)."""
-        return max(self.mean if self.mean is not None else floor, floor)
 
 
 class KvEventsPolicy(Policy):
     name = "kv_events"
 
-    def __init__(self, load_weight: float = LOAD_WEIGHT, balance_abs: int = BALANCE_ABS,
+    def __init__(self, cost: EtaCost | None = None, balance_abs: int = BALANCE_ABS,
                  balance_rel: float = BALANCE_REL) -> None:
-        if load_weight < 0:
-            raise ValueError(f"load_weight must be >= 0, got {load_weight}")
         self.index = BlockIndex()
         self.pending = PendingBlocks(PENDING_TTL_S)
         self._last_hashes: tuple[RouteKey, dict[Worker, list[bytes]]] | None = None
-        self.load_weight = load_weight
+        self.cost = cost or EtaCost()
         self.balance_abs = balance_abs
         self.balance_rel = balance_rel
-        self.request_cost = RequestCost()
         self._ties = LoadTieBreaker()
         self.hot = HotPrefixes()
         self.streams: dict[Worker, EventStream] = {}
@@ -104,21 +82,9 @@ class KvEventsPolicy(Policy):
             target = runs[chosen]
             if self.hot.worth_copying(key, runs, target):
                 return Decision(chosen, "imbalance", target)
-        if best == 0:
-            return Decision(self._ties.least_loaded(workers), "least_load")
-        costs = self.costs(len(key.tokens), runs, workers)
-        least = min(costs.values())
-        chosen = self._ties.least_loaded([worker for worker in workers if costs[worker] == least])
-        self.request_cost.add(len(key.tokens) - runs[chosen])
-        return Decision(chosen, "rebalance" if runs[chosen] < best else "cache_hit", runs[chosen])
-
-    def costs(self, prompt_tokens: int, runs: dict[Worker, int], workers: list[Worker]) -> dict[Worker, float]:
-        """Each worker's estimated work for this request, in tokens of prefill: its uncached prompt tokens
-        plus, per request it has beyond the least loaded worker, the mean uncached tokens of a request."""
-        low = min(worker.load_score for worker in workers)
-        floor = max(worker.load.block_size or 1 for worker in workers)
-        per_request = self.load_weight * self.request_cost.tokens(floor)
-        return {worker: prompt_tokens - runs[worker] + per_request * (worker.load_score - low) for worker in workers}
+        chosen = self._ties.least_loaded(EtaCost.cheapest(self.cost.costs(len(key.tokens), runs)))
+        reason = "least_load" if best == 0 else "rebalance" if runs[chosen] < best else "cache_hit"
+        return Decision(chosen, reason, runs[chosen])
 
     def cached_tokens(self, key: RouteKey, workers: list[Worker]) -> dict[Worker, int]:
         """Tokens of the prompt each worker holds (or was just sent) as leading blocks; {} when not

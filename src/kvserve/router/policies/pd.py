@@ -21,7 +21,7 @@ no decode worker is in the pool, a prefill worker serves the request whole (`no_
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvserve.router.keys import RouteKey
 from kvserve.router.policies.base import Decision, LoadTieBreaker, Policy
@@ -51,7 +51,9 @@ class PdPolicy(Policy):
     def __init__(self, settings: CacheAwareSettings | None = None, min_prompt_tokens: int = MIN_PROMPT_TOKENS) -> None:
         if min_prompt_tokens < 0:
             raise ValueError(f"min_prompt_tokens must be >= 0, got {min_prompt_tokens}")
-        self.trees = CacheAwarePolicy(settings)  # one approximate tree per worker, both pools
+        # One approximate tree per worker, both pools; request counts for load (the prefill hand-offs bypass
+        # the proxy's pending-prefill count that the eta estimate reads).
+        self.trees = CacheAwarePolicy(replace(settings or CacheAwareSettings(), load_estimate="requests"))
         self.min_prompt_tokens = min_prompt_tokens
         self._ties = LoadTieBreaker()
 
