@@ -5,7 +5,7 @@
 // runs in ONE OpenMP region, where layer_forward opens ~5 a layer (~150 a step, each ending in a barrier).
 //
 // Inside the region each kernel is a phase of chunks (16 output columns of a matmul; one row of a norm, of
-// RoPE or of attention, whose own parallel region runs as a team of one here), dealt in contiguous lanes,
+// RoPE; one (row, KV head) of attention, as decode_attention.h runs it), dealt in contiguous lanes,
 // one per thread; a thread runs its own lane in order (its prefetches of the next chunk stay on its core),
 // then takes what is left of the others'. A phase ends when all its chunks are done, whoever ran them, not
 // when every thread has arrived: on a loaded machine a thread the OS has descheduled no longer stalls every
@@ -261,35 +261,49 @@ static int decode_forward(const LayerModel& m, int act_quant, float* hidden, int
     const bool cascade = num_groups > 0;
     for (int64_t i = 0; i < num_phases; ++i) {
         ph[i] = Phase{lanes + i * team, done + i * team, team, 0};
-        const int64_t sizes[per_layer] = {T, DecodeStep::chunks(qkv_width, cols), T, cascade ? 1 : T,
+        const int64_t sizes[per_layer] = {T, DecodeStep::chunks(qkv_width, cols), T, cascade ? 1 : T * KVH,
                                           T, DecodeStep::chunks(E, cols), T, DecodeStep::chunks(I, cols), T,
                                           DecodeStep::chunks(E, cols)};
         phase_reset(ph[i], i == num_phases - 1 ? T : sizes[i % per_layer]);
     }
-    // Attention per row (paged) or for the whole step (cascade: its groups span rows); the kernel's own
-    // parallel region runs as a team of one inside this one.
+    // Attention per (row, KV head) as decode_attention.h's paged_attention tasks (da_attend: the same
+    // arithmetic per query whatever the task's heads), or for the whole step (cascade: its groups span rows;
+    // the kernel's own parallel region runs as a team of one inside this one).
     std::atomic<int> status{0};
-    auto attention = [&](int64_t l, int64_t t) {
+    const int64_t G = H / KVH;
+    int64_t max_ctx = 1;
+    for (int64_t t = 0; t < T; ++t) max_ctx = ctx_lens[t] > max_ctx ? ctx_lens[t] : max_ctx;
+    auto attention = [&](DecodeScratch& w, int64_t l, int64_t i) {
         float* kpool = pool + l * layer_stride;
         float* vpool = kpool + layer_stride / 2;
-        const int rc = cascade ? cascade_attention(s.q, T, H, KVH, D, kpool, vpool, bs, tables, table_stride,
-                                                   ctx_lens, num_groups, group_offsets, group_rows,
-                                                   group_shared_blocks, row_shared_blocks, scale, s.attn)
-                               : paged_attention(s.q + t * H * D, 1, H, KVH, D, kpool, vpool, bs,
-                                                 tables + t * table_stride, table_stride, ctx_lens + t, scale,
-                                                 s.attn + t * H * D);
-        if (rc != 0) status.store(rc, std::memory_order_relaxed);
+        if (cascade) {
+            const int rc = cascade_attention(s.q, T, H, KVH, D, kpool, vpool, bs, tables, table_stride, ctx_lens,
+                                             num_groups, group_offsets, group_rows, group_shared_blocks,
+                                             row_shared_blocks, scale, s.attn);
+            if (rc != 0) status.store(rc, std::memory_order_relaxed);
+            return;
+        }
+        const int64_t t = i / KVH, g0 = i % KVH;
+        da_load_queries(w, s.q + (t * H + g0 * G) * D, G, D, scale);
+        da_attend(w, G, G, g0, D, KVH, kpool, vpool, bs, tables + t * table_stride, 0, ctx_lens[t]);
+        for (int64_t j = 0; j < G; ++j) {
+            float* o = s.attn + (t * H + g0 * G + j) * D;
+            const V inv = vset1(1.0f / w.sum[j]);
+            for (int64_t e = 0; e < D; e += W) vstore(o + e, vmul(vload(w.acc + j * D + e), inv));
+        }
     };
 #pragma omp parallel num_threads(team)
     {
         const int tid = omp_get_thread_num();
+        DecodeScratch scratch_attn = da_scratch_new(G, D, max_ctx);
         float* res = residual;
         float* oth = other;
         for (int64_t l = 0; l < L; ++l) {
             Phase* p = ph + l * per_layer;
             decode_pre_attention(s, p, tid, l, res, l ? s.delta : nullptr);
             const LayerMatrix& o = m.layers[l].o;
-            phase_run(p[3], tid, [&](int64_t t) { attention(l, t); }, s.lane_weights(o, o.rows, 0, tid, team));
+            phase_run(p[3], tid, [&](int64_t i) { attention(scratch_attn, l, i); },
+                      s.lane_weights(o, o.rows, 0, tid, team));
             // `oth` becomes the residual after the post-attention norm, as in layer_forward.
             decode_post_attention(s, p + 4, tid, l, res, oth);
             float* swap = res;
@@ -300,6 +314,7 @@ static int decode_forward(const LayerModel& m, int act_quant, float* hidden, int
             rms_norm(res + t * E, L ? s.delta + t * E : nullptr, m.final_norm, 1, E, static_cast<float>(m.eps),
                      out + t * E);
         });
+        da_scratch_free(scratch_attn);
     }
     const int rc = status.load();
     delete[] ph;
