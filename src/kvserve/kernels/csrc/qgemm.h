@@ -251,8 +251,11 @@ static void qgemm_t(const float* x, int64_t rows, int64_t k, const uint8_t* w, i
     // Superblocks of GM_SB / GM_MB row blocks: a task is one panel against a superblock, the panel dequantized
     // once per task (kept, slice by slice, in a per-thread buffer of NR x k floats) and reused by its blocks.
     const int64_t sb_rows = GM_SB_BYTES / (k * static_cast<int64_t>(sizeof(float)));
-    const int64_t SB = sb_rows >= 2 * GM_MB ? sb_rows / GM_MB : 1;
-    const int64_t nsuper = (nblocks + SB - 1) / SB, nslices = (k + GM_KC - 1) / GM_KC;
+    // Superblocks of equal size (8 blocks that fit 7 split 4 + 4, not 7 + 1): the static schedule deals the
+    // tasks out in order, so unequal superblocks gave one thread most of the work (512 rows ran at ~0.75x).
+    const int64_t SB_MAX = sb_rows >= 2 * GM_MB ? sb_rows / GM_MB : 1;
+    const int64_t nsuper = (nblocks + SB_MAX - 1) / SB_MAX, nslices = (k + GM_KC - 1) / GM_KC;
+    const int64_t SB = (nblocks + nsuper - 1) / nsuper;
 #pragma omp parallel num_threads(kv_threads())
     {
         float* panel = static_cast<float*>(_mm_malloc(nslices * GM_NR * GM_KC * sizeof(float) + 64, 64));
