@@ -48,12 +48,11 @@ Re-run everything with `python benchmarks/run_all.py` (or `make bench`); plots a
 result tables by `benchmarks/plot_results.py`.
 
 **Beside llama.cpp, plainly** (section "Native CPU kernels" below; same Q4_1 GGUF, Intel Xeon with
-AVX-512 VNNI, 2 threads, idle machine, 2026-11-30): kvserve prefills 3.2-3.7x faster, finishes sixteen
-requests sharing a 1,900-token prefix 15x sooner than llama-server with 16 slots, and out-batches
-llama-batched-bench at 8 and 32 sequences (decode-only 227 / 323 vs 197 / 232 tok/s). For a single
-request, kvserve with int8 activations decodes 1.11x llama-batched-bench (120 vs 109 tok/s); **at exact
-fp32 activations llama.cpp decodes a single request 1.3x faster (109 vs 82 tok/s)** and is ready 1.3 s
-sooner.
+AVX-512 VNNI, 2 threads, idle machine, 2026-12-01, every runner in one run): single-request decode 136
+tok/s against 104 for llama-batched-bench (1.31x) and 94 for llama-cpp-python; batch 8 / 32 161 / 220 tok/s
+against 62 / 67 (prefill included); prefill 3.3x faster (915 vs 273 tok/s at 512 tokens); sixteen requests
+sharing a 1,900-token prefix 27x sooner than llama-server with 16 slots (6.8 vs 181 s). **Where llama.cpp
+is ahead**: it is ready 1.4 s sooner (`LLM()` 1.74 s vs 0.34 s for llama-cpp-python).
 Sections measured on another machine (the AMD EPYC rows) or under load (most of the second round's,
 marked in each) are not comparable across sections.
 
