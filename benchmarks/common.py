@@ -96,3 +96,15 @@ def hf_generate(model, prompts: list[list[int]], max_new_tokens: int) -> list[li
         min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad,
     )
     return out[:, width:].tolist()
+
+
+def best_cpu_ms(fn, reps: int) -> float:
+    """CPU milliseconds of the fastest of `reps` calls of fn after one warm-up: process time, so a shared
+    machine's other load enters less than it would wall time."""
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        start = time.process_time()
+        fn()
+        best = min(best, time.process_time() - start)
+    return best * 1e3

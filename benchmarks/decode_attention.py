@@ -17,13 +17,12 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import markdown_table, write_result  # noqa: E402
+from common import best_cpu_ms, markdown_table, write_result  # noqa: E402
 from kernels import build_revision, load_average  # noqa: E402
 from kvserve.kernels import build  # noqa: E402
 from kvserve.kernels.native import NativeLibrary  # noqa: E402
@@ -72,16 +71,6 @@ class Step:
     @property
     def macs(self) -> int:
         return int(self.lens.sum()) * HEADS * HEAD_DIM * 2 * LAYERS
-
-
-def best_cpu_ms(fn, reps: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        start = time.process_time()
-        fn()
-        best = min(best, time.process_time() - start)
-    return best * 1e3
 
 
 def main() -> None:

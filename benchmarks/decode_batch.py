@@ -28,8 +28,7 @@ from pathlib import Path
 
 import torch
 
-from common import load_workloads, markdown_table, write_result
-from decode_step import best_cpu_ms
+from common import best_cpu_ms, load_workloads, markdown_table, write_result
 from kernels import build_revision, load_average
 from kvserve import LLM, SamplingParams
 from kvserve.engine import engine as engine_module

@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import markdown_table, write_result  # noqa: E402
+from common import best_cpu_ms, markdown_table, write_result  # noqa: E402
 from kernels import build_revision, load_average  # noqa: E402
 from kvserve import LLM, SamplingParams  # noqa: E402
 from kvserve.engine.model_runner import ModelRunner  # noqa: E402
@@ -59,16 +59,6 @@ MODES = {"exact": {}, "int8": {"activation_quant": "int8"}}
 
 def greedy(n: int) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-
-
-def best_cpu_ms(fn, reps: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        start = time.process_time()
-        fn()
-        best = min(best, time.process_time() - start)
-    return best * 1e3
 
 
 class StepProbe:

@@ -203,6 +203,16 @@ def test_decode_step_is_bit_identical_whatever_the_threads(kernels, tiny_model_d
     assert rows.count(num_prompts) >= 3 * 3  # the loop ran every decode step
 
 
+def count_loop_rows(monkeypatch) -> list[int]:
+    """Record the row count of every step the C layer loop runs (it still runs them)."""
+    calls: list[int] = []
+    original = LayerLoop.forward
+    monkeypatch.setattr(
+        LayerLoop, "forward", lambda self, *args: calls.append(args[0].shape[0]) or original(self, *args)
+    )
+    return calls
+
+
 @pytest.mark.parametrize("activation_quant", ["none", "int8"])
 def test_layer_loop_runs_long_prefills(kernels, tiny_model_dir, monkeypatch, activation_quant):
     """A 300-token prompt beside two decodes and a 9-token prompt (311 rows: the Python loop dequantizes for
@@ -210,11 +220,7 @@ def test_layer_loop_runs_long_prefills(kernels, tiny_model_dir, monkeypatch, act
     and (exact) with the torch kernels, argmax equal."""
     chosen = Kernels("native", kernels.native, activation_quant=activation_quant)
     model = quantized_tiny_llama(tiny_model_dir, chosen)
-    calls = []
-    original = LayerLoop.forward
-    monkeypatch.setattr(
-        LayerLoop, "forward", lambda self, *args: calls.append(args[0].shape[0]) or original(self, *args)
-    )
+    calls = count_loop_rows(monkeypatch)
     long = 600 if activation_quant == "int8" else 300
     prompts = [[5, 9, 200], [17, 4], [3 + (7 * i) % 250 for i in range(long)], list(range(7, 16))]
     native = run_steps(model, prompts, 16, steps=2)
@@ -239,11 +245,7 @@ def test_layer_loop_covers_wide_decode_steps(kernels, tiny_model_dir, monkeypatc
     chosen = Kernels("native", kernels.native, activation_quant=activation_quant)
     model = quantized_tiny_llama(tiny_model_dir, chosen)
     assert model.layer_loop is not None and model.layer_loop.act_quant == (activation_quant == "int8")
-    calls = []
-    original = LayerLoop.forward
-    monkeypatch.setattr(
-        LayerLoop, "forward", lambda self, *args: calls.append(args[0].shape[0]) or original(self, *args)
-    )
+    calls = count_loop_rows(monkeypatch)
     prompts = [[3 + i, 40 + i] for i in range(20)]
     native = run_steps(model, prompts, 16, steps=3)
     assert calls.count(20) == 4  # the three 20-row decode steps, and 18 decodes + the last 2-token prefill
@@ -262,11 +264,7 @@ def test_layer_loop_covers_mixed_steps(kernels, tiny_model_dir, monkeypatch, act
     kernels (exact: wide GEMM; int8: the int8 matmul, against the Python loop only), with equal argmax."""
     chosen = Kernels("native", kernels.native, activation_quant=activation_quant)
     model = quantized_tiny_llama(tiny_model_dir, chosen)
-    calls = []
-    original = LayerLoop.forward
-    monkeypatch.setattr(
-        LayerLoop, "forward", lambda self, *args: calls.append(args[0].shape[0]) or original(self, *args)
-    )
+    calls = count_loop_rows(monkeypatch)
     prompts = [[3 + i, 40 + i] for i in range(14)] + [list(range(100, 130))]
     native = run_steps(model, prompts, 16, steps=2)
     assert calls.count(14 + 30) == 1  # the mixed step ran in the loop
