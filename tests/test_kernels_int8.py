@@ -70,6 +70,23 @@ def test_native_int8_matmul_matches_twin(kernels, rows, out_features, blocks, qt
     torch.testing.assert_close(kernels.linear(x, weight), native, rtol=0, atol=0)  # every batch size: qmatmul_i8
 
 
+@pytest.mark.parametrize("qtype", sorted(QTYPES))
+def test_int8_matmul_row_passes_are_bit_identical(kernels, qtype):
+    """Enough rows for several row passes (csrc/qmatmul_i8.h's i8_pass_rows: ~2,100 rows of k = 192 on the
+    AVX-512 kernel, ~840 on the AVX2 one), a count that is no multiple of a pass or a row tile: each row's
+    outputs equal the same rows computed alone in a short call, bit for bit, and the twin up to summation order."""
+    rows, blocks = 4_421, 6
+    weight = random_quant(37, blocks * 32, qtype, 7)
+    x = activations(rows, blocks * 32, 7)
+    native = kernels.native.qmatmul_i8(x, weight.data, weight.qtype, weight.in_features)
+    for start in (0, 837, 2_180, 4_400):
+        piece = kernels.native.qmatmul_i8(x[start:start + 21].contiguous(), weight.data, weight.qtype,
+                                          weight.in_features)
+        assert torch.equal(native[start:start + 21], piece)
+    expected = reference.qlinear_i8(x, weight)
+    torch.testing.assert_close(native, expected, rtol=1e-5, atol=2e-6 * (float(expected.abs().max()) + 1.0))
+
+
 @SETTINGS
 @given(
     rows=st.integers(1, 8), out_features=st.integers(1, 40), blocks=st.integers(1, 6),

@@ -70,6 +70,23 @@ static inline Q8Rows i8_offset(const Q8Rows& x, int64_t r0, int64_t k, int64_t n
                   x.sv ? x.sv + r0 * lanes : nullptr};
 }
 
+// Row passes: both kernels stream every quantized activation row past each column chunk, so a pass's rows
+// must stay in the core's L2 while the chunks go by. Unblocked, 2,048 rows at k = 1,536 are ~4 MiB
+// (AVX-512) and were re-read from L3 for every 16 columns: with 2 threads the int8 matmul ran no faster
+// than with 1 at 2,048 rows (2x at 512; benchmarks/results/kernels_prefill.md). Weights are re-unpacked once
+// per pass (a few % at these sizes); each output element is computed exactly as before.
+#ifndef I8_PASS_BYTES
+#define I8_PASS_BYTES (512 * 1024)
+#endif
+constexpr int64_t I8_ROW_PASS_BYTES = I8_PASS_BYTES;
+
+// Rows per pass, for activations of `bytes_per_row` (q, scales and any per-lane copies): a multiple of 8.
+static inline int64_t i8_pass_rows(int64_t rows, int64_t bytes_per_row) {
+    int64_t pass = I8_ROW_PASS_BYTES / bytes_per_row / 8 * 8;
+    pass = pass < 64 ? 64 : pass;
+    return pass < rows ? pass : rows;
+}
+
 #if !KV_AVX512
 // One weight block of one weight row, unpacked for the dot: u (unsigned quants: nibbles, or |q| for Q8_0),
 // sign (Q8_0's signed quants, whose signs go onto the activations), dw (scale in every lane) and mw (the
@@ -163,25 +180,30 @@ static void qmatmul_i8_t(const Q8Rows& x, int64_t rows, int64_t k, const uint8_t
     const int64_t nb = k / QK;
     constexpr int64_t CHUNK = 8;  // output columns per task, unpacked once (~50 KB at k = 1536) for all row tiles
     const int64_t nchunks = (n + CHUNK - 1) / CHUNK;
+    const int64_t pass = i8_pass_rows(rows, k + 2 * nb * 4 + 2 * nb * LANES * 4);  // q, d, s, dv, sv
 #pragma omp parallel num_threads(kv_threads())
     {
         Packed* pk = rows > RT ? new Packed[CHUNK * nb] : nullptr;
-#pragma omp for schedule(static)
-        for (int64_t c = 0; c < nchunks; ++c) {
-            const int64_t c0 = c * CHUNK, ncols = c0 + CHUNK < n ? CHUNK : n - c0;
-            if (c0 + 2 * CHUNK <= n) prefetch_span(w + (c0 + CHUNK) * row_bytes, CHUNK * row_bytes);  // next task's
-            if (pk)
-                for (int64_t j = 0; j < ncols; ++j)
-                    for (int64_t b = 0; b < nb; ++b) pk[j * nb + b] = pack_block<QT>(w + (c0 + j) * row_bytes + b * BB);
-            const WSource src{pk, pk ? nullptr : w + c0 * row_bytes, row_bytes};
-            for (int64_t r0 = 0; r0 < rows; r0 += RT) {
-                const int64_t left = rows - r0;
-                const Q8Rows xr = i8_offset(x, r0, k, nb);
-                float* yr = y + r0 * ystride + c0;
-                if (left >= 4) i8_cols<4, QT>(xr, k, nb, src, ncols, yr, ystride);
-                else if (left == 3) i8_cols<3, QT>(xr, k, nb, src, ncols, yr, ystride);
-                else if (left == 2) i8_cols<2, QT>(xr, k, nb, src, ncols, yr, ystride);
-                else i8_cols<1, QT>(xr, k, nb, src, ncols, yr, ystride);
+        for (int64_t p0 = 0; p0 < rows; p0 += pass) {  // row passes (see i8_pass_rows)
+            const int64_t p1 = p0 + pass < rows ? p0 + pass : rows;
+#pragma omp for schedule(static) nowait
+            for (int64_t c = 0; c < nchunks; ++c) {  // static: every pass gives a thread the same chunks
+                const int64_t c0 = c * CHUNK, ncols = c0 + CHUNK < n ? CHUNK : n - c0;
+                if (c0 + 2 * CHUNK <= n) prefetch_span(w + (c0 + CHUNK) * row_bytes, CHUNK * row_bytes);  // next's
+                if (pk)
+                    for (int64_t j = 0; j < ncols; ++j)
+                        for (int64_t b = 0; b < nb; ++b)
+                            pk[j * nb + b] = pack_block<QT>(w + (c0 + j) * row_bytes + b * BB);
+                const WSource src{pk, pk ? nullptr : w + c0 * row_bytes, row_bytes};
+                for (int64_t r0 = p0; r0 < p1; r0 += RT) {
+                    const int64_t left = p1 - r0;
+                    const Q8Rows xr = i8_offset(x, r0, k, nb);
+                    float* yr = y + r0 * ystride + c0;
+                    if (left >= 4) i8_cols<4, QT>(xr, k, nb, src, ncols, yr, ystride);
+                    else if (left == 3) i8_cols<3, QT>(xr, k, nb, src, ncols, yr, ystride);
+                    else if (left == 2) i8_cols<2, QT>(xr, k, nb, src, ncols, yr, ystride);
+                    else i8_cols<1, QT>(xr, k, nb, src, ncols, yr, ystride);
+                }
             }
         }
         delete[] pk;
@@ -296,16 +318,21 @@ template <int QT>
 static void qmatmul_i8_interleaved(const Q8Rows& x, int64_t rows, int64_t k, const uint8_t* w, int64_t n,
                                    int64_t row_bytes, float* y, int64_t ystride) {
     const int64_t nb = k / QK, nchunks = (n + ICOLS - 1) / ICOLS;
+    const int64_t pass = i8_pass_rows(rows, k + 2 * nb * 4);  // q, d, s
 #pragma omp parallel num_threads(kv_threads())
     {
         Interleaved* pk = new Interleaved[nb];
-#pragma omp for schedule(static)
-        for (int64_t c = 0; c < nchunks; ++c) {
-            const int64_t c0 = c * ICOLS, ncols = c0 + ICOLS < n ? ICOLS : n - c0;
-            const bool next_full = c0 + 2 * ICOLS <= n;
-            interleave_columns<QT>(w + c0 * row_bytes, row_bytes, ncols, nb, pk,
-                                   next_full ? w + (c0 + ICOLS) * row_bytes : nullptr);
-            interleaved_rows<QT>(x, rows, k, nb, pk, y + c0, ystride, ncols);
+        for (int64_t p0 = 0; p0 < rows; p0 += pass) {  // row passes (see i8_pass_rows)
+            const int64_t np = p0 + pass < rows ? pass : rows - p0;
+            const Q8Rows xp = i8_offset(x, p0, k, nb);
+#pragma omp for schedule(static) nowait
+            for (int64_t c = 0; c < nchunks; ++c) {  // static: every pass gives a thread the same chunks
+                const int64_t c0 = c * ICOLS, ncols = c0 + ICOLS < n ? ICOLS : n - c0;
+                const bool next_full = c0 + 2 * ICOLS <= n;
+                interleave_columns<QT>(w + c0 * row_bytes, row_bytes, ncols, nb, pk,
+                                       next_full ? w + (c0 + ICOLS) * row_bytes : nullptr);
+                interleaved_rows<QT>(xp, np, k, nb, pk, y + p0 * ystride + c0, ystride, ncols);
+            }
         }
         delete[] pk;
     }
