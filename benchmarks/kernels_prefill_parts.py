@@ -80,7 +80,6 @@ def measure(mode: str, sizes: list[int], threads: int, clock, repeats: int) -> l
         rest = whole - mm - attention
         rows.append([mode, tokens, tokens / whole, whole, mm, attention, rest, attention / whole,
                      1e3 * whole / tokens])
-    del llm
     return rows
 
 
