@@ -72,13 +72,10 @@ static inline Q8Rows i8_offset(const Q8Rows& x, int64_t r0, int64_t k, int64_t n
 
 // Row passes: both kernels stream every quantized activation row past each column chunk, so a pass's rows
 // must stay in the core's L2 while the chunks go by. Unblocked, 2,048 rows at k = 1,536 are ~4 MiB
-// (AVX-512) and were re-read from L3 for every 16 columns: with 2 threads the int8 matmul ran no faster
-// than with 1 at 2,048 rows (2x at 512; benchmarks/results/kernels_prefill.md). Weights are re-unpacked once
-// per pass (a few % at these sizes); each output element is computed exactly as before.
-#ifndef I8_PASS_BYTES
-#define I8_PASS_BYTES (512 * 1024)
-#endif
-constexpr int64_t I8_ROW_PASS_BYTES = I8_PASS_BYTES;
+// (AVX-512) and were re-read from L3 for every 16 columns by both cores (in one 2-thread run, under load,
+// no faster than 1 thread at 2,048 rows, 2x at 512: benchmarks/results/kernels_prefill.md). Weights are
+// re-unpacked once per pass (a few % at these sizes); each output element is computed exactly as before.
+constexpr int64_t I8_ROW_PASS_BYTES = 512 * 1024;  // half a core's L2 on the dev VM (2 MiB)
 
 // Rows per pass, for activations of `bytes_per_row` (q, scales and any per-lane copies): a multiple of 8.
 static inline int64_t i8_pass_rows(int64_t rows, int64_t bytes_per_row) {
