@@ -51,8 +51,9 @@ def breakdown(requests: dict, steps: list[dict], clients: list) -> list[dict]:
             continue
         inflight = max(bisect.bisect_right(times, request["arrival"]) - 1, 0)  # the step running at arrival
         after = steps[inflight + 1]["t"] if inflight + 1 < len(steps) else steps[inflight]["t"]
+        gap = after - steps[inflight]["t"]
         rows.append({
-            "inflight_s": after - steps[inflight]["t"],
+            "inflight_s": gap if gap < 1.0 else 0.0,  # a longer gap: the engine was idle, no step in flight
             "inflight_rows": steps[inflight]["decode"] + steps[inflight]["chunks"],
             "inflight_group": steps[inflight].get("group", 0), "group": step.get("group", 0),
             "preempted": request.get("preemptions", 0),

@@ -1,5 +1,5 @@
 """The server's heap care (server/heap.py): the periodic trim runs off the event loop, on schedule, and
-stops; the mmap threshold pinned at start gives host-tier-sized blocks mappings of their own."""
+stops; the opt-in pinned mmap threshold gives host-tier-sized blocks mappings of their own."""
 
 from __future__ import annotations
 
@@ -73,7 +73,8 @@ import ctypes, os, sys
 from kvserve.server.heap import fix_mmap_threshold, heap_stats
 libc = ctypes.CDLL(None)
 libc.malloc.restype, libc.free.argtypes = ctypes.c_void_p, (ctypes.c_void_p,)
-for mode, env in (("pin", {}), ("off", {"KVSERVE_MMAP_THRESHOLD": "0"}), ("env", {"MALLOC_MMAP_THRESHOLD_": "1"})):
+for mode, env in (("pin", {"KVSERVE_MMAP_THRESHOLD": "262144"}), ("off", {}),
+                  ("env", {"KVSERVE_MMAP_THRESHOLD": "262144", "MALLOC_MMAP_THRESHOLD_": "1"})):
     if os.fork() == 0:  # a fresh child per mode: the threshold is process-wide
         os.environ.update(env)
         pinned = fix_mmap_threshold()
@@ -88,10 +89,10 @@ for mode, env in (("pin", {}), ("off", {"KVSERVE_MMAP_THRESHOLD": "0"}), ("env",
 
 @pytest.mark.skipif(not heap.heap_stats(), reason="needs glibc >= 2.33 (mallinfo2)")
 def test_pinned_mmap_threshold_gives_large_blocks_their_own_mapping():
-    """Pinned (the server's start), a 700 KiB block is its own mapping even after a large block was freed;
-    with glibc's dynamic threshold (KVSERVE_MMAP_THRESHOLD=0; or when the operator set MALLOC_MMAP_THRESHOLD_,
-    which is then left alone: only read by glibc at its start, so here it changes nothing) it comes from an
-    arena instead."""
+    """Pinned (KVSERVE_MMAP_THRESHOLD at the server's start), a 700 KiB block is its own mapping even after
+    a large block was freed; with glibc's dynamic threshold (the default; or when the operator set
+    MALLOC_MMAP_THRESHOLD_, which is then left alone: glibc reads it only at its start, so here it changes
+    nothing) it comes from an arena instead."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     for name in ("MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABLES", "KVSERVE_MMAP_THRESHOLD"):
         env.pop(name, None)

@@ -29,7 +29,6 @@ from kvserve.server.periodic import every
 
 TRIM_INTERVAL_S = 30.0
 M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
-MMAP_THRESHOLD_BYTES = 256 << 10  # allocations from here up get their own mapping, unmapped when freed
 MALLINFO2_FIELDS = ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
                     "fordblks", "keepcost")
 logger = logging.getLogger("uvicorn.error")
@@ -81,22 +80,20 @@ def trim_heap(log: bool = False) -> bool:
 
 
 def fix_mmap_threshold(threshold: int | None = None) -> bool:
-    """Pin glibc's mmap threshold at `threshold` bytes (default: KVSERVE_MMAP_THRESHOLD, else 256 KiB; 0
-    leaves glibc's dynamic threshold). False: not pinned (0, not glibc, or the operator set it already
-    through MALLOC_MMAP_THRESHOLD_ / GLIBC_TUNABLES). Called once at server start, before the model loads.
+    """Pin glibc's mmap threshold at `threshold` bytes (default: KVSERVE_MMAP_THRESHOLD, else 0: leave
+    glibc's dynamic threshold). False: not pinned (0, not glibc, or the operator set it already through
+    MALLOC_MMAP_THRESHOLD_ / GLIBC_TUNABLES). Called once at server start, before the model loads.
 
-    Why: glibc starts at 128 KiB but raises the threshold to the size of any mmap'd block that is freed
-    (up to 32 MiB); the server frees such blocks every step (torch's activations, the native layer loop's
-    scratch: ~17 MiB for a 512-row prefill step), so within seconds everything below ~17 MiB comes from
-    the arenas, and the host KV tier's blocks (one ~0.7 MiB tensor each, kept for minutes) are interleaved
-    there with the scratch. Freed scratch leaves holes that the next blocks split, the next scratch goes
-    above them, and the arenas keep pages the trim cannot return between live blocks: in the soak the
-    RSS less the pool and the tier crept up (1.45 MiB/min) while the tier filled, and the arenas held
-    ~45 MiB free against ~11 MiB with the threshold pinned (benchmarks/results/soak.md). Pinned, the
-    tier's blocks and every large temporary are mappings of their own, returned to the OS when freed."""
+    Opt-in, for investigations: glibc starts at 128 KiB but raises the threshold to the size of any
+    mmap'd block that is freed (up to 32 MiB), and the server frees such blocks every step (torch's
+    activations, the native kernels' scratch), so soon nearly everything comes from the arenas. Pinned at
+    256 KiB the arenas stayed flat in the soak's tier-filling runs, but every large temporary became a
+    fresh mapping: ~5x the page faults per decode step and ~20x per prefill token
+    (benchmarks/results/soak.md). The host tier's long-lived blocks get mappings of their own instead
+    (tiers/host.py), which is what the arenas' growth came from."""
     env = os.environ
     if threshold is None:
-        threshold = int(env.get("KVSERVE_MMAP_THRESHOLD", MMAP_THRESHOLD_BYTES))
+        threshold = int(env.get("KVSERVE_MMAP_THRESHOLD", 0))
     if threshold <= 0 or "MALLOC_MMAP_THRESHOLD_" in env or "mmap_threshold" in env.get("GLIBC_TUNABLES", ""):
         return False
     libc = _libc()
