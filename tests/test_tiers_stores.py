@@ -150,28 +150,3 @@ def test_fingerprint_covers_every_field():
         model_fingerprint(kv_dtype="float32", block_size=16)
     with pytest.raises(ValueError):
         ModelFingerprint(b"short")
-
-
-@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads /proc/self/maps")
-def test_large_host_blocks_are_mappings_of_their_own_and_go_back_when_dropped():
-    """An unpinned block of >= 128 KiB is an anonymous mapping starting at its data (not a malloc chunk in
-    an arena, where tier blocks kept for minutes fragmented the heap around each step's temporaries); the
-    mapping is gone once the block is evicted; round trips stay exact."""
-    def mapping_at(address: int) -> bool:
-        with open("/proc/self/maps") as maps:
-            return any(int(line.split("-", 1)[0], 16) == address for line in maps)
-
-    size = 300 << 10
-    store = HostStore(size + size // 2, pin_memory=False)  # room for one block
-    data = [payload(i, size) for i in range(2)]
-    first, second = keys(2)
-    store.put([(first, data[0])])
-    address = store._entries[first].buffer.data_ptr()
-    assert mapping_at(address)
-    assert store.get([first]) == [data[0]]
-    store.put([(second, data[1])])  # evicts the first
-    assert store.get([first, second]) == [None, data[1]]
-    assert not mapping_at(address)
-    small = HostStore(1 << 20, pin_memory=False)
-    small.put([(first, payload(0, 1000))])
-    assert not mapping_at(small._entries[first].buffer.data_ptr())  # small blocks stay with malloc

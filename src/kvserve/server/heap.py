@@ -84,13 +84,15 @@ def fix_mmap_threshold(threshold: int | None = None) -> bool:
     glibc's dynamic threshold). False: not pinned (0, not glibc, or the operator set it already through
     MALLOC_MMAP_THRESHOLD_ / GLIBC_TUNABLES). Called once at server start, before the model loads.
 
-    Opt-in, for investigations: glibc starts at 128 KiB but raises the threshold to the size of any
-    mmap'd block that is freed (up to 32 MiB), and the server frees such blocks every step (torch's
-    activations, the native kernels' scratch), so soon nearly everything comes from the arenas. Pinned at
-    256 KiB the arenas stayed flat in the soak's tier-filling runs, but every large temporary became a
-    fresh mapping: ~5x the page faults per decode step and ~20x per prefill token
-    (benchmarks/results/soak.md). The host tier's long-lived blocks get mappings of their own instead
-    (tiers/host.py), which is what the arenas' growth came from."""
+    Opt-in: glibc starts at 128 KiB but raises the threshold to the size of any mmap'd block that is
+    freed (up to 32 MiB), and the server frees such blocks every step (torch's activations, the native
+    kernels' scratch and packing buffers, whose sizes vary with the step's rows), so soon nearly all of
+    them come from the arenas, where blocks of varying sizes fragment them: under a load of mixed
+    prefills the arenas' free-but-kept memory grew 15 -> 66-250 MiB in minutes and the RSS less the KV
+    pool and the host tier crept up and sawed between trims. Pinned at 256 KiB the arenas stayed flat
+    (free 11-16 MiB) and so did that RSS; pinned at 4 MiB they did not. The price: every larger
+    temporary is a fresh mapping, ~5x the page faults of a 16-row decode step and ~20x per prefill
+    token (benchmarks/results/soak.md), so it is not the default."""
     env = os.environ
     if threshold is None:
         threshold = int(env.get("KVSERVE_MMAP_THRESHOLD", 0))

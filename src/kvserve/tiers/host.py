@@ -12,7 +12,6 @@ demote it to disk.
 
 from __future__ import annotations
 
-import mmap
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -23,7 +22,6 @@ import torch
 from kvserve.tiers.codec import BlockCodec
 from kvserve.tiers.store import BlockKey, TierStats
 
-OWN_MAPPING_BYTES = 128 << 10  # glibc's initial mmap threshold: smaller blocks are left to malloc
 EvictCallback = Callable[[list[tuple[BlockKey, bytes]]], None]
 
 
@@ -145,14 +143,7 @@ class HostStore:
     # --- internals ------------------------------------------------------------------------------
 
     def _alloc(self, num_bytes: int) -> torch.Tensor:
-        """A block's buffer. Unpinned blocks of at least `OWN_MAPPING_BYTES` get an anonymous mapping of
-        their own, unmapped when the block is dropped. Through malloc they would live in glibc's arenas
-        (its mmap threshold rises to the largest temporary freed, megabytes in every step), interleaved
-        with each step's temporaries for minutes, and the holes between them kept the resident memory
-        growing beyond the tier's bytes, also once the tier was full (benchmarks/results/soak.md)."""
-        if self.pin_memory or num_bytes < OWN_MAPPING_BYTES:
-            return torch.empty(num_bytes, dtype=torch.uint8, pin_memory=self.pin_memory)
-        return torch.frombuffer(mmap.mmap(-1, num_bytes), dtype=torch.uint8)  # the tensor keeps the mapping
+        return torch.empty(num_bytes, dtype=torch.uint8, pin_memory=self.pin_memory)
 
     def _touch(self, keys: Sequence[BlockKey]) -> list[torch.Tensor | None]:
         found: list[_Entry | None] = []
