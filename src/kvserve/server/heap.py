@@ -92,7 +92,7 @@ def fix_mmap_threshold(threshold: int | None = None) -> bool:
     pool and the host tier crept up and sawed between trims. Pinned at 256 KiB the arenas stayed flat
     (free 11-16 MiB) and so did that RSS; pinned at 4 MiB they did not. The price: every larger
     temporary is a fresh mapping, ~5x the page faults of a 16-row decode step and ~20x per prefill
-    token (benchmarks/results/soak.md), so it is not the default."""
+    token, 15-25% slower decode and ~1.5x slower prefill (benchmarks/results/soak.md): not the default."""
     env = os.environ
     if threshold is None:
         threshold = int(env.get("KVSERVE_MMAP_THRESHOLD", 0))
