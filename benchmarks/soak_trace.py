@@ -5,6 +5,9 @@ engine/step_trace.py; both sides use CLOCK_MONOTONIC), its client-side TTFT spli
 front (sent -> the engine's arrival: HTTP, chat template, tokenization, the engine inbox),
 queue (arrival -> its first scheduled step begins: the step in flight when it arrived plus any it sat out),
 own (its first step: forward and sampling) and back (token -> the client sees it: delivery, SSE, client).
+Also: the step in flight when it arrived (its duration to the next step's start, its rows and the most
+rows one group had in it: the adversary's n=16 samples show up there) and the most rows one group had in
+its own step.
 The report gives p50 / p90 / p99 of each, and the mean of each over the slowest 1%, with what shared
 their first step (decode rows, prefill chunks and tokens) and how many steps ran while they queued.
 
@@ -22,7 +25,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from server_load import percentile  # noqa: E402
 
-PARTS = ("ttft", "front", "queue", "own", "back", "steps_waited", "decode", "chunks", "prefill", "waiting")
+PARTS = ("ttft", "front", "queue", "own", "back", "steps_waited", "decode", "chunks", "prefill", "waiting", "group",
+         "preempted", "inflight_s", "inflight_rows", "inflight_group")
 
 
 def load(directory: Path) -> tuple[dict, list[dict], dict]:
@@ -45,7 +49,14 @@ def breakdown(requests: dict, steps: list[dict], clients: list) -> list[dict]:
         step = first_step.get(f"{response_id}-0")
         if request is None or step is None or request["first"] is None:
             continue
+        inflight = max(bisect.bisect_right(times, request["arrival"]) - 1, 0)  # the step running at arrival
+        after = steps[inflight + 1]["t"] if inflight + 1 < len(steps) else steps[inflight]["t"]
+        gap = after - steps[inflight]["t"]
         rows.append({
+            "inflight_s": gap if gap < 1.0 else 0.0,  # a longer gap: the engine was idle, no step in flight
+            "inflight_rows": steps[inflight]["decode"] + steps[inflight]["chunks"],
+            "inflight_group": steps[inflight].get("group", 0), "group": step.get("group", 0),
+            "preempted": request.get("preemptions", 0),
             "ttft": ttft, "front": request["arrival"] - sent, "queue": request["scheduled"] - request["arrival"],
             "own": request["first"] - request["scheduled"], "back": sent + ttft - request["first"],
             "steps_waited": bisect.bisect_left(times, step["t"]) - bisect.bisect_right(times, request["arrival"]),

@@ -1,10 +1,16 @@
-"""The server's periodic heap trim (server/heap.py): it runs off the event loop, on schedule, and stops."""
+"""The server's heap care (server/heap.py): the periodic trim runs off the event loop, on schedule, and
+stops; the opt-in pinned mmap threshold gives host-tier-sized blocks mappings of their own."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import platform
+import subprocess
+import sys
 import threading
+
+import pytest
 
 from kvserve.server import heap
 
@@ -60,3 +66,39 @@ def test_python_heap_diff_names_what_grew(caplog):
     lines = [r.getMessage() for r in caplog.records if "python heap" in r.getMessage()]
     assert len(lines) == 1 and "test_heap.py" in lines[0], lines
     assert len(held) == 50_000
+
+
+PINNED_PROBE = """
+import ctypes, os, sys
+from kvserve.server.heap import fix_mmap_threshold, heap_stats
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.free.argtypes = ctypes.c_void_p, (ctypes.c_void_p,)
+for mode, env in (("pin", {"KVSERVE_MMAP_THRESHOLD": "262144"}), ("off", {}),
+                  ("env", {"KVSERVE_MMAP_THRESHOLD": "262144", "MALLOC_MMAP_THRESHOLD_": "1"})):
+    if os.fork() == 0:  # a fresh child per mode: the threshold is process-wide
+        os.environ.update(env)
+        pinned = fix_mmap_threshold()
+        libc.free(libc.malloc(8 << 20))  # a freed 8 MiB mapping: glibc's dynamic threshold rises to 8 MiB
+        before = heap_stats()["hblkhd"]
+        block = libc.malloc(700 << 10)  # a host-tier-sized block
+        print(mode, pinned, heap_stats()["hblkhd"] - before, flush=True)
+        os._exit(0)
+    os.wait()
+"""
+
+
+@pytest.mark.skipif(not heap.heap_stats(), reason="needs glibc >= 2.33 (mallinfo2)")
+def test_pinned_mmap_threshold_gives_large_blocks_their_own_mapping():
+    """Pinned (KVSERVE_MMAP_THRESHOLD at the server's start), a 700 KiB block is its own mapping even after
+    a large block was freed; with glibc's dynamic threshold (the default; or when the operator set
+    MALLOC_MMAP_THRESHOLD_, which is then left alone: glibc reads it only at its start, so here it changes
+    nothing) it comes from an arena instead."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    for name in ("MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABLES", "KVSERVE_MMAP_THRESHOLD"):
+        env.pop(name, None)
+    lines = subprocess.run([sys.executable, "-c", PINNED_PROBE], env=env, capture_output=True, text=True,
+                           check=True).stdout.splitlines()
+    results = {mode: (pinned, int(mapped)) for mode, pinned, mapped in (line.split() for line in lines)}
+    assert results["pin"][0] == "True" and results["pin"][1] >= 700 << 10, results
+    assert results["off"] == ("False", 0), results
+    assert results["env"] == ("False", 0), results

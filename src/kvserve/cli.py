@@ -57,6 +57,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                        "first), so every step stays short while newcomers arrive; 0: off (default); auto (CPU "
                        "only): the smallest cap that costs at most 20%% of decode throughput, from measured "
                        "step times")
+    group.add_argument("--max-group-rows", type=int, default=defaults.max_group_rows, metavar="N",
+                       help="most sequences of one request (its n / best_of / beams) computing in one step "
+                       "while other requests run or wait, taking turns; 0: off (default)")
     group.add_argument("--num-threads", type=int, default=None, help="torch CPU threads; None: torch's default")
     group.add_argument("--seed", type=int, default=defaults.seed, help="seed of unseeded random requests")
     group.add_argument("--eviction", default=defaults.eviction, choices=ONLINE_POLICIES,

@@ -66,6 +66,7 @@ class EngineConfig:
     max_blocks_per_request: int | None = None  # None: max(half the pool, one max_model_len sequence)
     long_prefill_token_threshold: int | None = None  # None: max(64, 4% of max_model_len); 0: off
     max_step_rows: int | None = 0  # running sequences computing per step, in turn; None: auto (CPU); 0: off
+    max_group_rows: int = 0  # most sequences of one request's group computing per step while others run; 0: off
     num_threads: int | None = None
     seed: int = 0
     eviction: str = DEFAULT_EVICTION  # prefix-cache eviction policy (prefix/eviction.py)
@@ -130,6 +131,7 @@ class EngineConfig:
                      f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
         if self.max_step_rows is not None:
             _require(self.max_step_rows >= 0, f"max_step_rows must be >= 0 (0: off), got {self.max_step_rows}")
+        _require(self.max_group_rows >= 0, f"max_group_rows must be >= 0 (0: off), got {self.max_group_rows}")
         if self.num_threads is not None:
             _require(self.num_threads >= 1, f"num_threads must be >= 1, got {self.num_threads}")
         _require(self.max_loras >= 1, f"max_loras must be >= 1, got {self.max_loras}")

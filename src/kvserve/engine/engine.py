@@ -88,7 +88,7 @@ class LLMEngine:
         self.long_prefill_token_threshold = resolve_long_prefill_threshold(config, self.max_model_len)
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.schedule_policy,
-            self.long_prefill_token_threshold, config.max_step_rows or 0,
+            self.long_prefill_token_threshold, config.max_step_rows or 0, config.max_group_rows,
         )
         self.auto_row_cap = make_auto_row_cap(config.max_step_rows, config.device, self.scheduler.rotation,
                                               config.max_num_seqs)

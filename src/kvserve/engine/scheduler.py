@@ -2,7 +2,8 @@
 
 Every step, running requests go first (one decode token each, or their next prefill chunk: at most
 `long_prefill_token_threshold` tokens while others wait or run; at most `max_step_rows` of them, in
-turn, `step_rows.RowRotation`), then waiting ones are admitted while the token budget, `max_num_seqs`
+turn, `step_rows.RowRotation`; at most `max_group_rows` of one group while other groups run or wait,
+`step_rows.group_sit_outs`), then waiting ones are admitted while the token budget, `max_num_seqs`
 and the pool allow. When a running request cannot get a block, the
 running sequence of the group holding the largest share of the pool (blocks x steps held,
 `pool_share.PoolShare`; never the oldest sequence, so something always finishes) is preempted: its
@@ -29,7 +30,7 @@ from kvserve.engine.block_manager import BlockManager
 from kvserve.engine.pool_share import PoolShare
 from kvserve.engine.prefix_admission import PrefixHold
 from kvserve.engine.request import Request, RequestStatus
-from kvserve.engine.step_rows import RowRotation
+from kvserve.engine.step_rows import RowRotation, group_sit_outs
 from kvserve.tiers.offload import SOURCES
 
 if TYPE_CHECKING:
@@ -113,6 +114,7 @@ class Scheduler:
     def __init__(
         self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
         policy: str = "fcfs", long_prefill_token_threshold: int = 0, max_step_rows: int = 0,
+        max_group_rows: int = 0,
     ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
@@ -120,6 +122,7 @@ class Scheduler:
         self.policy = policy
         self.long_prefill_token_threshold = long_prefill_token_threshold  # 0: a chunk takes the budget
         self.rotation = RowRotation(max_step_rows)  # 0: every running sequence computes every step
+        self.max_group_rows = max_group_rows  # 0: a group's sequences all compute every step
         self.num_steps = 0
         self._contended = False  # others wait or run beside a request this step (long prefills yield)
         self._yielded_last_step = False  # running prefills sat out the last step for a newcomer
@@ -174,10 +177,11 @@ class Scheduler:
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
         index = 0
         turn = self.rotation.select(self.running)  # None: all; else the request ids whose turn it is
+        capped = group_sit_outs(self.running, self.max_group_rows) if self._other_groups() else set()
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            if turn is not None and request.request_id not in turn:  # sits out (keeps its blocks): row cap
-                index += 1
+            if (turn is not None and request.request_id not in turn) or request.request_id in capped:
+                index += 1  # sits out (keeps its blocks): row cap, group cap
                 continue
             self._adopt_cached_continuation(request)
             num_new = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
@@ -198,6 +202,12 @@ class Scheduler:
                 continue
             break  # the request itself was preempted: everything after it is gone too
         return budget
+
+    def _other_groups(self) -> bool:
+        """More than one group runs, or someone waits: the group cap applies (`step_rows.group_sit_outs`)."""
+        if not self.max_group_rows:
+            return False
+        return bool(self.waiting) or any(r.group_id != self.running[0].group_id for r in self.running)
 
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
         if self.policy == "lpm":

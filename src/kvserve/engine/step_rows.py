@@ -84,3 +84,26 @@ class RowRotation:
             group_served[request.group_id] = step
         self._served = {r.request_id: served[r.request_id] for r in running if r.request_id in served}
         self._group_served = {r.group_id: group_served[r.group_id] for r in running if r.group_id in group_served}
+
+
+def group_sit_outs(running: Sequence[Request], max_group_rows: int) -> set[str]:
+    """The group cap (`max_group_rows`, 0: off): request ids of the sequences that sit this step out so
+    that no group (the n samples / best_of / beams of one request) computes more than `max_group_rows`
+    rows in it. Only when other groups run or wait (the caller's call); alone, a group takes every row.
+    A group's members with the fewest computed tokens go first (running order on ties), so its samples
+    take turns and stay level, and a beam that already holds its logits (nothing to compute) is not
+    counted. Why: one request of n=16 puts 16 rows in every step, and every newcomer's step and the step
+    in flight when it arrives carry them (benchmarks/results/soak.md); capped, such a request runs at
+    `max_group_rows` rows a step while others are served, like everyone else's single row."""
+    if not max_group_rows:
+        return set()
+    groups: dict[str, list[Request]] = {}
+    for request in running:
+        if request.num_tokens > request.num_computed_tokens:
+            groups.setdefault(request.group_id, []).append(request)
+    out: set[str] = set()
+    for members in groups.values():
+        if len(members) > max_group_rows:
+            members = sorted(members, key=lambda r: r.num_computed_tokens)  # stable: running order on ties
+            out.update(member.request_id for member in members[max_group_rows:])
+    return out

@@ -10,6 +10,7 @@ as `time.perf_counter()` on Linux, so a client on the same machine can line its 
 
 from __future__ import annotations
 
+import collections
 import json
 import threading
 import time
@@ -43,9 +44,11 @@ class StepTrace:
                   if item.request.num_computed_tokens < item.request.num_prompt_tokens]
         fresh = [item.request.request_id for item in chunks
                  if (item.request.metrics.first_scheduled_time or 0) > last]
+        groups = collections.Counter(item.request.group_id for item in scheduled)
         self._write({
             "k": "step", "t": now, "waiting": num_waiting, "decode": len(scheduled) - len(chunks),
             "prefill": sum(item.num_new_tokens for item in chunks), "chunks": len(chunks), "new": fresh,
+            "group": max(groups.values(), default=0),  # the most rows one group (n / best_of / beams) has
         })
 
     def __call__(self, request: Request) -> None:

@@ -31,7 +31,7 @@ from kvserve.server.dashboard import dashboard_enabled
 from kvserve.server.dashboard import install as install_dashboard
 from kvserve.server.errors import install_error_handlers
 from kvserve.server.frontdoor import guarded_protocol
-from kvserve.server.heap import periodic_trim
+from kvserve.server.heap import fix_mmap_threshold, periodic_trim
 from kvserve.server.limits import ServerLimits
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.options import DEFAULT_MAX_QUEUE, GRACEFUL_SHUTDOWN_S, ServerOptions
@@ -132,6 +132,7 @@ def run_server(
     finished request is appended there (`kvserve replay` reads it)."""
     options = options or ServerOptions()
     _configure_logging(options.log_level)
+    fix_mmap_threshold()  # only with KVSERVE_MMAP_THRESHOLD set (server/heap.py); before the model loads
     # Keys fail before the slow model load.
     api_keys = add_operator_keys(load_api_keys(api_keys_path) if api_keys_path else None, options.api_keys)
     limits = limits or ServerLimits(max_num_seqs=config.max_num_seqs)

@@ -28,6 +28,7 @@ from collections.abc import AsyncIterator
 from kvserve.server.periodic import every
 
 TRIM_INTERVAL_S = 30.0
+M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
 MALLINFO2_FIELDS = ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
                     "fordblks", "keepcost")
 logger = logging.getLogger("uvicorn.error")
@@ -76,6 +77,33 @@ def trim_heap(log: bool = False) -> bool:
             f"{k} {before[k] / 2**20:.1f} -> {after[k] / 2**20:.1f}" for k in ("arena", "hblkhd", "uordblks",
                                                                                 "fordblks") if k in after))
     return True
+
+
+def fix_mmap_threshold(threshold: int | None = None) -> bool:
+    """Pin glibc's mmap threshold at `threshold` bytes (default: KVSERVE_MMAP_THRESHOLD, else 0: leave
+    glibc's dynamic threshold). False: not pinned (0, not glibc, or the operator set it already through
+    MALLOC_MMAP_THRESHOLD_ / GLIBC_TUNABLES). Called once at server start, before the model loads.
+
+    Opt-in: glibc starts at 128 KiB but raises the threshold to the size of any mmap'd block that is
+    freed (up to 32 MiB), and the server frees such blocks every step (torch's activations, the native
+    kernels' scratch and packing buffers, whose sizes vary with the step's rows), so soon nearly all of
+    them come from the arenas, where blocks of varying sizes fragment them: under a load of mixed
+    prefills the arenas' free-but-kept memory grew 15 -> 66-250 MiB in minutes and the RSS less the KV
+    pool and the host tier crept up and sawed between trims. Pinned at 256 KiB the arenas stayed flat
+    (free 11-16 MiB) and so did that RSS; pinned at 4 MiB they did not. The price: every larger
+    temporary is a fresh mapping, ~5x the page faults of a 16-row decode step and ~20x per prefill
+    token, 15-25% slower decode and ~1.5x slower prefill (benchmarks/results/soak.md): not the default."""
+    env = os.environ
+    if threshold is None:
+        threshold = int(env.get("KVSERVE_MMAP_THRESHOLD", 0))
+    if threshold <= 0 or "MALLOC_MMAP_THRESHOLD_" in env or "mmap_threshold" in env.get("GLIBC_TUNABLES", ""):
+        return False
+    libc = _libc()
+    mallopt = getattr(libc, "mallopt", None) if libc is not None else None
+    if mallopt is None:
+        return False
+    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+    return bool(mallopt(M_MMAP_THRESHOLD, threshold))
 
 
 class PythonHeapDiff:

@@ -86,7 +86,7 @@ class OffloadPolicy:
         self.host, self.disk, self.remote = host, disk, remote
         self._disk_writer = BackgroundWriter(disk, max_queued_blocks) if disk is not None else None
         self._remote_writer = BackgroundWriter(remote, max_queued_blocks) if remote is not None else None
-        if host is not None:
+        if host is not None and disk is not None:  # else nothing takes the evicted bytes: no copies
             host.on_evict = self._host_evicted
         self._loader = ThreadPoolExecutor(max_workers=load_workers, thread_name_prefix="kv-load")
         self._counters = _Counters()
