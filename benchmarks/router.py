@@ -31,8 +31,10 @@ requests direct vs. through the router.
 
     python benchmarks/router.py                                  # the default (quoted) run, ~20 min idle
     python benchmarks/router.py --workloads chat-private --worker-counts 2 4   # adds the private-system rows
-    python benchmarks/router.py --max-workers 2 --worker-counts 2 --policies round_robin cache_aware \
-        cache_aware:load_weight=1 --out router_2w --dump /tmp/samples.json   # a partial run, its own file
+    python benchmarks/router.py --max-workers 2 --worker-counts 2 --workloads rag chat --no-single \
+        --policies round_robin cache_aware kv_events --out router_2w        # results/router_2w.md
+    python benchmarks/router.py --max-workers 2 --worker-counts 2 --workloads rag --no-single --out x \
+        --policies round_robin kv_events kv_events:queue_model=shared:max_share=1 --dump samples.json
 
 A policy may carry router settings (`NAME:field=value:...`, any `RouterConfig` field) to compare variants
 side by side in one run. `--out NAME` writes only the policy table (and its tails) to results/NAME.md,

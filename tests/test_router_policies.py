@@ -507,12 +507,19 @@ def test_router_and_cluster_commands_parse():
     from kvserve.cli import build_parser, engine_config_from_args
     from kvserve.router.cli import router_config
     from kvserve.router.cluster import engine_argv
+    from kvserve.router.config import RouterConfig
+    from kvserve.router.serve import build_policy
 
     args = build_parser().parse_args(["router", "--worker", "http://a:1", "--worker", "http://b:2", "--policy",
-                                      "kv_events", "--cache-threshold", "0.7"])
+                                      "kv_events", "--cache-threshold", "0.7", "--max-share", "0.7"])
     config = router_config(args, args.workers)
     assert config.workers == ["http://a:1", "http://b:2"] and config.policy == "kv_events"
-    assert config.cache_threshold == 0.7
+    assert config.cache_threshold == 0.7 and config.max_share == 0.7
+    assert build_policy(config).shares.max_share == 0.7
+    with pytest.raises(ValueError, match="max_share"):
+        RouterConfig(max_share=1.5)
+    with pytest.raises(ValueError, match="queue_model"):
+        RouterConfig(queue_model="lifo")
     cluster = build_parser().parse_args(["cluster", "--replicas", "3", "--num-blocks", "128", "--block-size", "8"])
     engine = engine_config_from_args(cluster)
     assert cluster.replicas == 3
