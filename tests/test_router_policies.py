@@ -379,6 +379,9 @@ def test_share_guard_sends_past_the_share_to_a_less_busy_worker():
     assert guard.shed(pool[0], pool) is None  # w1 is no less busy (0 and 0 in flight)
     pool[0].in_flight = 2
     assert guard.shed(pool[0], pool) is pool[1]
+    pool[1].in_flight, pool[1].prefills = 1, [1072]  # w1 is still computing a copy: not onto it
+    assert guard.shed(pool[0], pool) is None
+    pool[1].in_flight, pool[1].prefills = 0, []
     assert guard.shed(pool[1], pool) is None  # w1 is within its share
     policy = CacheAwarePolicy(CacheAwareSettings(max_share=0.6))
     tokens = list(range(100, 400))

@@ -123,9 +123,11 @@ class ShareGuard:
     asked 32 / 27 / 20 / 17 times over 2 workers split 59 / 37 if the two most asked landed together,
     and the instantaneous guard (`is_imbalanced`, 2 requests apart) never fires at 4 requests in
     flight. So: when the worker a policy chose has served more than `max_share` of this router's last
-    `window` requests and another worker has fewer requests in flight now, the request goes to the
-    least served of those instead (reason `share`). Its prefix is computed there once (a copy); from
-    then on both hold it and the estimate splits its requests by load.
+    `window` requests and another worker has fewer requests and no more prefill in flight now (not one
+    still computing an earlier copy), the request goes to the least served of those instead (reason
+    `share`). Its prefix is computed there once (a copy); from then on both hold it and the estimate
+    splits its requests by load. A copy costs: under first-come-first-served, every request queued on
+    that worker waits for it (2-3 copies per RAG run here, each one read-long wait or more in the tail).
 
     Only the busiest worker of 2 can pass a share above 1/2, so the default (0.58) acts on 2 workers
     and, over more, only on one worker taking well over its fair share."""
@@ -144,7 +146,8 @@ class ShareGuard:
         """The worker to send to instead of `chosen`, or None to keep it."""
         if len(self.recent) < (self.recent.maxlen or 0) or self.share(chosen) <= self.max_share:
             return None
-        lighter = [worker for worker in workers if worker is not chosen and worker.load_score < chosen.load_score]
+        lighter = [worker for worker in workers if worker is not chosen and worker.load_score < chosen.load_score
+                   and worker.pending_prefill <= chosen.pending_prefill]  # not onto a copy still running
         if not lighter:
             return None
         return min(lighter, key=lambda worker: (self.share(worker), worker.load_score))

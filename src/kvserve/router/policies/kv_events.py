@@ -21,8 +21,8 @@ hot document or a shared system prompt from a busy worker to an idle one (then b
 splits it). One of 4 equally asked documents on 4 workers is not copied when its requests bunch up for
 a moment: the copy would cost a full prefill to save one wait. Over a window, `ShareGuard` sends a
 request away from a worker that served more than `max_share` of the recent ones while another has
-fewer in flight (reason `share`): affinity splits requests as the prefixes' popularity does.
-Reasons: `cache_hit` (the chosen worker holds the most), `rebalance` (the queue outweighed a
+fewer requests and no more prefill in flight (reason `share`): affinity splits requests as the
+prefixes' popularity does. Reasons: `cache_hit` (the chosen worker holds the most), `rebalance` (the queue outweighed a
 better-cached worker), `least_load` (cached nowhere: the least estimated work).
 
 Blocks the router sent a worker moments ago count as cached there until its events report them
