@@ -31,12 +31,22 @@ requests direct vs. through the router.
 
     python benchmarks/router.py                                  # the default (quoted) run, ~20 min idle
     python benchmarks/router.py --workloads chat-private --worker-counts 2 4   # adds the private-system rows
+    python benchmarks/router.py --max-workers 2 --worker-counts 2 --workloads rag chat --no-single \
+        --policies round_robin cache_aware kv_events --out router_2w        # results/router_2w.md
+    python benchmarks/router.py --max-workers 2 --worker-counts 2 --workloads rag --no-single --out x \
+        --policies round_robin kv_events kv_events:queue_model=shared:max_share=1 --dump samples.json
+
+A policy may carry router settings (`NAME:field=value:...`, any `RouterConfig` field) to compare variants
+side by side in one run. `--out NAME` writes only the policy table (and its tails) to results/NAME.md,
+leaving results/router.md and router.json alone; `--dump` writes every request's sample as JSON.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import dataclasses
 import json
 import random
 import sys
@@ -68,6 +78,7 @@ class Sample:
     prompt: int
     cached: int
     route: dict[str, str]
+    sent: float = 0.0  # seconds since the run began
 
     @property
     def kind(self) -> str:
@@ -89,6 +100,7 @@ class RunStats:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     errors: int = 0
+    began: float = field(default_factory=time.perf_counter)
 
     @property
     def hit_rate(self) -> float:
@@ -145,7 +157,7 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: l
     stats.cached_tokens += cached
     if first is not None:
         stats.ttfts.append(first)
-        stats.samples.append(Sample(first, prompt, cached, route))
+        stats.samples.append(Sample(first, prompt, cached, route, started - stats.began))
 
 
 def parse_route(header: str) -> dict[str, str]:
@@ -230,12 +242,34 @@ def progress(started: float, message: str) -> None:
     print(f"[{time.perf_counter() - started:7.1f} s] {message}", flush=True)
 
 
+def policy_config(spec: str, urls: list[str]) -> RouterConfig:
+    """`NAME[:field=value...]` (any `RouterConfig` field) as the router's settings for one run."""
+    name, *settings = spec.split(":")
+    if name not in POLICIES:
+        raise SystemExit(f"unknown policy {name!r} in {spec!r}: one of {POLICIES}")
+    fields = {f.name: f for f in dataclasses.fields(RouterConfig)}
+    values: dict[str, object] = {}
+    for setting in settings:
+        field_name, _, value = setting.partition("=")
+        if field_name not in fields:
+            raise SystemExit(f"{spec!r}: RouterConfig has no field {field_name!r}")
+        default = getattr(RouterConfig(), field_name)
+        if isinstance(default, bool):
+            values[field_name] = value.lower() in ("1", "true", "yes")
+        else:
+            values[field_name] = value if isinstance(default, str) or default is None else type(default)(value)
+    return RouterConfig(workers=urls, policy=name, poll_interval=0.25, **values)
+
+
 def compare_policies(cluster: Cluster, single: str, model: str, args: argparse.Namespace,
                      began: float, tails: list[list[object]]) -> list[list[object]]:
     """The policy table; `tails` gets each run's p90 diagnosis (`RunStats.tail`)."""
     rows: list[list[object]] = []
     for name, workload in WORKLOADS.items():
         if name not in args.workloads:
+            continue
+        if args.no_single:
+            _compare_cluster(cluster, name, workload, model, args, began, tails, rows)
             continue
         progress(began, f"{name}: one worker (direct)")
         reset_caches([single])
@@ -245,23 +279,42 @@ def compare_policies(cluster: Cluster, single: str, model: str, args: argparse.N
                          time.perf_counter() - started))
         progress(began, f"  {rows[-1]}")
         tails.append([name, 1, "one worker", stats.tail()])
-        for num_workers in sorted({min(2, args.max_workers), args.max_workers} & set(args.worker_counts)):
-            urls = cluster.urls[:num_workers]
+        _dump(args, name, 1, "one worker", stats)
+        _compare_cluster(cluster, name, workload, model, args, began, tails, rows)
+    return rows
+
+
+def _compare_cluster(cluster: Cluster, name: str, workload, model: str, args: argparse.Namespace, began: float,
+                     tails: list[list[object]], rows: list[list[object]]) -> None:
+    for num_workers in sorted({min(2, args.max_workers), args.max_workers} & set(args.worker_counts)):
+        urls = cluster.urls[:num_workers]
+        for repeat in range(args.repeat):
             for policy in args.policies:
-                progress(began, f"{name}: {num_workers} workers, {policy}")
+                label = policy if args.repeat == 1 else f"{policy} #{repeat + 1}"
+                progress(began, f"{name}: {num_workers} workers, {label}")
                 reset_caches(urls)
-                config = RouterConfig(workers=urls, policy=policy, poll_interval=0.25)
-                with RouterThread(config) as router:
-                    if policy == "kv_events":
+                with RouterThread(policy_config(policy, urls)) as router:
+                    if policy.startswith("kv_events"):
                         _wait_for_streams(router, num_workers)
                     started = time.perf_counter()
                     stats = asyncio.run(workload(router.url, model, args))
                     elapsed = time.perf_counter() - started
-                    rows.append(_row(name, num_workers, policy, stats, served_per_worker(router.url, urls), elapsed))
+                    rows.append(_row(name, num_workers, label, stats, served_per_worker(router.url, urls), elapsed))
                 progress(began, f"  {rows[-1]}")
-                tails.append([name, num_workers, policy, stats.tail()])
+                tails.append([name, num_workers, label, stats.tail()])
                 progress(began, f"  tail: {tails[-1][-1]}")
-    return rows
+                _dump(args, name, num_workers, label, stats)
+
+
+def _dump(args: argparse.Namespace, workload: str, workers: int, policy: str, stats: RunStats) -> None:
+    """Append one run's samples to --dump (a JSON list of runs), for whoever studies a tail."""
+    if not args.dump:
+        return
+    path = Path(args.dump)
+    runs = json.loads(path.read_text()) if path.exists() else []
+    runs.append({"workload": workload, "workers": workers, "policy": policy,
+                 "samples": [dataclasses.asdict(sample) for sample in stats.samples]})
+    path.write_text(json.dumps(runs))
 
 
 def targets(rows: list[list[object]]) -> str:
@@ -269,15 +322,18 @@ def targets(rows: list[list[object]]) -> str:
     by = {(row[0], row[1], row[2]): row for row in rows}
     met, missed = [], []
     for (workload, workers, policy), row in sorted(by.items()):
-        if policy not in ("cache_aware", "kv_events"):
+        if not str(policy).startswith(("cache_aware", "kv_events")):
             continue
         where = f"{workload}@{workers} {policy}"
-        single = next(r for (w, n, _), r in by.items() if w == workload and n == 1)
-        rr = by[(workload, workers, "round_robin")]
-        hit, single_hit = float(str(row[3]).rstrip("%")), float(str(single[3]).rstrip("%"))
-        (met if hit >= single_hit - 5 else missed).append(f"{where}: hit rate {row[3]} vs one worker {single[3]}")
-        ratio = float(rr[5]) / max(float(row[5]), 1e-9)
-        (met if ratio >= 2 else missed).append(f"{where}: TTFT p90 {ratio:.1f}× better than round_robin")
+        single = next((r for (w, n, _), r in by.items() if w == workload and n == 1), None)
+        if single is not None:
+            hit, single_hit = float(str(row[3]).rstrip("%")), float(str(single[3]).rstrip("%"))
+            (met if hit >= single_hit - 5 else missed).append(f"{where}: hit rate {row[3]} vs one worker {single[3]}")
+        suffix = str(policy).rpartition(" #")[2] if " #" in str(policy) else None
+        rr = by.get((workload, workers, "round_robin" + (f" #{suffix}" if suffix else "")))
+        if rr is not None:
+            ratio = float(rr[5]) / max(float(row[5]), 1e-9)
+            (met if ratio >= 2 else missed).append(f"{where}: TTFT p90 {ratio:.1f}× better than round_robin")
         if workers == 2:
             served = [int(x) for x in str(row[6]).split(" / ")]
             share = max(served) / max(sum(served), 1)
@@ -412,6 +468,26 @@ def _histogram_mean(url: str, name: str) -> float:
     return values.get("_sum", 0.0) / max(values.get("_count", 0.0), 1.0)
 
 
+def partial_run(args: argparse.Namespace, began: float) -> None:
+    """--out: the policy table alone, in its own result file."""
+    argv = ["--model", args.model, "--num-blocks", str(args.num_blocks), "--num-threads", "1"]
+    single_argv = ["--model", args.model, "--num-blocks", str(args.num_blocks), "--num-threads",
+                   str(args.single_threads)]
+    tails: list[list[object]] = []
+    with Cluster.start_args(argv, args.max_workers, kv_events=True) as cluster, \
+            (contextlib.nullcontext() if args.no_single else Cluster.start_args(single_argv, 1)) as single:
+        model = httpx.get(f"{cluster.urls[0]}/v1/models").json()["data"][0]["id"]
+        rows = compare_policies(cluster, single.urls[0] if single else "", model, args, began, tails)
+    table = markdown_table(["workload", "workers", "policy", "hit rate", "TTFT p50 ms", "TTFT p90 ms",
+                            "requests per worker", "errors", "wall s"], rows)
+    tail_table = markdown_table(["workload", "workers", "policy", "the slowest 10%"], tails)
+    notes = (sizes_note(args) + "\n\n" + targets(rows) + "\n\n**The tail** (as in results/router.md):\n\n"
+             + tail_table)
+    path = write_result(args.out, f"Router: policies over replicas ({args.out})", table, notes)
+    print(path.read_text())
+    progress(began, f"done: total runtime {(time.perf_counter() - began) / 60:.1f} min")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
@@ -447,8 +523,15 @@ def main() -> None:
     parser.add_argument("--worker-counts", nargs="+", type=int, default=[2, 4],
                         help="... at these cluster sizes: with either flag narrowed, the new rows replace their "
                              "twins in the last run's results/router.json (same sizes required)")
-    parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES,
-                        help="... with these policies (the targets need round_robin's rows, old or new)")
+    parser.add_argument("--policies", nargs="+", default=list(POLICIES),
+                        help="... with these policies (the targets need round_robin's rows, old or new); "
+                             "NAME:field=value:... sets RouterConfig fields for that run")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="run the policy list this many times in turn (rows labelled #1, #2, ...)")
+    parser.add_argument("--out", help="a partial run: write its policy table to results/OUT.md only (no "
+                                      "decision latency, no proxy overhead, results/router.* untouched)")
+    parser.add_argument("--no-single", action="store_true", help="skip the one-worker rows (with --out)")
+    parser.add_argument("--dump", help="write every request's sample to this JSON file")
     parser.add_argument("--reuse-policies", action="store_true",
                         help="take the policy table from the last run's results/router.json (re-measure the rest)")
     parser.add_argument("--token-range", type=int, nargs=2, default=TOKEN_RANGE, help="prompt ids: [low, high)")
@@ -458,6 +541,9 @@ def main() -> None:
         args.workloads = ["chat-private" if name == "chat" else name for name in args.workloads]
     began = time.perf_counter()
     progress(began, f"router benchmark: workloads {', '.join(args.workloads)} over {args.worker_counts} workers")
+    if args.out:
+        partial_run(args, began)
+        return
 
     decisions = decision_latency(args.tree_tokens)
     progress(began, f"decision latency: {decisions}")

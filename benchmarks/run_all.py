@@ -16,7 +16,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 ORDER = [
     "throughput", "memory_efficiency", "prefix_cache", "prefix_lookup", "parallel_memory",
-    "server_load", "serve_sweep", "side_channel", "dashboard", "soak", "router", "eviction", "structured",
+    "server_load", "serve_sweep", "side_channel", "dashboard", "soak", "router", "router_2w", "eviction", "structured",
     "tiers", "kernels", "kernels_prefill", "membw", "kernels_decode", "decode_step", "decode_step_batch",
     "decode_attention", "decode_step_mixed_2t",
     "decode_step_mixed_1t", "decode_step_mixed_1t_cached1024", "qgemm", "qgemm_end_to_end",
@@ -25,6 +25,9 @@ ORDER = [
 ]
 # Sections written by another script's mode: (script, its arguments).
 SCRIPTS = {
+    "router_2w": ("router", ["--max-workers", "2", "--worker-counts", "2", "--workloads", "rag", "chat",
+                             "--no-single", "--policies", "round_robin", "cache_aware", "kv_events",
+                             "--out", "router_2w"]),
     "step_rows_native": ("step_rows", ["--weights", "native"]),
     "kernels_decode": ("kernels", ["--decode-only", "5"]),
     "decode_step_batch": ("decode_step", ["--rows", "8,32,64"]),

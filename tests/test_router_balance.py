@@ -1,7 +1,11 @@
 """Balance against affinity, in a simulated cluster (no processes): kv_events and cache_aware route a
 RAG-like stream (4 shared documents of random popularity) and a multi-turn chat over 2 equally able
-workers, each worker a processor-sharing queue whose caches fill as its requests finish (the KV events
-the router would receive). Checked: no worker gets more than 60% of the requests, and what is cached
+workers, each worker a first-come-first-served queue whose caches fill as its requests finish (the KV
+events the router would receive; measured on a worker, a 48-token question sent 0.1 s after an
+unrelated 1,072-token read answered with the read, 2.2 s, not beside it); a request whose next block a
+running request there is computing waits for it to finish, then takes it from the cache (the engine's
+prefix hold, `engine/prefix_admission.py`).
+Checked: no worker gets more than 60% of the requests, and what is cached
 still decides (conversation turns stay on their worker; most document tokens are served from cache).
 """
 
@@ -33,11 +37,14 @@ class Job:
     work: float
     done: Callable[[], None]
     progress: float = 0.0
+    hashes: list[bytes] = field(default_factory=list)
+    waiters: list[Callable[[], None]] = field(default_factory=list)  # held for this job's blocks
 
 
 @dataclass(slots=True)
 class SimWorker:
-    """One worker: its jobs share it equally (processor sharing), a finished job's blocks are cached."""
+    """One worker: its jobs run one after another (first come, first served), a finished job's blocks are
+    cached."""
 
     worker: Worker
     jobs: list[Job] = field(default_factory=list)
@@ -52,8 +59,8 @@ class SimWorker:
         return run * BLOCK
 
     def next_finish(self, now: float) -> tuple[float, Job]:
-        job = min(self.jobs, key=lambda j: j.work - j.progress)
-        return now + (job.work - job.progress) * len(self.jobs), job
+        job = self.jobs[0]  # first come, first served (what a worker was measured to do: module docstring)
+        return now + job.work - job.progress, job
 
 
 @dataclass(slots=True)
@@ -86,10 +93,6 @@ class Cluster:
         decision = self.policy.choose(key, pool)
         self.policy.on_routed(key, decision.worker)
         sim = next(s for s in self.workers if s.worker is decision.worker)
-        hashes = block_hashes(list(tokens), BLOCK, NAMESPACE, "sha256")
-        cached = sim.cached_prefix(hashes)
-        self.prompt_tokens += len(tokens)
-        self.cached_tokens += cached
         self.routed[sim.worker.url] = self.routed.get(sim.worker.url, 0) + 1
         sim.worker.in_flight += 1
         pending = decision.uncached(key)  # the proxy's count: the policy's estimate, until the answer
@@ -98,14 +101,31 @@ class Cluster:
         def finished() -> None:
             sim.worker.in_flight -= 1
             sim.worker.prefills.remove(pending)
+            done(sim.worker)
+
+        self._admit(sim, key, block_hashes(list(tokens), BLOCK, NAMESPACE, "sha256"), finished)
+
+    def _admit(self, sim: SimWorker, key: RouteKey, hashes: list[bytes], finished: Callable[[], None]) -> None:
+        """Start the request's job, or hold it until a running job publishes the block past its hit."""
+        cached = sim.cached_prefix(hashes)
+        following = hashes[cached // BLOCK] if cached // BLOCK < len(hashes) else None
+        lead = next((job for job in sim.jobs if following is not None and following in job.hashes), None)
+        if lead is not None:
+            lead.waiters.append(lambda: self._admit(sim, key, hashes, finished))
+            return
+        assert key.tokens is not None
+        self.prompt_tokens += len(key.tokens)
+        self.cached_tokens += cached
+
+        def computed() -> None:
             new = [h for h in hashes if h not in sim.cached]
             sim.cached.update(new)
             if isinstance(self.policy, KvEventsPolicy) and new:  # the worker's BlockStored event
                 WorkerEvents(self.policy.index, sim.worker.url, self.policy.pending).apply(
                     KVEventBatch(ts=self.now, events=[BlockStored(new, None, [], BLOCK)]))
-            done(sim.worker)
+            finished()
 
-        sim.jobs.append(Job(key, sim.worker, len(tokens) - cached + OVERHEAD, finished))
+        sim.jobs.append(Job(key, sim.worker, len(key.tokens) - cached + OVERHEAD, computed, hashes=hashes))
 
     def run(self) -> None:
         """Advance time: the next arrival or job completion, whichever comes first, until both run out."""
@@ -120,6 +140,8 @@ class Cluster:
                 self._advance(when)
                 sim.jobs.remove(job)
                 job.done()
+                for waiter in job.waiters:
+                    waiter()
             else:
                 assert arrival is not None
                 self._advance(arrival)
@@ -127,8 +149,8 @@ class Cluster:
 
     def _advance(self, to: float) -> None:
         for sim in self.workers:
-            for job in sim.jobs:
-                job.progress += (to - self.now) / len(sim.jobs)
+            if sim.jobs:
+                sim.jobs[0].progress += to - self.now
         self.now = to
 
     def busiest_share(self) -> float:

@@ -62,6 +62,10 @@ def _add_common_flags(parser: argparse.ArgumentParser, port: int) -> None:
     group.add_argument("--load-estimate", default="eta", choices=defaults.LOAD_ESTIMATES,
                        help="cache_aware: pick among cache holders and new workers by estimated time to first "
                             "token (eta), or by request count (requests: SGLang's rule as is)")
+    group.add_argument("--max-share", type=float, default=defaults.MAX_SHARE,
+                       help="cache_aware (eta) and kv_events: a worker past this share of the router's last "
+                            f"{defaults.SHARE_WINDOW} requests sends the next to a worker with fewer in flight "
+                            "(1: off)")
     group.add_argument("--pd-min-prompt", type=int, default=defaults.PD_MIN_PROMPT,
                        help="pd: prompts shorter than this (tokens) skip the prefill workers")
 
@@ -72,7 +76,7 @@ def router_config(args: argparse.Namespace, workers: list[str]) -> RouterConfig:
         api_keys=args.api_keys, poll_interval=args.poll_interval, max_attempts=args.max_attempts,
         balance_abs=args.balance_abs, balance_rel=args.balance_rel, cache_threshold=args.cache_threshold,
         tree_budget=args.tree_budget, load_weight=args.load_weight, request_overhead=args.request_overhead,
-        load_estimate=args.load_estimate,
+        load_estimate=args.load_estimate, max_share=args.max_share,
         pd_min_prompt=args.pd_min_prompt, open_metrics=args.open_metrics,
     )
 

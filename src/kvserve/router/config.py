@@ -11,7 +11,10 @@ CACHE_THRESHOLD = 0.5  # cache_aware: follow the best match only if it covers mo
 TREE_BUDGET = 1_000_000  # tokens per worker tree
 LOAD_WEIGHT = 2 / 3  # eta = uncached tokens + LOAD_WEIGHT × work beside it (policies/eta.py)
 REQUEST_OVERHEAD = 32.0  # tokens of prefill one request in flight costs besides its prompt (policies/eta.py)
+MAX_SHARE = 0.58  # a worker past this share of the recent requests sheds them to a less busy one ...
+SHARE_WINDOW = 32  # ... the recent requests counted (policies/base.py ShareGuard)
 LOAD_ESTIMATES = ("eta", "requests")  # cache_aware: how it picks among cache holders and new workers
+QUEUE_MODELS = ("fcfs", "shared")  # eta: a request waits for all prefill queued ahead | Σ min(p, its own)
 PD_MIN_PROMPT = 128  # pd: shorter prompts skip the prefill pool (a chat turn is cheaper to compute than to ship)
 
 
@@ -33,6 +36,8 @@ class RouterConfig:
     load_weight: float = LOAD_WEIGHT
     request_overhead: float = REQUEST_OVERHEAD
     load_estimate: str = "eta"
+    max_share: float = MAX_SHARE
+    queue_model: str = "fcfs"  # eta's queue: "shared" is the earlier processor-sharing estimate
     pd_min_prompt: int = PD_MIN_PROMPT
 
     def __post_init__(self) -> None:
@@ -48,5 +53,9 @@ class RouterConfig:
             raise ValueError(f"request_overhead must be >= 0, got {self.request_overhead}")
         if self.load_weight < 0:
             raise ValueError(f"load_weight must be >= 0, got {self.load_weight}")
+        if self.queue_model not in QUEUE_MODELS:
+            raise ValueError(f"queue_model must be one of {QUEUE_MODELS}, got {self.queue_model!r}")
+        if not 0.0 < self.max_share <= 1.0:
+            raise ValueError(f"max_share must be in (0, 1], got {self.max_share}")
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")

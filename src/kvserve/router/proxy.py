@@ -25,7 +25,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from kvserve.router.metrics import RouterMetrics
-from kvserve.router.workers import Worker
+from kvserve.router.workers import PrefillStart, Worker
 from kvserve.server.roles import FLUSH_BYTES_HEADER, FLUSH_HEADER, FLUSH_MS_HEADER
 
 CLIENT_CLOSED_REQUEST = 499
@@ -68,18 +68,26 @@ class Upstream:
     prefill_tokens: int = 0  # the policy's estimate of the prompt tokens the worker must compute
     route_header: str | None = None  # ROUTE_HEADER's value for our caller (None: not sent)
 
-    _pending: bool = field(default=False, init=False)  # our entry is in worker.prefills
+    _pending: bool = field(default=False, init=False)  # our entry is in worker.prefills (and .starts)
+    _start: PrefillStart | None = field(default=None, init=False)
 
     def _begin(self) -> None:
         self.worker.in_flight += 1
         self.worker.prefills.append(self.prefill_tokens)
+        self._start = PrefillStart(self.prefill_tokens)
+        self.worker.starts.append(self._start)
         self._pending = True
 
-    def _prefilled(self) -> None:
-        """The first token is back (or the attempt ended): the prefill no longer waits on the worker."""
+    def _prefilled(self, answered: bool = False) -> None:
+        """The first token is back (`answered`) or the attempt ended: the prefill no longer waits on the
+        worker."""
         if self._pending:
+            assert self._start is not None
             self.worker.prefills.remove(self.prefill_tokens)
+            self.worker.starts.remove(self._start)
             self._pending = False
+            if answered:
+                self.worker.observe_prefill(self.prefill_tokens, time.monotonic() - self._start.started)
 
     def _own_headers(self) -> dict[str, str]:
         return {ROUTE_HEADER: self.route_header} if self.route_header is not None else {}
@@ -121,7 +129,7 @@ class Upstream:
                                 headers=_response_headers(answer) | self._own_headers())
             chunks = answer.aiter_raw()
             first = await _unless_disconnected(request, anext(chunks, b""))
-            self._prefilled()
+            self._prefilled(answered=True)
         except BaseException as err:
             self.worker.in_flight -= 1
             self._prefilled()

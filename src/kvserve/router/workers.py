@@ -10,13 +10,16 @@ Load as the router sees it: `max(in_flight, running + waiting)`. The router's ow
 it has outstanding on a worker is exact and immediate; the polled counts catch traffic that did not
 come through this router. `prefills` is the router's own count of prefill work queued there: the
 uncached prompt tokens (as the policy estimated them) of each request it sent that has not answered
-its first token yet (`policies/eta.py` scores workers by it).
+its first token yet (`policies/eta.py` scores workers by it); `starts` says when each was sent and
+`seconds_per_token` is the worker's prefill speed as this router has seen it (an EWMA of time to first
+token per uncached token, long prefills only): together, how far the oldest has got.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +28,17 @@ import httpx
 
 logger = logging.getLogger("kvserve.router")
 POLL_TIMEOUT_S = 5.0
+SPEED_MIN_TOKENS = 256  # prefills shorter than this time the request's overhead more than its prefill
+SPEED_EWMA = 0.3  # weight of the newest observation in `seconds_per_token`
+
+
+@dataclass(slots=True, eq=False)
+class PrefillStart:
+    """A request in flight on a worker that has not answered its first token: its uncached prompt
+    tokens (the policy's estimate) and when it was sent."""
+
+    tokens: int
+    started: float = field(default_factory=time.monotonic)
 
 
 @dataclass(slots=True)
@@ -66,6 +80,8 @@ class Worker:
     in_flight: int = 0
     prefills: list[int] = field(default_factory=list)  # per request routed here and not answered yet: its
     failures: int = 0                                   # uncached prompt tokens (the policy's estimate)
+    starts: list[PrefillStart] = field(default_factory=list)  # the same requests: when each was sent
+    seconds_per_token: float | None = None  # prefill speed seen here (None: nothing long answered yet)
 
     @property
     def name(self) -> str:
@@ -82,6 +98,22 @@ class Worker:
     def pending_prefill(self) -> int:
         """Prompt tokens routed here, not cached there, whose first token has not come back."""
         return sum(self.prefills)
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """A request with `tokens` uncached prompt tokens answered its first token after `seconds`."""
+        if tokens < SPEED_MIN_TOKENS or seconds <= 0:
+            return
+        sample = seconds / tokens
+        old = self.seconds_per_token
+        self.seconds_per_token = sample if old is None else (1 - SPEED_EWMA) * old + SPEED_EWMA * sample
+
+    def head_progress(self, now: float) -> float:
+        """Tokens the oldest request in flight here has computed by now, if the worker ran it alone
+        since it was sent (it runs first), by the speed seen here; 0 until a speed is known."""
+        if not self.starts or self.seconds_per_token is None:
+            return 0.0
+        oldest = min(self.starts, key=lambda start: start.started)
+        return min(float(oldest.tokens), (now - oldest.started) / self.seconds_per_token)
 
     @property
     def load_score(self) -> int:

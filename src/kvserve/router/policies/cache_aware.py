@@ -12,7 +12,9 @@ That is the rule with `load_estimate="requests"`. With `"eta"` (the default) ste
 worker's estimated time to first token (`EtaCost`: the prompt tokens its tree lacks + the prefill and
 requests this router has in flight there) instead of its request count: a hit goes to the best match
 unless the work queued there outweighs computing the prompt on another worker (reason `rebalance`);
-a miss still goes to the smallest tree (then the least estimate): a new prefix brings later requests
+a miss still goes to the smallest tree (then the least estimate); then `ShareGuard` may send it to a
+less busy worker when the chosen one has served more than `max_share` of the recent requests. A new
+prefix brings later requests
 with it, so spreading new prefixes spreads the load to come (by estimate alone, a simulated RAG run
 put 3 of 4 documents on one worker and 60% of the requests with them). The
 request count alone missed the difference between a busy worker and a busy one with an idle twin: over
@@ -28,9 +30,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvserve.router.config import BALANCE_ABS, BALANCE_REL, CACHE_THRESHOLD, LOAD_ESTIMATES, TREE_BUDGET
+from kvserve.router.config import BALANCE_ABS, BALANCE_REL, CACHE_THRESHOLD, LOAD_ESTIMATES, MAX_SHARE, TREE_BUDGET
 from kvserve.router.keys import RouteKey, namespace_marker
-from kvserve.router.policies.base import Decision, HotPrefixes, LoadTieBreaker, Policy, is_imbalanced
+from kvserve.router.policies.base import (
+    Decision,
+    HotPrefixes,
+    LoadTieBreaker,
+    Policy,
+    ShareGuard,
+    is_imbalanced,
+)
 from kvserve.router.policies.eta import EtaCost
 from kvserve.router.radix import TokenTree
 from kvserve.router.workers import Worker
@@ -44,6 +53,7 @@ class CacheAwareSettings:
     tree_budget: int = TREE_BUDGET
     load_estimate: str = "eta"  # "requests": SGLang's rule as is
     cost: EtaCost = EtaCost()
+    max_share: float = MAX_SHARE  # with eta: ShareGuard (1.0: off)
 
     def __post_init__(self) -> None:
         if self.load_estimate not in LOAD_ESTIMATES:
@@ -54,6 +64,11 @@ class CacheAwareSettings:
             raise ValueError(f"cache_threshold must be in [0, 1], got {self.cache_threshold}")
         if self.tree_budget < 1:
             raise ValueError(f"tree_budget must be >= 1, got {self.tree_budget}")
+        if not 0.0 < self.max_share <= 1.0:
+            raise ValueError(f"max_share must be in (0, 1], got {self.max_share}")
+
+
+MISS_SLACK = 0.5  # a miss may wait this fraction of its own prefill to keep prefixes spread (_by_eta)
 
 
 def tree_key(key: RouteKey) -> list[int]:
@@ -69,6 +84,7 @@ class CacheAwarePolicy(Policy):
         self._trees: dict[Worker, TokenTree] = {}
         self._ties = LoadTieBreaker()
         self.hot = HotPrefixes()
+        self.shares = ShareGuard(self.settings.max_share)
 
     def tree(self, worker: Worker) -> TokenTree:
         """The worker's tree, bounded by what the worker can hold: a tree that remembered more than the
@@ -98,7 +114,9 @@ class CacheAwarePolicy(Policy):
             if target > s.cache_threshold * len(key.tokens) or self.hot.worth_copying(key, matches, target):
                 return Decision(chosen, "imbalance", target)
         if s.load_estimate == "eta":
-            return self._by_eta(key, workers, matches, hit)
+            decision = self._by_eta(key, workers, matches, hit)
+            lighter = self.shares.shed(decision.worker, workers)
+            return decision if lighter is None else Decision(lighter, "share", matches[lighter])
         if hit:
             holders = [worker for worker in workers if matches[worker] == best]
             return Decision(self._ties.least_loaded(holders), "cache_hit", best)
@@ -110,20 +128,26 @@ class CacheAwarePolicy(Policy):
     def _by_eta(self, key: RouteKey, workers: list[Worker], matches: dict[Worker, int], hit: bool) -> Decision:
         """Steps 2 and 3 by estimated time to first token. A hit: the cheapest worker (then the least
         loaded). A miss: the smallest tree still (a new prefix brings later requests with it: spreading
-        prefixes spreads the load to come), then the cheapest, then the least loaded."""
+        prefixes spreads the load to come), then the cheapest, then the least loaded; but only among
+        workers whose estimate is within `MISS_SLACK` of a prompt's prefill of the cheapest: a worker
+        busy with another first read would make this one wait for it (tree sizes differ by a few
+        questions, so the smaller tree was often the worker already reading while the other idled)."""
         assert key.tokens is not None
-        cost = self.settings.cost
+        costs = self.settings.cost.costs(len(key.tokens), matches)
         if hit:
-            chosen = self._ties.least_loaded(EtaCost.cheapest(cost.costs(len(key.tokens), matches)))
+            chosen = self._ties.least_loaded(EtaCost.cheapest(costs))
             reason = "cache_hit" if matches[chosen] == max(matches.values()) else "rebalance"
             return Decision(chosen, reason, matches[chosen])
-        smallest = min(self.tree(worker).num_tokens for worker in workers)
-        fresh = {w: matches[w] for w in workers if self.tree(w).num_tokens == smallest}
-        chosen = self._ties.least_loaded(EtaCost.cheapest(cost.costs(len(key.tokens), fresh)))
+        bound = min(costs.values()) + MISS_SLACK * len(key.tokens)
+        able = [worker for worker in workers if costs[worker] <= bound]
+        smallest = min(self.tree(worker).num_tokens for worker in able)
+        fresh = {w: costs[w] for w in able if self.tree(w).num_tokens == smallest}
+        chosen = self._ties.least_loaded(EtaCost.cheapest(fresh))
         return Decision(chosen, "smallest_tree", matches[chosen])
 
     def on_routed(self, key: RouteKey, worker: Worker) -> None:
         self.hot.add(key)
+        self.shares.add(worker)
         if key.usable:
             self.tree(worker).insert(tree_key(key))
 

@@ -19,9 +19,11 @@ chat p90 over 2 workers 1.1× round_robin's.) SGLang's imbalance guard comes fir
 (`HotPrefixes`: it brings its holders more traffic than the other workers get): it is what copies a
 hot document or a shared system prompt from a busy worker to an idle one (then both hold it and load
 splits it). One of 4 equally asked documents on 4 workers is not copied when its requests bunch up for
-a moment: the copy would cost a full prefill to save one wait. Reasons: `cache_hit` (the chosen worker
-holds the most), `rebalance` (the queue outweighed a better-cached worker), `least_load` (cached
-nowhere: the least estimated work).
+a moment: the copy would cost a full prefill to save one wait. Over a window, `ShareGuard` sends a
+request away from a worker that served more than `max_share` of the recent ones while another has
+fewer requests and no more prefill in flight (reason `share`): affinity splits requests as the
+prefixes' popularity does. Reasons: `cache_hit` (the chosen worker holds the most), `rebalance` (the queue outweighed a
+better-cached worker), `least_load` (cached nowhere: the least estimated work).
 
 Blocks the router sent a worker moments ago count as cached there until its events report them
 (`PendingBlocks`), so a burst for one hot prefix is not spread before the first prefill finishes.
@@ -41,10 +43,17 @@ from urllib.parse import urlsplit
 
 from kvserve.events.subscriber import EventStream
 from kvserve.prefix.hashing import block_hashes
-from kvserve.router.config import BALANCE_ABS, BALANCE_REL
+from kvserve.router.config import BALANCE_ABS, BALANCE_REL, MAX_SHARE
 from kvserve.router.index import BlockIndex, PendingBlocks, WorkerEvents
 from kvserve.router.keys import RouteKey
-from kvserve.router.policies.base import Decision, HotPrefixes, LoadTieBreaker, Policy, is_imbalanced
+from kvserve.router.policies.base import (
+    Decision,
+    HotPrefixes,
+    LoadTieBreaker,
+    Policy,
+    ShareGuard,
+    is_imbalanced,
+)
 from kvserve.router.policies.eta import EtaCost
 from kvserve.router.workers import Worker
 
@@ -56,7 +65,7 @@ class KvEventsPolicy(Policy):
     name = "kv_events"
 
     def __init__(self, cost: EtaCost | None = None, balance_abs: int = BALANCE_ABS,
-                 balance_rel: float = BALANCE_REL) -> None:
+                 balance_rel: float = BALANCE_REL, max_share: float = MAX_SHARE) -> None:
         self.index = BlockIndex()
         self.pending = PendingBlocks(PENDING_TTL_S)
         self._last_hashes: tuple[RouteKey, dict[Worker, list[bytes]]] | None = None
@@ -65,6 +74,7 @@ class KvEventsPolicy(Policy):
         self.balance_rel = balance_rel
         self._ties = LoadTieBreaker()
         self.hot = HotPrefixes()
+        self.shares = ShareGuard(max_share)
         self.streams: dict[Worker, EventStream] = {}
         self._tasks: dict[Worker, asyncio.Task] = {}
         self.handlers: dict[Worker, WorkerEvents] = {}
@@ -83,6 +93,9 @@ class KvEventsPolicy(Policy):
             if self.hot.worth_copying(key, runs, target):
                 return Decision(chosen, "imbalance", target)
         chosen = self._ties.least_loaded(EtaCost.cheapest(self.cost.costs(len(key.tokens), runs)))
+        lighter = self.shares.shed(chosen, workers)
+        if lighter is not None:
+            return Decision(lighter, "share", runs[lighter])
         reason = "least_load" if best == 0 else "rebalance" if runs[chosen] < best else "cache_hit"
         return Decision(chosen, reason, runs[chosen])
 
@@ -123,6 +136,7 @@ class KvEventsPolicy(Policy):
 
     def on_routed(self, key: RouteKey, worker: Worker) -> None:
         self.hot.add(key)
+        self.shares.add(worker)
         hashes = self._hashes(key, [worker])  # the ones choose() computed, for the same key
         if worker in hashes:
             self.pending.add(worker.url, hashes[worker], time.monotonic())
