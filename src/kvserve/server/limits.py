@@ -22,7 +22,11 @@ MAX_BYTES_PER_TOKEN = 64
 DEFAULT_MAX_CONNECTIONS = 1024
 DEFAULT_HEADER_TIMEOUT_S = 10.0
 DEFAULT_BODY_TIMEOUT_S = 30.0
-DEFAULT_KEEP_ALIVE_S = 5.0
+# Longer than the 5 s after which httpx (and so the OpenAI SDK) drops an idle pooled connection: with
+# equal timeouts a request sent as the server closes the idle socket fails with a read error (benchmarks/
+# results/soak.md: 2 of 504 such requests at 5 s, none at 10 s). Below the header timeout, so an idle
+# connection is closed quietly before it would be answered 408.
+DEFAULT_KEEP_ALIVE_S = 8.0
 DEFAULT_INPUT_WORKERS = 2
 
 
