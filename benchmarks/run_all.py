@@ -51,11 +51,11 @@ Re-run everything with `python benchmarks/run_all.py` (or `make bench`); plots a
 result tables by `benchmarks/plot_results.py`.
 
 **Beside llama.cpp, plainly** (section "Native CPU kernels" below; same Q4_1 GGUF, Intel Xeon with
-AVX-512 VNNI, 2 threads, idle machine, 2026-12-01, every runner in one run): single-request decode 136
-tok/s against 104 for llama-batched-bench (1.31x) and 94 for llama-cpp-python; batch 8 / 32 161 / 220 tok/s
-against 62 / 67 (prefill included); prefill 3.3x faster (915 vs 273 tok/s at 512 tokens); sixteen requests
-sharing a 1,900-token prefix 27x sooner than llama-server with 16 slots (6.8 vs 181 s). **Where llama.cpp
-is ahead**: it is ready 1.4 s sooner (`LLM()` 1.74 s vs 0.34 s for llama-cpp-python).
+AVX-512 VNNI, 2 threads, idle machine, 2026-12-01 05:01 UTC, every runner in one run): single-request
+decode 154 tok/s against 91 for llama-batched-bench (1.69x) and 78 for llama-cpp-python; batch 8 / 32 142 /
+203 tok/s against 48 / 53 (prefill included); prefill 4x faster (873 vs 216 tok/s at 512 tokens); sixteen
+requests sharing a 1,900-token prefix 20x sooner than llama-server with 16 slots (7.7 vs 154 s). **Where
+llama.cpp is ahead**: it is ready 1.7 s sooner (`LLM()` 1.99 s vs 0.32 s for llama-cpp-python).
 Sections measured on another machine (the AMD EPYC rows) or under load (most of the second round's,
 marked in each) are not comparable across sections.
 
