@@ -237,8 +237,9 @@ class OffloadPolicy:
     # --- housekeeping ---------------------------------------------------------------------------
 
     def _host_evicted(self, items: list[tuple[BlockKey, bytes]]) -> None:
-        if self._disk_writer is not None and self.disk is not None:
-            self._disk_writer.offer([(k, p) for k, p in items if not self.disk.longest_prefix([k])])
+        """Host evictions go on to disk (installed only when there is one)."""
+        assert self._disk_writer is not None and self.disk is not None
+        self._disk_writer.offer([(k, p) for k, p in items if not self.disk.longest_prefix([k])])
 
     def _count_load(self, source: str, num_blocks: int, seconds: float, failed: int = 0, nbytes: int = 0) -> None:
         with self._counters.lock:
