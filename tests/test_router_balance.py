@@ -23,7 +23,7 @@ from kvserve.prefix.hashing import block_hashes
 from kvserve.router.index import WorkerEvents
 from kvserve.router.keys import RouteKey
 from kvserve.router.policies import CacheAwarePolicy, KvEventsPolicy, Policy
-from kvserve.router.workers import Worker, WorkerLoad
+from kvserve.router.workers import PrefillStart, Worker, WorkerLoad
 
 BLOCK = 16
 NAMESPACE = ("alice", "")
@@ -95,12 +95,12 @@ class Cluster:
         sim = next(s for s in self.workers if s.worker is decision.worker)
         self.routed[sim.worker.url] = self.routed.get(sim.worker.url, 0) + 1
         sim.worker.in_flight += 1
-        pending = decision.uncached(key)  # the proxy's count: the policy's estimate, until the answer
-        sim.worker.prefills.append(pending)
+        pending = PrefillStart(decision.uncached(key))  # the proxy's count: the policy's estimate, until the answer
+        sim.worker.starts.append(pending)
 
         def finished() -> None:
             sim.worker.in_flight -= 1
-            sim.worker.prefills.remove(pending)
+            sim.worker.starts.remove(pending)
             done(sim.worker)
 
         self._admit(sim, key, block_hashes(list(tokens), BLOCK, NAMESPACE, "sha256"), finished)

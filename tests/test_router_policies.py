@@ -31,6 +31,11 @@ ALICE, BOB = ("alice", ""), ("bob", "")
 
 
 
+def pending(tokens: list[int]) -> list[PrefillStart]:
+    """Requests in flight on a worker, not answered yet, by their uncached prompt tokens (sent now)."""
+    return [PrefillStart(count) for count in tokens]
+
+
 def workers(count: int, block_size: int = 4) -> list[Worker]:
     return [Worker(url=f"http://w{i}", healthy=True, load=WorkerLoad(block_size=block_size, prefix_hash="sha256"))
             for i in range(count)]
@@ -263,14 +268,14 @@ def test_kv_events_policy_weighs_queued_prefill_against_cached_blocks():
     tokens = list(range(16))
     hashes = block_hashes(tokens, 4, ALICE, "sha256")
     policy.index.store(pool[0].url, hashes[:1])  # 4 tokens cached on w0 only: 12 uncached there
-    pool[0].in_flight, pool[0].prefills = 1, [24]  # 12 + min(24, 12) > 16 + 0
+    pool[0].in_flight, pool[0].starts = 1, pending([24])  # 12 + min(24, 12) > 16 + 0
     decision = policy.choose(key(tokens), pool)
     assert decision.worker is pool[1] and decision.reason == "rebalance" and decision.matched_tokens == 0
-    pool[0].prefills = [2]  # 12 + 2 < 16
+    pool[0].starts = pending([2])  # 12 + 2 < 16
     decision = policy.choose(key(tokens), pool)
     assert decision.worker is pool[0] and decision.reason == "cache_hit" and decision.matched_tokens == 4
-    pool[0].prefills = [24]
-    pool[1].in_flight, pool[1].prefills = 1, [24]  # 12 + 12 < 16 + 16: the other worker is busy too
+    pool[0].starts = pending([24])
+    pool[1].in_flight, pool[1].starts = 1, pending([24])  # 12 + 12 < 16 + 16: the other worker is busy too
     assert policy.choose(key(tokens), pool).worker is pool[0]
     pool[0].in_flight = 3  # 3 − 1 > balance_abs 1 and 3 > 1.5 × 1: SGLang's guard, before any score
     assert KvEventsPolicy(balance_abs=1).choose(key(tokens), pool).reason == "imbalance"
@@ -292,15 +297,15 @@ def test_kv_events_policy_moves_a_conversation_only_when_its_queue_outweighs_its
     """Defaults (load_weight 2/3, 32 tokens per request in flight)."""
     policy, pool = KvEventsPolicy(balance_abs=8), workers(2, block_size=16)
     turn = chat_turn(policy, pool)
-    pool[0].in_flight, pool[0].prefills = 2, [240, 240]  # 240 + ⅔ × (480 + 64) = 603
-    pool[1].in_flight, pool[1].prefills = 1, [240]  # 480 + ⅔ × (240 + 32) = 661
+    pool[0].in_flight, pool[0].starts = 2, pending([240, 240])  # 240 + ⅔ × (480 + 64) = 603
+    pool[1].in_flight, pool[1].starts = 1, pending([240])  # 480 + ⅔ × (240 + 32) = 661
     decision = policy.choose(turn, pool)
     assert decision.worker is pool[0] and decision.reason == "cache_hit" and decision.matched_tokens == 752
-    pool[1].in_flight, pool[1].prefills = 0, []
-    pool[0].in_flight, pool[0].prefills = 3, [240, 240, 240]  # 240 + ⅔ × (720 + 96) = 784 > 480: w1 idles
+    pool[1].in_flight, pool[1].starts = 0, pending([])
+    pool[0].in_flight, pool[0].starts = 3, pending([240, 240, 240])  # 240 + ⅔ × (720 + 96) = 784 > 480: w1 idles
     decision = policy.choose(turn, pool)
     assert decision.worker is pool[1] and decision.reason == "rebalance" and decision.matched_tokens == 512
-    pool[0].prefills = [48, 48, 48]  # as many requests, short ones: 240 + ⅔ × (144 + 96) = 400 < 480
+    pool[0].starts = pending([48, 48, 48])  # as many requests, short ones: 240 + ⅔ × (144 + 96) = 400 < 480
     assert policy.choose(turn, pool).worker is pool[0]
 
 
@@ -309,8 +314,8 @@ def test_kv_events_policy_load_weight_prices_a_copy():
     history) where at ⅔ it waits."""
     policy, pool = KvEventsPolicy(EtaCost(load_weight=1.0), balance_abs=8), workers(2, block_size=16)
     turn = chat_turn(policy, pool)
-    pool[0].in_flight, pool[0].prefills = 2, [240, 240]
-    pool[1].in_flight, pool[1].prefills = 1, [240]
+    pool[0].in_flight, pool[0].starts = 2, pending([240, 240])
+    pool[1].in_flight, pool[1].starts = 1, pending([240])
     assert policy.choose(turn, pool).worker is pool[1]
 
 
@@ -319,7 +324,6 @@ def send(policy, worker: Worker, tokens: list[int]) -> None:
     decision = policy.choose(key(tokens), [worker])
     policy.on_routed(key(tokens), worker)
     worker.in_flight += 1
-    worker.prefills.append(decision.uncached(key(tokens)))
     worker.starts.append(PrefillStart(decision.uncached(key(tokens))))
 
 
@@ -348,7 +352,7 @@ def test_a_request_waits_for_all_prefill_queued_ahead(make):
 def test_shared_queue_model_prices_only_what_runs_beside():
     """The earlier estimate, kept for comparison (`queue_model="shared"`): Σ min(p, u)."""
     worker = workers(1)[0]
-    worker.in_flight, worker.prefills = 2, [1072, 48]
+    worker.in_flight, worker.starts = 2, pending([1072, 48])
     assert EtaCost(queue_model="shared", request_overhead=0).queued(worker, 48) == 96
     assert EtaCost(request_overhead=0).queued(worker, 48) == 1120
     with pytest.raises(ValueError, match="queue_model"):
@@ -379,9 +383,9 @@ def test_share_guard_sends_past_the_share_to_a_less_busy_worker():
     assert guard.shed(pool[0], pool) is None  # w1 is no less busy (0 and 0 in flight)
     pool[0].in_flight = 2
     assert guard.shed(pool[0], pool) is pool[1]
-    pool[1].in_flight, pool[1].prefills = 1, [1072]  # w1 is still computing a copy: not onto it
+    pool[1].in_flight, pool[1].starts = 1, pending([1072])  # w1 is still computing a copy: not onto it
     assert guard.shed(pool[0], pool) is None
-    pool[1].in_flight, pool[1].prefills = 0, []
+    pool[1].in_flight, pool[1].starts = 0, pending([])
     assert guard.shed(pool[1], pool) is None  # w1 is within its share
     policy = CacheAwarePolicy(CacheAwareSettings(max_share=0.6))
     tokens = list(range(100, 400))
@@ -402,7 +406,7 @@ def test_eta_cost_is_checked_and_counts_work_ahead():
     with pytest.raises(ValueError, match="load_estimate"):
         CacheAwareSettings(load_estimate="guess")
     worker = workers(1)[0]
-    worker.in_flight, worker.prefills = 2, [60, 40]
+    worker.in_flight, worker.starts = 2, pending([60, 40])
     cost = EtaCost(load_weight=0.5, request_overhead=10.0)
     assert cost.queued(worker, 30) == 60 + 40 + 20 and cost.eta(worker, 30) == 30 + 0.5 * 120
     shared = EtaCost(load_weight=0.5, request_overhead=10.0, queue_model="shared")
@@ -418,18 +422,18 @@ def test_cache_aware_eta_leaves_a_busy_holder_for_an_idle_worker():
     for estimate, expected in (("requests", 0), ("eta", 1)):
         policy, pool = CacheAwarePolicy(CacheAwareSettings(load_estimate=estimate)), workers(2)
         policy.on_routed(key(conversation), pool[0])
-        pool[0].in_flight, pool[0].prefills = 2, [300, 300]  # 2 − 0 is not > balance_abs 2
+        pool[0].in_flight, pool[0].starts = 2, pending([300, 300])  # 2 − 0 is not > balance_abs 2
         decision = policy.choose(key(conversation + new), pool)  # eta: 240 + ⅔ × (480 + 64) > 540 + 0
         assert decision.worker is pool[expected], estimate
         assert decision.reason == ("cache_hit" if estimate == "requests" else "rebalance")
     policy, pool = CacheAwarePolicy(), workers(3)
     policy.on_routed(key([9] * 50), pool[2])  # w2's tree is the bigger
-    pool[0].in_flight, pool[0].prefills = 1, [200]  # w0 and w1: 1 request each, w0's the longer
-    pool[1].in_flight, pool[1].prefills = 1, [20]
+    pool[0].in_flight, pool[0].starts = 1, pending([200])  # w0 and w1: 1 request each, w0's the longer
+    pool[1].in_flight, pool[1].starts = 1, pending([20])
     decision = policy.choose(key(range(500, 900)), pool)  # 400 + ⅔ × 52 is within 200 of w2's 400
     assert decision.worker is pool[1] and decision.reason == "smallest_tree"
-    pool[1].prefills = [1000]  # w1 busy with a first read: 400 + ⅔ × 1,032 > 400 + 200, and so is w0 ...
-    pool[0].prefills = [1000]
+    pool[1].starts = pending([1000])  # w1 busy with a first read: 400 + ⅔ × 1,032 > 400 + 200, and so is w0 ...
+    pool[0].starts = pending([1000])
     decision = policy.choose(key(range(500, 900)), pool)  # ... so the idle w2 reads it, bigger tree or not
     assert decision.worker is pool[2] and decision.reason == "smallest_tree"
 

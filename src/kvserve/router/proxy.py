@@ -68,26 +68,21 @@ class Upstream:
     prefill_tokens: int = 0  # the policy's estimate of the prompt tokens the worker must compute
     route_header: str | None = None  # ROUTE_HEADER's value for our caller (None: not sent)
 
-    _pending: bool = field(default=False, init=False)  # our entry is in worker.prefills (and .starts)
-    _start: PrefillStart | None = field(default=None, init=False)
+    _start: PrefillStart | None = field(default=None, init=False)  # our entry in worker.starts, while pending
 
     def _begin(self) -> None:
         self.worker.in_flight += 1
-        self.worker.prefills.append(self.prefill_tokens)
         self._start = PrefillStart(self.prefill_tokens)
         self.worker.starts.append(self._start)
-        self._pending = True
 
     def _prefilled(self, answered: bool = False) -> None:
         """The first token is back (`answered`) or the attempt ended: the prefill no longer waits on the
         worker."""
-        if self._pending:
-            assert self._start is not None
-            self.worker.prefills.remove(self.prefill_tokens)
+        if self._start is not None:
             self.worker.starts.remove(self._start)
-            self._pending = False
             if answered:
                 self.worker.observe_prefill(self.prefill_tokens, time.monotonic() - self._start.started)
+            self._start = None
 
     def _own_headers(self) -> dict[str, str]:
         return {ROUTE_HEADER: self.route_header} if self.route_header is not None else {}

@@ -8,9 +8,9 @@ it (its cache died with the old process).
 
 Load as the router sees it: `max(in_flight, running + waiting)`. The router's own count of requests
 it has outstanding on a worker is exact and immediate; the polled counts catch traffic that did not
-come through this router. `prefills` is the router's own count of prefill work queued there: the
-uncached prompt tokens (as the policy estimated them) of each request it sent that has not answered
-its first token yet (`policies/eta.py` scores workers by it); `starts` says when each was sent and
+come through this router. `starts` is the router's own record of prefill work queued there: for each
+request it sent that has not answered its first token yet, its uncached prompt tokens (as the policy
+estimated them; `prefills` lists them, `policies/eta.py` scores workers by them) and when it was sent;
 `seconds_per_token` is the worker's prefill speed as this router has seen it (an EWMA of time to first
 token per uncached token, long prefills only): together, how far the oldest has got.
 """
@@ -78,9 +78,8 @@ class Worker:
     generation: int = 0
     load: WorkerLoad = field(default_factory=WorkerLoad)
     in_flight: int = 0
-    prefills: list[int] = field(default_factory=list)  # per request routed here and not answered yet: its
-    failures: int = 0                                   # uncached prompt tokens (the policy's estimate)
-    starts: list[PrefillStart] = field(default_factory=list)  # the same requests: when each was sent
+    failures: int = 0
+    starts: list[PrefillStart] = field(default_factory=list)  # per request routed here, not answered yet
     seconds_per_token: float | None = None  # prefill speed seen here (None: nothing long answered yet)
 
     @property
@@ -95,9 +94,15 @@ class Worker:
         return None
 
     @property
+    def prefills(self) -> list[int]:
+        """The uncached prompt tokens (the policy's estimate) of each request in flight here that has
+        not answered its first token."""
+        return [start.tokens for start in self.starts]
+
+    @property
     def pending_prefill(self) -> int:
         """Prompt tokens routed here, not cached there, whose first token has not come back."""
-        return sum(self.prefills)
+        return sum(start.tokens for start in self.starts)
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """A request with `tokens` uncached prompt tokens answered its first token after `seconds`."""
