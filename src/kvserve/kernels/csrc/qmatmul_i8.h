@@ -336,6 +336,8 @@ static void qmatmul_i8_interleaved(const Q8Rows& x, int64_t rows, int64_t k, con
 }
 #endif
 
+#include "qmatmul_i8_packed.h"
+
 // Output columns [c0, c1) of rows <= RT quantized rows (c0 a multiple of I8_CHUNK): one task of
 // decode_step.h's int8 phases, the same arithmetic per column as qmatmul_i8. scratch: i8_chunk_scratch(nb)
 // bytes of the calling thread's own.
@@ -376,6 +378,12 @@ static void qmatmul_i8_chunk(const Q8Rows& xq, int64_t rows, int64_t k, const ui
 static inline void qmatmul_i8_cols(int qt, const Q8Rows& xq, int64_t rows, int64_t k, const uint8_t* w, int64_t n,
                                    int64_t row_bytes, float* y, int64_t ystride, int64_t c0, int64_t c1,
                                    void* scratch) {
+#if KV_AVX512
+    if (qt & QT_I8_PACKED) {  // row_bytes: one group's bytes (decode_step.h checked the layout)
+        qmatmul_i8_packed_cols(qt & ~QT_I8_PACKED, xq, rows, k, w, n, row_bytes, y, ystride, c0, c1);
+        return;
+    }
+#endif
     if (qt == QT_Q4_1) qmatmul_i8_chunk<QT_Q4_1>(xq, rows, k, w, n, row_bytes, y, ystride, c0, c1, scratch);
     else if (qt == QT_Q4_0) qmatmul_i8_chunk<QT_Q4_0>(xq, rows, k, w, n, row_bytes, y, ystride, c0, c1, scratch);
     else qmatmul_i8_chunk<QT_Q8_0>(xq, rows, k, w, n, row_bytes, y, ystride, c0, c1, scratch);
@@ -388,15 +396,39 @@ static int quantize_i8(const float* x, int64_t rows, int64_t k, int8_t* q, float
     return 0;
 }
 
+// qmatmul_i8 for a weight packed by pack_i8 (qt: its GGUF type; gstride: one group's bytes, nb * the packed
+// block's). AVX-512 only: the AVX2 kernel reads the GGUF layout, so the engine packs only for AVX-512.
+static int qmatmul_i8_prepacked(int qt, const float* x, int64_t rows, int64_t k, const uint8_t* pw, int64_t n,
+                                int64_t gstride, float* y, int64_t ystride) {
+#if KV_AVX512
+    if (!i8_packable(qt)) return -1;
+    if (gstride != k / QK * packed_block_bytes(qt)) return -2;
+    if (rows <= 0 || n <= 0) return 0;
+    const int64_t nb = k / QK;
+    int8_t* q = new int8_t[rows * k];
+    float* ds = new float[2 * rows * nb];
+    const Q8Rows xq{q, ds, ds + rows * nb, nullptr, nullptr};
+    quantize_rows(x, rows, k, xq);
+    qmatmul_i8_packed(qt, xq, rows, k, pw, n, gstride, y, ystride);
+    delete[] q;
+    delete[] ds;
+    return 0;
+#else
+    (void)x, (void)rows, (void)k, (void)pw, (void)n, (void)gstride, (void)y, (void)ystride, (void)qt;
+    return -1;
+#endif
+}
+
 // y[r * ystride + c] = dot(x row r, weight row c) with x quantized to int8 blocks first (same signature as
 // qmatmul; the quantized activations live in a scratch buffer for the call).
 static int qmatmul_i8(int qt, const float* x, int64_t rows, int64_t k, const uint8_t* w, int64_t n,
                       int64_t row_bytes, float* y, int64_t ystride) {
     if (k % QK != 0) return -2;
+    const int64_t nb = k / QK, lanes = nb * LANES;
+    if (qt & QT_I8_PACKED) return qmatmul_i8_prepacked(qt & ~QT_I8_PACKED, x, rows, k, w, n, row_bytes, y, ystride);
     if (qt != QT_Q4_0 && qt != QT_Q4_1 && qt != QT_Q8_0) return -1;
     if (row_bytes > (int64_t(1) << 26)) return -2;  // the AVX-512 path gathers 16 rows by int32 offsets
     if (rows <= 0 || n <= 0) return 0;
-    const int64_t nb = k / QK, lanes = nb * LANES;
     // Scratch for the call: q, then d, s (and the AVX2 kernel's dv, sv) in one float buffer.
     int8_t* q = new int8_t[rows * k];
     float* ds = new float[2 * rows * nb + 2 * rows * lanes];
