@@ -21,21 +21,46 @@ struct Q8Rows {
     float* sv;
 };
 
+// One block: amax, d = amax / 127, q = clamp(nearest-even(x * (1/d)), +-127), s = d * sum(q). Vectorised; every
+// value is the same IEEE operation as `reference.quantize_activations` (max is exact whatever the order;
+// x * id, the rounding, the clamp and the integer sum are per element).
 static inline void quantize_row_block(const float* x, int8_t* q, float* d, float* s) {
-    float amax = 0.0f;
-    for (int j = 0; j < QK; ++j) {
-        const float a = x[j] < 0.0f ? -x[j] : x[j];
-        amax = a > amax ? a : amax;
-    }
+#if KV_AVX512
+    const __m512 sign = _mm512_set1_ps(-0.0f);
+    const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, a), _mm512_andnot_ps(sign, b)));
+#else
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 m = _mm256_andnot_ps(sign, _mm256_loadu_ps(x));
+    for (int i = 1; i < 4; ++i) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + 8 * i)));
+    const float amax = vhmax(m);
+#endif
     const float dx = amax / 127.0f;
     const float id = dx != 0.0f ? 1.0f / dx : 0.0f;
+    constexpr int MODE = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+#if KV_AVX512
+    const __m512 vid = _mm512_set1_ps(id), hi = _mm512_set1_ps(127.0f), lo = _mm512_set1_ps(-127.0f);
+    const __m512i qa = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(
+        _mm512_roundscale_ps(_mm512_mul_ps(a, vid), MODE), lo), hi));
+    const __m512i qb = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(
+        _mm512_roundscale_ps(_mm512_mul_ps(b, vid), MODE), lo), hi));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(qa));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(qb));
+    const int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+#else
+    const __m256 vid = _mm256_set1_ps(id), hi = _mm256_set1_ps(127.0f), lo = _mm256_set1_ps(-127.0f);
+    alignas(32) int32_t iq[QK];
+    for (int i = 0; i < 4; ++i) {
+        const __m256 v = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * i), vid), MODE);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(iq + 8 * i),
+                           _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(v, lo), hi)));
+    }
     int sum = 0;
     for (int j = 0; j < QK; ++j) {
-        float v = __builtin_nearbyintf(x[j] * id);  // the default rounding mode: nearest, ties to even
-        v = v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v;
-        q[j] = static_cast<int8_t>(v);
-        sum += q[j];
+        q[j] = static_cast<int8_t>(iq[j]);
+        sum += iq[j];
     }
+#endif
     *d = dx;
     *s = dx * static_cast<float>(sum);
 }

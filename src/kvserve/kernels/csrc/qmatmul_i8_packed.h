@@ -122,10 +122,19 @@ static inline void packed_tile(const Q8Rows& x, int64_t k, int64_t nb, const uin
     }
 }
 
-// Row tiles: PACKED_TILE_ROWS rows x NG groups, the remainder in one narrower tile.
+// Row tiles: KV_I8P_ROWS2 rows x 2 groups (24 accumulators: 12 float, 12 int32 of the block), or
+// KV_I8P_ROWS1 rows x 1 group; the remainder in one narrower tile. Measured (1 thread, Ice Lake, real shapes,
+// benchmarks/int8_packed.py): 6 x 2 ran ~5% faster than 4 x 2 and 12-20% faster than 4 x 3 or 8 x 1 at 32-512
+// rows; 5 and 7 rows ran no faster. The -D overrides exist for such measurements only.
+#ifndef KV_I8P_ROWS1
+#define KV_I8P_ROWS1 8
+#endif
+#ifndef KV_I8P_ROWS2
+#define KV_I8P_ROWS2 6
+#endif
 template <int NG>
 struct PackedTileRows {
-    static constexpr int value = NG == 1 ? 8 : 4;
+    static constexpr int value = NG == 1 ? KV_I8P_ROWS1 : KV_I8P_ROWS2;
 };
 
 template <int R, int NG, int QT>
