@@ -17,7 +17,7 @@ from kvserve.kernels.i8pack import PACKED_BLOCK_BYTES, PackedI8Weight, packed_gr
 
 ISA_CODES = {"avx2": 1, "avx512": 2}
 FEATURE_BITS = {"avx2": 1, "avx512": 2, "avx512_vnni": 4, "avx512_bf16": 8, "amx_bf16": 16}
-ABI_VERSION = 2
+ABI_VERSION = 3  # 3: kv_pack_i8, the int8 path's packed weights
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {

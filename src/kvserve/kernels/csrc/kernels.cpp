@@ -78,7 +78,7 @@ enum : int { F_AVX2 = 1, F_AVX512 = 2, F_VNNI = 4, F_BF16 = 8, F_AMX = 16 };
 
 extern "C" {
 
-int kv_abi_version() { return 2; }
+int kv_abi_version() { return 3; }  // 3: kv_pack_i8 and QT_I8_PACKED
 
 void kv_set_num_threads(int n) { g_threads = n; }
 
