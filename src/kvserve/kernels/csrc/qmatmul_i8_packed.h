@@ -55,10 +55,11 @@ static int pack_i8(int qt, const uint8_t* w, int64_t n, int64_t row_bytes, int64
 #if KV_AVX512
 // out[r * ystride + g * 16 + c] for R activation rows x NG column groups (pw: the first group's blocks,
 // gstride bytes apart). Each broadcast activation piece feeds NG vpdpbusd; the weight scales are loaded and
-// converted once per block per tile. last: columns of the last group to store.
+// converted once per block per tile. last: columns of the last group to store. pf (optional): the next
+// NG * gstride weight bytes, prefetched a block's share per block (impl.h's prefetch_span).
 template <int R, int NG, int QT>
 static inline void packed_tile(const Q8Rows& x, int64_t k, int64_t nb, const uint8_t* pw, int64_t gstride, float* y,
-                               int64_t ystride, int64_t last) {
+                               int64_t ystride, int64_t last, const uint8_t* pf) {
     constexpr int64_t PB = QT == QT_Q4_0 ? 288 : QT == QT_Q4_1 ? 320 : 576;
     constexpr int64_t QB = QT == QT_Q8_0 ? 512 : 256;
     __m512 acc[R][NG];
@@ -68,6 +69,7 @@ static inline void packed_tile(const Q8Rows& x, int64_t k, int64_t nb, const uin
     for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* xb = reinterpret_cast<const uint8_t*>(x.q) + b * QK;
         const uint8_t* wb = pw + b * PB;
+        if (pf) prefetch_span(pf + b * NG * PB, NG * PB);
         __m512i isum[R][NG];
         for (int r = 0; r < R; ++r)
             for (int g = 0; g < NG; ++g) isum[r][g] = _mm512_setzero_si512();
@@ -139,25 +141,32 @@ struct PackedTileRows {
 
 template <int R, int NG, int QT>
 static inline void packed_rest(const Q8Rows& x, int64_t rows, int64_t k, int64_t nb, const uint8_t* pw,
-                               int64_t gstride, float* y, int64_t ystride, int64_t last) {
+                               int64_t gstride, float* y, int64_t ystride, int64_t last, const uint8_t* pf) {
     if constexpr (R > 0) {
-        if (rows == R) packed_tile<R, NG, QT>(x, k, nb, pw, gstride, y, ystride, last);
-        else packed_rest<R - 1, NG, QT>(x, rows, k, nb, pw, gstride, y, ystride, last);
+        if (rows == R) packed_tile<R, NG, QT>(x, k, nb, pw, gstride, y, ystride, last, pf);
+        else packed_rest<R - 1, NG, QT>(x, rows, k, nb, pw, gstride, y, ystride, last, pf);
     }
 }
 
+// pf: as packed_tile's, requested during the first row tile only.
 template <int NG, int QT>
 static void packed_rows(const Q8Rows& x, int64_t rows, int64_t k, int64_t nb, const uint8_t* pw, int64_t gstride,
-                        float* y, int64_t ystride, int64_t last) {
+                        float* y, int64_t ystride, int64_t last, const uint8_t* pf) {
     constexpr int RT = PackedTileRows<NG>::value;
     int64_t r0 = 0;
-    for (; r0 + RT <= rows; r0 += RT)
-        packed_tile<RT, NG, QT>(i8_offset(x, r0, k, nb), k, nb, pw, gstride, y + r0 * ystride, ystride, last);
+    for (; r0 + RT <= rows; r0 += RT, pf = nullptr)
+        packed_tile<RT, NG, QT>(i8_offset(x, r0, k, nb), k, nb, pw, gstride, y + r0 * ystride, ystride, last, pf);
     packed_rest<RT - 1, NG, QT>(i8_offset(x, r0, k, nb), rows - r0, k, nb, pw, gstride, y + r0 * ystride, ystride,
-                                last);
+                                last, pf);
 }
 
-// Groups [g0, g1) of the packed weight for `rows` quantized rows: two groups per tile, then one.
+// The packed weight's groups [g, g + ng) if they exist, else null: what a tile prefetches ahead.
+static inline const uint8_t* packed_ahead(const uint8_t* pw, int64_t n, int64_t gstride, int64_t g, int64_t ng) {
+    return g + ng <= packed_groups(n) ? pw + g * gstride : nullptr;
+}
+
+// Groups [g0, g1) of the packed weight for `rows` quantized rows: two groups per tile, then one; each tile
+// prefetches the groups after its own (the next task's, at the end of a task).
 template <int QT>
 static inline void packed_groups_run(const Q8Rows& x, int64_t rows, int64_t k, const uint8_t* pw, int64_t n,
                                      int64_t gstride, float* y, int64_t ystride, int64_t g0, int64_t g1) {
@@ -165,11 +174,13 @@ static inline void packed_groups_run(const Q8Rows& x, int64_t rows, int64_t k, c
     int64_t g = g0;
     for (; g + 2 <= g1; g += 2) {
         const int64_t last = n - (g + 1) * PACKED_COLS < PACKED_COLS ? n - (g + 1) * PACKED_COLS : PACKED_COLS;
-        packed_rows<2, QT>(x, rows, k, nb, pw + g * gstride, gstride, y + g * PACKED_COLS, ystride, last);
+        packed_rows<2, QT>(x, rows, k, nb, pw + g * gstride, gstride, y + g * PACKED_COLS, ystride, last,
+                           packed_ahead(pw, n, gstride, g + 2, 2));
     }
     if (g < g1) {
         const int64_t last = n - g * PACKED_COLS < PACKED_COLS ? n - g * PACKED_COLS : PACKED_COLS;
-        packed_rows<1, QT>(x, rows, k, nb, pw + g * gstride, gstride, y + g * PACKED_COLS, ystride, last);
+        packed_rows<1, QT>(x, rows, k, nb, pw + g * gstride, gstride, y + g * PACKED_COLS, ystride, last,
+                           packed_ahead(pw, n, gstride, g + 1, 1));
     }
 }
 
@@ -218,7 +229,7 @@ static inline void packed_cols_t(const Q8Rows& xq, int64_t rows, int64_t k, cons
         for (int64_t r0 = 0; r0 < rows; r0 += TR) {
             const int64_t nr = rows - r0 < TR ? rows - r0 : TR;
             packed_rows<1, QT>(i8_offset(xq, r0, k, nb), nr, k, nb, pw + g * gstride, gstride, tmp, PACKED_COLS,
-                               hi - lo);
+                               hi - lo, nullptr);
             for (int64_t r = 0; r < nr; ++r)
                 for (int64_t c = lo > c0 ? lo : c0; c < (hi < c1 ? hi : c1); ++c)
                     y[(r0 + r) * ystride + c] = tmp[r * PACKED_COLS + c - lo];
