@@ -7,7 +7,8 @@ never a crash. ``Kernels.create("torch")`` is the pure-torch reference (`referen
 
 ``activation_quant="int8"`` makes every matmul with a quantized (`QuantWeight`) weight quantize its
 activation rows to int8 blocks and dot them with the weight blocks in integer arithmetic (native:
-`qmatmul_i8`, at every batch size; torch: its twin `reference.qlinear_i8`). Dense weights are unaffected;
+`qmatmul_i8`, at every batch size; torch: its twin `reference.qlinear_i8`); on AVX-512 the model keeps those
+weights packed for it (`prepare_int8`, kernels/i8pack.py), bit-identical results. Dense weights are unaffected;
 the engine refuses the option without quantized weights. "none" keeps fp32 activations, the exact path.
 """
 

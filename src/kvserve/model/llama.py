@@ -7,7 +7,8 @@ and the forward is a short loop over layers. The per-step context (slots, block 
 an `AttentionMetadata` argument.
 
 The hot ops go through a `Kernels` object (native C++ or the torch reference): quantized projections
-(`QuantWeight`, GGUF blocks kept as stored) run in the native matmul, RMSNorm is fused with the residual
+(`QuantWeight`, GGUF blocks kept as stored; with int8 activations on AVX-512 pre-arranged once for that
+kernel, `PackedI8Weight`) run in the native matmul, RMSNorm is fused with the residual
 add, and decode attention reads the pool in place; RoPE + the KV write and SwiGLU are one fused call each.
 A step the native layer loop covers (`layer_loop.py`: quantized weights, float32, no LoRA, up to 512 rows
 of decodes and prefill chunks, 4,096 with int8 activations) runs every layer in one C call instead of this loop.
