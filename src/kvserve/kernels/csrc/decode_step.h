@@ -233,8 +233,8 @@ static int decode_forward(const LayerModel& m, int act_quant, float* hidden, int
     for (int64_t l = 0; l < m.num_layers; ++l) {
         const LayerWeightsDesc& w = m.layers[l];
         if (!decode_matrix_ok(w.qkv, E, act_quant) || !decode_matrix_ok(w.o, H * D, act_quant) ||
-            !decode_matrix_ok(w.gate_up, E, act_quant) || !decode_matrix_ok(w.down, I, act_quant) || w.qkv.rows != qkv_width || w.o.rows != E || w.gate_up.rows != 2 * I ||
-            w.down.rows != E)
+            !decode_matrix_ok(w.gate_up, E, act_quant) || !decode_matrix_ok(w.down, I, act_quant) ||
+            w.qkv.rows != qkv_width || w.o.rows != E || w.gate_up.rows != 2 * I || w.down.rows != E)
             return -2;
     }
     const int team = kv_threads() > 0 ? kv_threads() : 1;
