@@ -179,7 +179,10 @@ def main() -> None:
     notes = (f"GGUF layout: {side}; threads: {torch.get_num_threads()} (GMAC/s per core); kernels: best of 3 "
              "alternating rounds of best-of-N calls; engine: greedy tokens of both checked equal first, then best of "
              f"{args.repeats} alternating runs. Single decode: (32 - 1) tokens over the CPU time of a 32-token "
-             "generation minus a 1-token one (128-token prompt).")
+             "generation minus a 1-token one (128-token prompt). With --before, the old side also quantizes "
+             "activations with the old scalar loop (now vectorised, bit-identical): part of the speed-up at "
+             "small n (k / v) is that. The machine is shared: absolute figures move 20-30% between runs under "
+             "the other sessions' load; the ratios are paired.")
     table = "\n\n".join(parts)
     write_result("int8_packed", "Int8 activations: packed weights vs the GGUF-layout kernel", table, notes)
     print(table)
