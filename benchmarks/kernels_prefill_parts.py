@@ -59,7 +59,10 @@ def measure(mode: str, sizes: list[int], threads: int, clock, repeats: int) -> l
     model = llm.engine.model
     native, config = model.kernels.native, model.config
     native.lib.kv_set_num_threads(threads)
-    matmul = native.qmatmul_i8 if mode == "int8" else native.qgemm
+    exact = native.qgemm  # int8: Kernels.linear, which reads the packed layout where the engine packed it
+
+    def matmul(x, w):
+        return model.kernels.linear(x, w) if mode == "int8" else exact(x, w.data, w.qtype, w.in_features)
     prompt = load_workloads()["prefill"]["2048"]
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     layers = len(model.layers)
@@ -74,7 +77,7 @@ def measure(mode: str, sizes: list[int], threads: int, clock, repeats: int) -> l
         for name in PROJECTIONS:
             weight = getattr(model.layers[0], name)
             x = torch.randn(tokens, weight.in_features)
-            mm += _best(clock, lambda w=weight, x=x: matmul(x, w.data, w.qtype, w.in_features), repeats)
+            mm += _best(clock, lambda w=weight, x=x: matmul(x, w), repeats)
         attention = _attention_seconds(native, clock, tokens, config, repeats)
         mm, attention = layers * mm, layers * attention
         rest = whole - mm - attention

@@ -20,7 +20,7 @@ ORDER = [
     "tiers", "kernels", "kernels_prefill", "membw", "kernels_decode", "decode_step", "decode_step_batch",
     "decode_attention", "decode_step_mixed_2t",
     "decode_step_mixed_1t", "decode_step_mixed_1t_cached1024", "qgemm", "qgemm_end_to_end",
-    "llama_cpp_peers", "int8", "perplexity", "step_profile", "shared_prefix", "vmm", "disagg", "lora",
+    "llama_cpp_peers", "int8", "int8_packed", "perplexity", "step_profile", "shared_prefix", "vmm", "disagg", "lora",
     "fairness", "scheduler_overhead", "step_rows_native",
 ]
 # Sections written by another script's mode: (script, its arguments).
@@ -29,6 +29,7 @@ SCRIPTS = {
                              "--no-single", "--policies", "round_robin", "cache_aware", "kv_events",
                              "--out", "router_2w"]),
     "step_rows_native": ("step_rows", ["--weights", "native"]),
+    "int8_packed": ("int8_packed", ["--before", "d7500bc"]),  # the int8 kernels before the packed layout
     "kernels_decode": ("kernels", ["--decode-only", "5"]),
     "decode_step_batch": ("decode_step", ["--rows", "8,32,64"]),
     "decode_attention": ("decode_attention", ["--write"]),

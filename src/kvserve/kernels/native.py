@@ -13,10 +13,11 @@ from pathlib import Path
 import torch
 
 from kvserve.kernels.cascade_plan import CASCADE_FIELDS, CascadeTensors, check_cascade_plan
+from kvserve.kernels.i8pack import PACKED_BLOCK_BYTES, PackedI8Weight, packed_groups
 
 ISA_CODES = {"avx2": 1, "avx512": 2}
 FEATURE_BITS = {"avx2": 1, "avx512": 2, "avx512_vnni": 4, "avx512_bf16": 8, "amx_bf16": 16}
-ABI_VERSION = 2
+ABI_VERSION = 3  # 3: kv_pack_i8, the int8 path's packed weights
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
@@ -26,6 +27,7 @@ _SIGNATURES = {
     "kv_qmatmul": [ctypes.c_int, ctypes.c_int, _P, _I, _I, _P, _I, _I, _P, _I],
     "kv_qgemm": [ctypes.c_int, ctypes.c_int, _P, _I, _I, _P, _I, _I, _P, _I],
     "kv_qmatmul_i8": [ctypes.c_int, ctypes.c_int, _P, _I, _I, _P, _I, _I, _P, _I],
+    "kv_pack_i8": [ctypes.c_int, ctypes.c_int, _P, _I, _I, _I, _P],
     "kv_quantize_i8": [ctypes.c_int, _P, _I, _I, _P, _P, _P],
     "kv_dequantize": [ctypes.c_int, ctypes.c_int, _P, _I, _I, _P, _I, _P],
     "kv_paged_attention": [ctypes.c_int, _P, _I, _I, _I, _I, _P, _P, _I, _P, _I, _P, _F, _P],
@@ -95,6 +97,32 @@ class NativeLibrary:
     def qmatmul_i8(self, x: torch.Tensor, data: torch.Tensor, qtype: int, in_features: int) -> torch.Tensor:
         """As `qmatmul`, with the rows of x quantized to int8 blocks first (`reference.qlinear_i8`)."""
         return self._quant_matmul("kv_qmatmul_i8", x, data, qtype, in_features)
+
+    def pack_i8(self, data: torch.Tensor, qtype: int, in_features: int) -> PackedI8Weight:
+        """GGUF rows ``data [out, row_bytes]`` pre-arranged for the AVX-512 int8 kernel (kernels/i8pack.py)."""
+        _check(data, torch.uint8, "weight")
+        if qtype not in PACKED_BLOCK_BYTES:
+            raise ValueError(f"no packed int8 layout for quantization type id {qtype}")
+        out_features = data.shape[0]
+        packed = torch.empty(packed_groups(out_features), in_features // 32 * PACKED_BLOCK_BYTES[qtype],
+                             dtype=torch.uint8)
+        _ok(self.lib.kv_pack_i8(self.code, qtype, data.data_ptr(), out_features, data.shape[1], in_features,
+                                packed.data_ptr()), "pack_i8")
+        return PackedI8Weight(packed, qtype, in_features, out_features)
+
+    def qmatmul_i8_packed(self, x: torch.Tensor, weight: PackedI8Weight) -> torch.Tensor:
+        """`qmatmul_i8` on a packed weight (AVX-512 only: the AVX2 kernel refuses the layout)."""
+        _check(x, torch.float32, "x")
+        _check(weight.data, torch.uint8, "weight")
+        rows, width = x.shape
+        if width != weight.in_features:
+            raise ValueError(f"x has {width} features, weight expects {weight.in_features}")
+        out = torch.empty(rows, weight.out_features, dtype=torch.float32)
+        _ok(self.lib.kv_qmatmul_i8(
+            self.code, weight.code, x.data_ptr(), rows, width, weight.data.data_ptr(), weight.out_features,
+            weight.group_bytes, out.data_ptr(), out.shape[1],
+        ), "qmatmul_i8 (packed)")
+        return out
 
     def _quant_matmul(
         self, entry: str, x: torch.Tensor, data: torch.Tensor, qtype: int, in_features: int

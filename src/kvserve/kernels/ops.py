@@ -7,7 +7,8 @@ never a crash. ``Kernels.create("torch")`` is the pure-torch reference (`referen
 
 ``activation_quant="int8"`` makes every matmul with a quantized (`QuantWeight`) weight quantize its
 activation rows to int8 blocks and dot them with the weight blocks in integer arithmetic (native:
-`qmatmul_i8`, at every batch size; torch: its twin `reference.qlinear_i8`). Dense weights are unaffected;
+`qmatmul_i8`, at every batch size; torch: its twin `reference.qlinear_i8`); on AVX-512 the model keeps those
+weights packed for it (`prepare_int8`, kernels/i8pack.py), bit-identical results. Dense weights are unaffected;
 the engine refuses the option without quantized weights. "none" keeps fp32 activations, the exact path.
 """
 
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 
 from kvserve.kernels import reference
 from kvserve.kernels.cascade_plan import CascadeTensors, check_cascade_plan
+from kvserve.kernels.i8pack import PACKED_BLOCK_BYTES, PackedI8Weight
 from kvserve.kernels.native import NativeLibrary
 from kvserve.kernels.quant import QuantWeight
 
@@ -99,8 +101,24 @@ class Kernels:
 
     # --- matmuls -----------------------------------------------------------------------------------
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor | QuantWeight) -> torch.Tensor:
+    def packs_int8(self) -> bool:
+        """Whether int8-path weights are pre-arranged at load: int8 activations on the AVX-512 kernels."""
+        return self.activation_quant == "int8" and self.isa == "avx512"
+
+    def prepare_int8(self, weight: QuantWeight) -> QuantWeight | PackedI8Weight:
+        """`weight` in the layout this backend's int8 matmul reads fastest (kernels/i8pack.py): packed where
+        `packs_int8`, else unchanged. Only the int8 matmul can read the result: keep the GGUF blocks too if
+        anything else (an embedding lookup, an fp32 matmul) needs them."""
+        if not self.packs_int8() or weight.qtype not in PACKED_BLOCK_BYTES:
+            return weight
+        return self.native.pack_i8(weight.data, weight.qtype, weight.in_features)
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor | QuantWeight | PackedI8Weight) -> torch.Tensor:
         """``x @ W.T``; a dense weight is stored transposed (``[in, out]``), so that is ``x @ weight``."""
+        if isinstance(weight, PackedI8Weight):
+            if not self.packs_int8():
+                raise ValueError("a packed int8 weight needs int8 activations on the AVX-512 kernels")
+            return self.native.qmatmul_i8_packed(x.float().contiguous(), weight).to(x.dtype)
         if not isinstance(weight, QuantWeight):
             return x @ weight
         if self.activation_quant == "int8":

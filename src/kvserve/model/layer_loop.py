@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvserve.kernels.cascade_plan import CASCADE_FIELDS, check_cascade_plan
+from kvserve.kernels.i8pack import PackedI8Weight
 from kvserve.kernels.ops import NATIVE_QMATMUL_MAX_ROWS, Kernels
 from kvserve.kernels.quant import QuantWeight
 from kvserve.kv.attention import AttentionMetadata, native_spans
@@ -64,7 +65,9 @@ class _Model(ctypes.Structure):
                 ("rope_sin", _P), ("final_norm", _P), ("layers", ctypes.POINTER(_Layer))]
 
 
-def _matrix(weight: QuantWeight) -> _Matrix:
+def _matrix(weight: QuantWeight | PackedI8Weight) -> _Matrix:
+    if isinstance(weight, PackedI8Weight):  # csrc/qmatmul_i8_packed.h: row_bytes is one 16-column group's
+        return _Matrix(weight.data.data_ptr(), weight.code, weight.out_features, weight.group_bytes)
     return _Matrix(weight.data.data_ptr(), weight.qtype, weight.out_features, weight.row_bytes)
 
 
@@ -98,7 +101,7 @@ class LayerLoop:
             return None
         projections = [getattr(layer, name) for layer in model.layers
                        for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")]
-        if not all(isinstance(weight, QuantWeight) for weight in projections):
+        if not all(isinstance(weight, QuantWeight | PackedI8Weight) for weight in projections):
             return None
         return cls(model, kernels)
 

@@ -140,8 +140,10 @@ struct DecodeStep {
         const int64_t c0 = nc * tid / team * chunk_cols(), c1 = nc * (tid + 1) / team * chunk_cols();
         const int64_t end = c1 < n ? c1 : n;
         if (c0 >= end) return Ahead{nullptr, 0};
-        const int64_t bytes = (end - c0) * w.row_bytes;
-        return Ahead{w.data + (first + c0) * w.row_bytes, bytes < (int64_t(1) << 18) ? bytes : int64_t(1) << 18};
+        const bool packed = (w.qtype & QT_I8_PACKED) != 0;  // row_bytes: one 16-column group's (c0 % 16 == 0)
+        const int64_t bytes = packed ? packed_groups(end - c0) * w.row_bytes : (end - c0) * w.row_bytes;
+        const int64_t from = packed ? (first + c0) / PACKED_COLS * w.row_bytes : (first + c0) * w.row_bytes;
+        return Ahead{w.data + from, bytes < (int64_t(1) << 18) ? bytes : int64_t(1) << 18};
     }
     int64_t chunk_cols() const { return act_quant ? I8_CHUNK : QMATMUL_CHUNK; }
 
@@ -209,7 +211,12 @@ static void decode_post_attention(const DecodeStep& s, Phase* ph, int tid, int64
     s.matmul_phase(ph[5], tid, s.act, I, w.down, s.delta);
 }
 
-static bool decode_matrix_ok(const LayerMatrix& w, int64_t k) {
+static bool decode_matrix_ok(const LayerMatrix& w, int64_t k, int act_quant) {
+    if (w.qtype & QT_I8_PACKED) {  // the int8 path's packed layout (qmatmul_i8_packed.h): AVX-512 int8 only
+        const int base = static_cast<int>(w.qtype & ~QT_I8_PACKED);
+        return KV_AVX512 && act_quant && i8_packable(base) && k % QK == 0 &&
+               w.row_bytes == k / QK * packed_block_bytes(base);
+    }
     return (w.qtype == QT_Q4_0 || w.qtype == QT_Q4_1 || w.qtype == QT_Q8_0) && k % QK == 0 &&
            w.row_bytes == k / QK * block_bytes(static_cast<int>(w.qtype)) && w.row_bytes <= (int64_t(1) << 26);
 }
@@ -225,9 +232,9 @@ static int decode_forward(const LayerModel& m, int act_quant, float* hidden, int
     if (E % W != 0 || D % W != 0 || H % KVH != 0 || D % 2 != 0) return -2;
     for (int64_t l = 0; l < m.num_layers; ++l) {
         const LayerWeightsDesc& w = m.layers[l];
-        if (!decode_matrix_ok(w.qkv, E) || !decode_matrix_ok(w.o, H * D) || !decode_matrix_ok(w.gate_up, E) ||
-            !decode_matrix_ok(w.down, I) || w.qkv.rows != qkv_width || w.o.rows != E || w.gate_up.rows != 2 * I ||
-            w.down.rows != E)
+        if (!decode_matrix_ok(w.qkv, E, act_quant) || !decode_matrix_ok(w.o, H * D, act_quant) ||
+            !decode_matrix_ok(w.gate_up, E, act_quant) || !decode_matrix_ok(w.down, I, act_quant) ||
+            w.qkv.rows != qkv_width || w.o.rows != E || w.gate_up.rows != 2 * I || w.down.rows != E)
             return -2;
     }
     const int team = kv_threads() > 0 ? kv_threads() : 1;

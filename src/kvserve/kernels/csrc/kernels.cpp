@@ -78,7 +78,7 @@ enum : int { F_AVX2 = 1, F_AVX512 = 2, F_VNNI = 4, F_BF16 = 8, F_AMX = 16 };
 
 extern "C" {
 
-int kv_abi_version() { return 2; }
+int kv_abi_version() { return 3; }  // 3: kv_pack_i8 and QT_I8_PACKED
 
 void kv_set_num_threads(int n) { g_threads = n; }
 
@@ -114,10 +114,17 @@ int kv_qgemm(int isa, int qt, const float* x, int64_t rows, int64_t k, const uin
     KV_DISPATCH(qgemm(qt, x, rows, k, w, n, row_bytes, y, ystride));
 }
 
-// As kv_qmatmul, with the activation rows quantized to int8 blocks first (qmatmul_i8.h).
+// As kv_qmatmul, with the activation rows quantized to int8 blocks first (qmatmul_i8.h). qt may carry
+// QT_I8_PACKED (AVX-512 only): w is then kv_pack_i8's layout and row_bytes one column group's bytes.
 int kv_qmatmul_i8(int isa, int qt, const float* x, int64_t rows, int64_t k, const uint8_t* w, int64_t n,
                   int64_t row_bytes, float* y, int64_t ystride) {
     KV_DISPATCH(qmatmul_i8(qt, x, rows, k, w, n, row_bytes, y, ystride));
+}
+
+// The int8 path's pre-arranged weight layout (qmatmul_i8_packed.h), built once at model load: out holds
+// ceil(n/16) * (k/32) * packed block bytes (288 Q4_0, 320 Q4_1, 576 Q8_0).
+int kv_pack_i8(int isa, int qt, const uint8_t* w, int64_t n, int64_t row_bytes, int64_t k, uint8_t* out) {
+    KV_DISPATCH(pack_i8(qt, w, n, row_bytes, k, out));
 }
 
 // The activation quantization of kv_qmatmul_i8 alone, for tests: q [rows, k] int8, d and s [rows, k/32].

@@ -5,8 +5,10 @@
 //   Q4_0: sum_j dw*(qw_j - 8) * dx*qx_j    = dw*dx * sum(qw*qx) - 8*dw * s
 //   Q8_0: dw*dx * sum(qw*qx)  (signed x signed: |qw| times qx with qw's sign, as u8 x s8)
 // Two kernels share the quantized activations: AVX-512 (VNNI) interleaves 16 weight rows so one vpdpbusd
-// feeds 16 output columns (any number of rows); AVX2 dots one block per 256-bit maddubs + madd, per row
-// tile of up to 4 rows, unpacking each column chunk once per call for larger batches. Included by
+// feeds 16 output columns (any number of rows) -- gathered per call from GGUF blocks here, or read as
+// stored from weights packed at load (qmatmul_i8_packed.h, qtype | QT_I8_PACKED: what the engine runs);
+// AVX2 dots one block per 256-bit maddubs + madd, per row tile of up to 4 rows, unpacking each column chunk
+// once per call for larger batches. Included by
 // kernels.cpp after impl.h inside each ISA namespace. The rounding of the quantization (x * (1/d),
 // nearest-even, clamp to +-127) is spelt out so `reference.quantize_activations` reproduces it bit for bit.
 
@@ -21,21 +23,46 @@ struct Q8Rows {
     float* sv;
 };
 
+// One block: amax, d = amax / 127, q = clamp(nearest-even(x * (1/d)), +-127), s = d * sum(q). Vectorised; every
+// value is the same IEEE operation as `reference.quantize_activations` (max is exact whatever the order;
+// x * id, the rounding, the clamp and the integer sum are per element).
 static inline void quantize_row_block(const float* x, int8_t* q, float* d, float* s) {
-    float amax = 0.0f;
-    for (int j = 0; j < QK; ++j) {
-        const float a = x[j] < 0.0f ? -x[j] : x[j];
-        amax = a > amax ? a : amax;
-    }
+#if KV_AVX512
+    const __m512 sign = _mm512_set1_ps(-0.0f);
+    const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, a), _mm512_andnot_ps(sign, b)));
+#else
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 m = _mm256_andnot_ps(sign, _mm256_loadu_ps(x));
+    for (int i = 1; i < 4; ++i) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + 8 * i)));
+    const float amax = vhmax(m);
+#endif
     const float dx = amax / 127.0f;
     const float id = dx != 0.0f ? 1.0f / dx : 0.0f;
+    constexpr int MODE = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+#if KV_AVX512
+    const __m512 vid = _mm512_set1_ps(id), hi = _mm512_set1_ps(127.0f), lo = _mm512_set1_ps(-127.0f);
+    const __m512i qa = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(
+        _mm512_roundscale_ps(_mm512_mul_ps(a, vid), MODE), lo), hi));
+    const __m512i qb = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(
+        _mm512_roundscale_ps(_mm512_mul_ps(b, vid), MODE), lo), hi));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(qa));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(qb));
+    const int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+#else
+    const __m256 vid = _mm256_set1_ps(id), hi = _mm256_set1_ps(127.0f), lo = _mm256_set1_ps(-127.0f);
+    alignas(32) int32_t iq[QK];
+    for (int i = 0; i < 4; ++i) {
+        const __m256 v = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * i), vid), MODE);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(iq + 8 * i),
+                           _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(v, lo), hi)));
+    }
     int sum = 0;
     for (int j = 0; j < QK; ++j) {
-        float v = __builtin_nearbyintf(x[j] * id);  // the default rounding mode: nearest, ties to even
-        v = v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v;
-        q[j] = static_cast<int8_t>(v);
-        sum += q[j];
+        q[j] = static_cast<int8_t>(iq[j]);
+        sum += iq[j];
     }
+#endif
     *d = dx;
     *s = dx * static_cast<float>(sum);
 }
@@ -336,6 +363,8 @@ static void qmatmul_i8_interleaved(const Q8Rows& x, int64_t rows, int64_t k, con
 }
 #endif
 
+#include "qmatmul_i8_packed.h"
+
 // Output columns [c0, c1) of rows <= RT quantized rows (c0 a multiple of I8_CHUNK): one task of
 // decode_step.h's int8 phases, the same arithmetic per column as qmatmul_i8. scratch: i8_chunk_scratch(nb)
 // bytes of the calling thread's own.
@@ -376,6 +405,12 @@ static void qmatmul_i8_chunk(const Q8Rows& xq, int64_t rows, int64_t k, const ui
 static inline void qmatmul_i8_cols(int qt, const Q8Rows& xq, int64_t rows, int64_t k, const uint8_t* w, int64_t n,
                                    int64_t row_bytes, float* y, int64_t ystride, int64_t c0, int64_t c1,
                                    void* scratch) {
+#if KV_AVX512
+    if (qt & QT_I8_PACKED) {  // row_bytes: one group's bytes (decode_step.h checked the layout)
+        qmatmul_i8_packed_cols(qt & ~QT_I8_PACKED, xq, rows, k, w, n, row_bytes, y, ystride, c0, c1);
+        return;
+    }
+#endif
     if (qt == QT_Q4_1) qmatmul_i8_chunk<QT_Q4_1>(xq, rows, k, w, n, row_bytes, y, ystride, c0, c1, scratch);
     else if (qt == QT_Q4_0) qmatmul_i8_chunk<QT_Q4_0>(xq, rows, k, w, n, row_bytes, y, ystride, c0, c1, scratch);
     else qmatmul_i8_chunk<QT_Q8_0>(xq, rows, k, w, n, row_bytes, y, ystride, c0, c1, scratch);
@@ -388,15 +423,39 @@ static int quantize_i8(const float* x, int64_t rows, int64_t k, int8_t* q, float
     return 0;
 }
 
+// qmatmul_i8 for a weight packed by pack_i8 (qt: its GGUF type; gstride: one group's bytes, nb * the packed
+// block's). AVX-512 only: the AVX2 kernel reads the GGUF layout, so the engine packs only for AVX-512.
+static int qmatmul_i8_prepacked(int qt, const float* x, int64_t rows, int64_t k, const uint8_t* pw, int64_t n,
+                                int64_t gstride, float* y, int64_t ystride) {
+#if KV_AVX512
+    if (!i8_packable(qt)) return -1;
+    if (gstride != k / QK * packed_block_bytes(qt)) return -2;
+    if (rows <= 0 || n <= 0) return 0;
+    const int64_t nb = k / QK;
+    int8_t* q = new int8_t[rows * k];
+    float* ds = new float[2 * rows * nb];
+    const Q8Rows xq{q, ds, ds + rows * nb, nullptr, nullptr};
+    quantize_rows(x, rows, k, xq);
+    qmatmul_i8_packed(qt, xq, rows, k, pw, n, gstride, y, ystride);
+    delete[] q;
+    delete[] ds;
+    return 0;
+#else
+    (void)x, (void)rows, (void)k, (void)pw, (void)n, (void)gstride, (void)y, (void)ystride, (void)qt;
+    return -1;
+#endif
+}
+
 // y[r * ystride + c] = dot(x row r, weight row c) with x quantized to int8 blocks first (same signature as
 // qmatmul; the quantized activations live in a scratch buffer for the call).
 static int qmatmul_i8(int qt, const float* x, int64_t rows, int64_t k, const uint8_t* w, int64_t n,
                       int64_t row_bytes, float* y, int64_t ystride) {
     if (k % QK != 0) return -2;
+    const int64_t nb = k / QK, lanes = nb * LANES;
+    if (qt & QT_I8_PACKED) return qmatmul_i8_prepacked(qt & ~QT_I8_PACKED, x, rows, k, w, n, row_bytes, y, ystride);
     if (qt != QT_Q4_0 && qt != QT_Q4_1 && qt != QT_Q8_0) return -1;
     if (row_bytes > (int64_t(1) << 26)) return -2;  // the AVX-512 path gathers 16 rows by int32 offsets
     if (rows <= 0 || n <= 0) return 0;
-    const int64_t nb = k / QK, lanes = nb * LANES;
     // Scratch for the call: q, then d, s (and the AVX2 kernel's dv, sv) in one float buffer.
     int8_t* q = new int8_t[rows * k];
     float* ds = new float[2 * rows * nb + 2 * rows * lanes];
