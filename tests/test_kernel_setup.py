@@ -58,3 +58,12 @@ def test_fast_reader_matches_gguf_reader():
             reference.name, reference.tensor_type, int(reference.n_bytes), int(reference.data_offset))
         assert mine.data.shape == reference.data.shape and mine.data.dtype == reference.data.dtype
         assert np.array_equal(mine.data, reference.data)
+
+
+def test_avx512_without_vnni_gets_avx2():
+    """The AVX-512 build's int8 kernels are vpdpbusd throughout: a CPU without VNNI must not be given it."""
+    from kvserve.kernels.native import best_isa
+
+    assert best_isa({"avx2", "avx512", "avx512_vnni"}) == "avx512"
+    assert best_isa({"avx2", "avx512"}) == "avx2"
+    assert best_isa(set()) is None

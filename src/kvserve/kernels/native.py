@@ -49,8 +49,9 @@ def cpu_features(lib: ctypes.CDLL) -> set[str]:
 
 
 def best_isa(features: set[str]) -> str | None:
-    """The widest ISA this CPU runs, or None when it lacks even AVX2/FMA."""
-    if "avx512" in features:
+    """The widest ISA this CPU runs, or None when it lacks even AVX2/FMA. The AVX-512 build is compiled with
+    VNNI (its int8 kernels are vpdpbusd throughout), so an AVX-512 CPU without VNNI (Skylake-X) gets AVX2."""
+    if "avx512" in features and "avx512_vnni" in features:
         return "avx512"
     return "avx2" if "avx2" in features else None
 
