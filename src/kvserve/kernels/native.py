@@ -7,6 +7,7 @@ argument is a ValueError, never a wild read.
 from __future__ import annotations
 
 import ctypes
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from kvserve.kernels.cascade_plan import CASCADE_FIELDS, CascadeTensors, check_c
 
 ISA_CODES = {"avx2": 1, "avx512": 2}
 FEATURE_BITS = {"avx2": 1, "avx512": 2, "avx512_vnni": 4, "avx512_bf16": 8, "amx_bf16": 16}
-ABI_VERSION = 2
+ABI_VERSION = 3
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
@@ -39,6 +40,7 @@ _SIGNATURES = {
     "kv_cascade_attention": [ctypes.c_int, _P, _I, _I, _I, _I, _P, _P, _I, _P, _I, _P, _I, _P, _P, _P, _P, _F, _P],
     "kv_prefill_attention": [ctypes.c_int, _P, _I, _I, _I, _P, _P, _I, _I, _P, _P, _P, _P, _I, _F, _P],
 }
+_SCRATCH_SIGNATURES = {"kv_scratch_release": [_I], "kv_scratch_mapped": []}  # these return int64
 
 
 def cpu_features(lib: ctypes.CDLL) -> set[str]:
@@ -67,6 +69,7 @@ class NativeLibrary:
             function = getattr(lib, name)
             function.argtypes = argtypes
             function.restype = ctypes.c_int
+        _bind_scratch(lib)
         if lib.kv_abi_version() != ABI_VERSION:
             raise RuntimeError(f"{path}: ABI version {lib.kv_abi_version()}, expected {ABI_VERSION}")
         lib.kv_set_num_threads(torch.get_num_threads())
@@ -83,6 +86,15 @@ class NativeLibrary:
     @property
     def code(self) -> int:
         return ISA_CODES[self.isa]
+
+    def release_scratch(self, min_idle_s: float = 0.0) -> int:
+        """Unmap the kernels' scratch arenas (csrc/scratch.h) idle for at least `min_idle_s` seconds (0: all
+        not in use right now); returns the bytes unmapped. The next call maps what it needs again."""
+        return int(self.lib.kv_scratch_release(int(min_idle_s * 1000)))
+
+    def scratch_mapped(self) -> int:
+        """Bytes the scratch arenas hold mapped now (grown to each thread's largest step, kept between calls)."""
+        return int(self.lib.kv_scratch_mapped())
 
     def qmatmul(self, x: torch.Tensor, data: torch.Tensor, qtype: int, in_features: int) -> torch.Tensor:
         """``x [rows, in] @ W.T`` -> float32 ``[rows, out]``; W is ``data`` (uint8 blocks, one row per output)."""
@@ -269,6 +281,28 @@ class NativeLibrary:
         out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=torch.float32)
         _ok(self.lib.kv_swiglu(self.code, gate_up.data_ptr(), gate_up.shape[0], out.shape[1], out.data_ptr()), "swiglu")
         return out
+
+
+def _bind_scratch(lib: ctypes.CDLL) -> None:
+    for name, argtypes in _SCRATCH_SIGNATURES.items():
+        function = getattr(lib, name)
+        function.argtypes = argtypes
+        function.restype = ctypes.c_int64
+
+
+def release_idle_scratch(min_idle_s: float) -> int | None:
+    """`NativeLibrary.release_scratch` for whichever copy of this build's library the process has loaded,
+    found by path without loading it (RTLD_NOLOAD): the arenas are per process, like glibc's heaps, so the
+    server's periodic heap trim (server/heap.py) can give them back without a handle on the engine's model.
+    None when the library is not loaded (torch kernels, or no compiler)."""
+    from kvserve.kernels.build import library_path
+
+    try:
+        lib = ctypes.CDLL(str(library_path()), mode=os.RTLD_NOLOAD | os.RTLD_NOW)
+    except (OSError, RuntimeError):
+        return None
+    _bind_scratch(lib)
+    return int(lib.kv_scratch_release(int(min_idle_s * 1000)))
 
 
 def _check_range(values: torch.Tensor, count: int, limit: int, name: str) -> None:
