@@ -31,7 +31,8 @@ def layer_loop_cases(kernels: Kernels, tiny_model_dir) -> dict[str, Callable[[],
     assert model.layer_loop is not None
     small = [[5, 9, 200], [17, 4]]
     large = [[5, 9, 200], [17, 4], [3 + (7 * i) % 250 for i in range(300)]]
-    return {"small": lambda: run_steps(model, small, 16, steps=3), "large": lambda: run_steps(model, large, 16, steps=2)}
+    return {"small": lambda: run_steps(model, small, 16, steps=3),
+            "large": lambda: run_steps(model, large, 16, steps=2)}
 
 
 def kernel_cases(kernels: Kernels) -> dict[str, Callable[[], list[torch.Tensor]]]:

@@ -290,11 +290,10 @@ def _bind_scratch(lib: ctypes.CDLL) -> None:
         function.restype = ctypes.c_int64
 
 
-def release_idle_scratch(min_idle_s: float) -> int | None:
-    """`NativeLibrary.release_scratch` for whichever copy of this build's library the process has loaded,
-    found by path without loading it (RTLD_NOLOAD): the arenas are per process, like glibc's heaps, so the
-    server's periodic heap trim (server/heap.py) can give them back without a handle on the engine's model.
-    None when the library is not loaded (torch kernels, or no compiler)."""
+def loaded_library() -> ctypes.CDLL | None:
+    """This build's library if the process has loaded it, found by path without loading it (RTLD_NOLOAD);
+    None otherwise (torch kernels, or no compiler). The scratch arenas are per process, like glibc's heaps,
+    so the server's periodic heap trim (server/heap.py) reaches them without a handle on the engine's model."""
     from kvserve.kernels.build import library_path
 
     try:
@@ -302,7 +301,19 @@ def release_idle_scratch(min_idle_s: float) -> int | None:
     except (OSError, RuntimeError):
         return None
     _bind_scratch(lib)
-    return int(lib.kv_scratch_release(int(min_idle_s * 1000)))
+    return lib
+
+
+def release_idle_scratch(min_idle_s: float) -> int | None:
+    """`NativeLibrary.release_scratch` on the loaded library (None: not loaded)."""
+    lib = loaded_library()
+    return None if lib is None else int(lib.kv_scratch_release(int(min_idle_s * 1000)))
+
+
+def scratch_mapped() -> int | None:
+    """`NativeLibrary.scratch_mapped` on the loaded library (None: not loaded)."""
+    lib = loaded_library()
+    return None if lib is None else int(lib.kv_scratch_mapped())
 
 
 def _check_range(values: torch.Tensor, count: int, limit: int, name: str) -> None:

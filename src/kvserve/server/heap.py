@@ -8,6 +8,13 @@ cyclic garbage held memory (a full `gc.collect()` every 30 s lowered RSS by noth
 temporaries) in a few milliseconds. So the server calls it every `interval` seconds, on a worker thread
 (it takes the allocator's locks, never the GIL-bound event loop's time). Without glibc it does nothing.
 
+The native kernels keep their scratch (csrc/scratch.h: per-thread arenas mapped once, grown to the largest
+step, never freed while serving, so glibc's dynamic mmap threshold no longer climbs with them); an arena
+idle for SCRATCH_IDLE_S (no step on its thread: the engine has been idle that long) is unmapped at the
+next trim, so an idle server gives it back. A busy engine uses its arenas every step and keeps them: remapping
+costs page faults on the next large step (~4,000 for a 17 MiB prefill buffer, a few ms), nothing after a
+minute of idleness.
+
 For investigations, each trim can also log: `KVSERVE_HEAP_LOG=1` glibc's statistics, `KVSERVE_TRACEMALLOC=N`
 the Python heap's growth by site, `KVSERVE_HEAP_TYPES=1` the object types whose count grew (the soak's
 later growth showed up there as `tiers.host._Entry` and `torch.Tensor`: the host KV tier filling).
@@ -25,9 +32,11 @@ import os
 import tracemalloc
 from collections.abc import AsyncIterator
 
+from kvserve.kernels.native import release_idle_scratch, scratch_mapped
 from kvserve.server.periodic import every
 
 TRIM_INTERVAL_S = 30.0
+SCRATCH_IDLE_S = 60.0  # an arena unused this long is unmapped at the next trim
 M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
 MALLINFO2_FIELDS = ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
                     "fordblks", "keepcost")
@@ -73,10 +82,21 @@ def trim_heap(log: bool = False) -> bool:
     trim(0)
     if log:
         after = heap_stats()
-        logger.info("heap (MiB, before -> after trim): %s", ", ".join(
+        scratch = scratch_mapped()
+        logger.info("heap (MiB, before -> after trim): %s%s", ", ".join(
             f"{k} {before[k] / 2**20:.1f} -> {after[k] / 2**20:.1f}" for k in ("arena", "hblkhd", "uordblks",
-                                                                                "fordblks") if k in after))
+                                                                                "fordblks") if k in after),
+            "" if scratch is None else f", kernel scratch {scratch / 2**20:.1f}")
     return True
+
+
+def release_scratch(min_idle_s: float = SCRATCH_IDLE_S, log: bool = False) -> int:
+    """Unmap the native kernels' scratch arenas idle for `min_idle_s` (csrc/scratch.h); the bytes unmapped
+    (0 without the native kernels)."""
+    released = release_idle_scratch(min_idle_s) or 0
+    if log and released:
+        logger.info("kernel scratch: %.1f MiB idle for %.0f s unmapped", released / 2**20, min_idle_s)
+    return released
 
 
 def fix_mmap_threshold(threshold: int | None = None) -> bool:
@@ -161,6 +181,7 @@ async def periodic_trim(interval: float = TRIM_INTERVAL_S, log: bool = False) ->
             python_heap.log()
         if census is not None:
             census.log()
+        release_scratch(log=log)
         return trim_heap(log=True) if log else trim_heap()
 
     async with every(interval if _malloc_trim() is not None else 0, job, in_thread=True):
