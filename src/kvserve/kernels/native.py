@@ -17,7 +17,7 @@ from kvserve.kernels.cascade_plan import CASCADE_FIELDS, CascadeTensors, check_c
 
 ISA_CODES = {"avx2": 1, "avx512": 2}
 FEATURE_BITS = {"avx2": 1, "avx512": 2, "avx512_vnni": 4, "avx512_bf16": 8, "amx_bf16": 16}
-ABI_VERSION = 3
+ABI_VERSION = 2
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
@@ -40,7 +40,9 @@ _SIGNATURES = {
     "kv_cascade_attention": [ctypes.c_int, _P, _I, _I, _I, _I, _P, _P, _I, _P, _I, _P, _I, _P, _P, _P, _P, _F, _P],
     "kv_prefill_attention": [ctypes.c_int, _P, _I, _I, _I, _P, _P, _I, _I, _P, _P, _P, _P, _I, _F, _P],
 }
-_SCRATCH_SIGNATURES = {"kv_scratch_release": [_I], "kv_scratch_mapped": []}  # these return int64
+# These return int64. Optional: a library built from sources before the scratch arena (benchmarks' `--before`
+# builds of older revisions) lacks them, and has no arena to release (its calls then return 0).
+_SCRATCH_SIGNATURES = {"kv_scratch_release": [_I], "kv_scratch_mapped": []}
 
 
 def cpu_features(lib: ctypes.CDLL) -> set[str]:
@@ -90,11 +92,13 @@ class NativeLibrary:
     def release_scratch(self, min_idle_s: float = 0.0) -> int:
         """Unmap the kernels' scratch arenas (csrc/scratch.h) idle for at least `min_idle_s` seconds (0: all
         not in use right now); returns the bytes unmapped. The next call maps what it needs again."""
-        return int(self.lib.kv_scratch_release(int(min_idle_s * 1000)))
+        release = getattr(self.lib, "kv_scratch_release", None)
+        return int(release(int(min_idle_s * 1000))) if release is not None else 0
 
     def scratch_mapped(self) -> int:
         """Bytes the scratch arenas hold mapped now (grown to each thread's largest step, kept between calls)."""
-        return int(self.lib.kv_scratch_mapped())
+        mapped = getattr(self.lib, "kv_scratch_mapped", None)
+        return int(mapped()) if mapped is not None else 0
 
     def qmatmul(self, x: torch.Tensor, data: torch.Tensor, qtype: int, in_features: int) -> torch.Tensor:
         """``x [rows, in] @ W.T`` -> float32 ``[rows, out]``; W is ``data`` (uint8 blocks, one row per output)."""
@@ -285,7 +289,9 @@ class NativeLibrary:
 
 def _bind_scratch(lib: ctypes.CDLL) -> None:
     for name, argtypes in _SCRATCH_SIGNATURES.items():
-        function = getattr(lib, name)
+        function = getattr(lib, name, None)
+        if function is None:
+            continue
         function.argtypes = argtypes
         function.restype = ctypes.c_int64
 

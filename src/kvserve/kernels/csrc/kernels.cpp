@@ -80,7 +80,7 @@ enum : int { F_AVX2 = 1, F_AVX512 = 2, F_VNNI = 4, F_BF16 = 8, F_AMX = 16 };
 
 extern "C" {
 
-int kv_abi_version() { return 3; }
+int kv_abi_version() { return 2; }
 
 void kv_set_num_threads(int n) { g_threads = n; }
 
