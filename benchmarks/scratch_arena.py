@@ -9,6 +9,8 @@ prefill -- 3 prompts of 512 tokens for 1 token each (the C layer loop's 512-row 
 buffer, qgemm's packed rows, prefill attention's tiles); decode 16 -- 16 short prompts x 32 greedy tokens
 (16-row steps: layer_forward with qgemm); decode 1 -- one prompt x 32 tokens (decode_step.h's one region).
 Both variants produce the same tokens (checked). Prints the median and best CPU seconds per workload.
+`--mmap-threshold BYTES` pins glibc's mmap threshold first (server/heap.py's `fix_mmap_threshold`), for
+the cost of pinning with and without the arena.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernels import build_revision  # noqa: E402
 from kvserve import LLM, SamplingParams  # noqa: E402
 from kvserve.kernels.native import NativeLibrary  # noqa: E402
+from kvserve.server.heap import fix_mmap_threshold  # noqa: E402
 
 
 def greedy(n: int) -> SamplingParams:
@@ -54,7 +57,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--before", default="main", help="git revision whose csrc/ is the baseline")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--mmap-threshold", type=int, default=0, help="pin glibc's mmap threshold (bytes)")
     args = parser.parse_args()
+    if args.mmap_threshold and not fix_mmap_threshold(args.mmap_threshold):
+        raise SystemExit("could not pin the mmap threshold (not glibc, or MALLOC_MMAP_THRESHOLD_ set)")
     torch.set_num_threads(1)
     llm = LLM("smollm2-135m", progress=False, kv_cache_memory="128MiB", kernels="native", weights="native",
               prefix_cache="off")
@@ -79,7 +85,9 @@ def main() -> int:
                     if round_index:
                         results.setdefault((name, workload), []).append((spent, faults))
             print(f"round {round_index} done", flush=True)
-    print(f"CPU seconds (median / best of {args.rounds} rounds, alternating), minor faults (median); 1 thread")
+    pinned = f"mmap threshold pinned at {args.mmap_threshold}" if args.mmap_threshold else "dynamic mmap threshold"
+    print(f"CPU seconds (median / best of {args.rounds} rounds, alternating), minor faults (median); 1 thread; "
+          f"{pinned}")
     print("| workload | " + " | ".join(libraries) + " | arena / before (median) |")
     print("|---|" + "---|" * (len(libraries) + 1))
     for workload in WORKLOADS:

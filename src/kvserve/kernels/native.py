@@ -296,30 +296,38 @@ def _bind_scratch(lib: ctypes.CDLL) -> None:
         function.restype = ctypes.c_int64
 
 
-def loaded_library() -> ctypes.CDLL | None:
-    """This build's library if the process has loaded it, found by path without loading it (RTLD_NOLOAD);
-    None otherwise (torch kernels, or no compiler). The scratch arenas are per process, like glibc's heaps,
-    so the server's periodic heap trim (server/heap.py) reaches them without a handle on the engine's model."""
-    from kvserve.kernels.build import library_path
-
+def loaded_libraries() -> list[ctypes.CDLL]:
+    """The kernel libraries this process has loaded (`libkvkernels-*.so` in /proc/self/maps, whatever sources
+    they were built from), opened without loading anything (RTLD_NOLOAD); empty where none is (torch kernels,
+    no compiler, not Linux). The scratch arenas are per process, like glibc's heaps, so the server's periodic
+    heap trim (server/heap.py) reaches them without a handle on the engine's model."""
     try:
-        lib = ctypes.CDLL(str(library_path()), mode=os.RTLD_NOLOAD | os.RTLD_NOW)
-    except (OSError, RuntimeError):
-        return None
-    _bind_scratch(lib)
-    return lib
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return []
+    paths = {line.split(maxsplit=5)[5] for line in maps.splitlines()
+             if line.count(" ") >= 5 and "/libkvkernels-" in line and line.endswith(".so")}
+    libraries = []
+    for path in sorted(paths):
+        try:
+            lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_NOW)
+        except OSError:
+            continue
+        _bind_scratch(lib)
+        libraries.append(lib)
+    return libraries
 
 
 def release_idle_scratch(min_idle_s: float) -> int | None:
-    """`NativeLibrary.release_scratch` on the loaded library (None: not loaded)."""
-    lib = loaded_library()
-    return None if lib is None else int(lib.kv_scratch_release(int(min_idle_s * 1000)))
+    """`NativeLibrary.release_scratch` on every loaded kernel library: the bytes unmapped (None: none loaded)."""
+    found = [lib.kv_scratch_release for lib in loaded_libraries() if hasattr(lib, "kv_scratch_release")]
+    return sum(int(release(int(min_idle_s * 1000))) for release in found) if found else None
 
 
 def scratch_mapped() -> int | None:
-    """`NativeLibrary.scratch_mapped` on the loaded library (None: not loaded)."""
-    lib = loaded_library()
-    return None if lib is None else int(lib.kv_scratch_mapped())
+    """`NativeLibrary.scratch_mapped` summed over the loaded kernel libraries (None: none loaded)."""
+    found = [lib.kv_scratch_mapped for lib in loaded_libraries() if hasattr(lib, "kv_scratch_mapped")]
+    return sum(int(mapped()) for mapped in found) if found else None
 
 
 def _check_range(values: torch.Tensor, count: int, limit: int, name: str) -> None:
