@@ -5,8 +5,10 @@ here, in one process on one model, alternating round by round (paired), one thre
     python benchmarks/scratch_arena.py --before main --rounds 5
 
 Workloads (smollm2-135m, native Q4_1/Q8_0 weights, prefix cache off so every round prefills again):
-prefill -- 3 prompts of 512 tokens for 1 token each (the C layer loop's 512-row steps: its ~17 MiB
-buffer, qgemm's packed rows, prefill attention's tiles); decode 16 -- 16 short prompts x 32 greedy tokens
+prefill (loop) -- 3 prompts of 500 tokens one after another, 1 token each (the C layer loop's 500-row
+steps: its ~17 MiB buffer, qgemm's packed rows, prefill attention's tiles); prefill (Python loop) -- the
+3 of 512 at once (one 1,536-row step: beyond the loop's 512, the Python loop dequantizes each weight for
+torch's GEMM); decode 16 -- 16 short prompts x 32 greedy tokens
 (16-row steps: layer_forward with qgemm); decode 1 -- one prompt x 32 tokens (decode_step.h's one region).
 Both variants produce the same tokens (checked). Prints the median and best CPU seconds per workload.
 `--mmap-threshold BYTES` pins glibc's mmap threshold first (server/heap.py's `fix_mmap_threshold`), for
@@ -36,18 +38,22 @@ def greedy(n: int) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 
 
+# name -> the generate calls of one measurement, each (prompts, params).
 WORKLOADS = {
-    "prefill 3 x 512": ([[100 + (7 * i + j) % 20000 for i in range(512)] for j in range(3)], greedy(1)),
-    "decode 16 x 32": ([[50 + j, 60 + j, 70 + j] for j in range(16)], greedy(32)),
-    "decode 1 x 32": ([[11, 22, 33, 44]], greedy(32)),
+    "prefill 3 x 500 (loop)": [([[100 + (7 * i + j) % 20000 for i in range(500)]], greedy(1)) for j in range(3)],
+    "prefill 1,536 rows (Python loop)": [([[100 + (7 * i + j) % 20000 for i in range(512)] for j in range(3)],
+                                          greedy(1))],
+    "decode 16 x 32": [([[50 + j, 60 + j, 70 + j] for j in range(16)], greedy(32))],
+    "decode 1 x 32": [([[11, 22, 33, 44]], greedy(32))],
 }
 
 
-def timed(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[float, int, list[list[int]]]:
-    """CPU seconds, minor page faults, and the tokens of one generate."""
+def timed(llm: LLM, calls: list[tuple[list[list[int]], SamplingParams]]) -> tuple[float, int, list[list[int]]]:
+    """CPU seconds, minor page faults, and the tokens of the generate calls."""
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     start = time.process_time()
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    outputs = [o for prompts, params in calls
+               for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
     spent = time.process_time() - start
     tokens = [list(o.outputs[0].token_ids) for o in outputs]
     return spent, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults, tokens
@@ -78,8 +84,8 @@ def main() -> int:
             for name, native in order:
                 model.kernels.native = native
                 model.layer_loop.native = native
-                for workload, (prompts, params) in WORKLOADS.items():
-                    spent, faults, got = timed(llm, prompts, params)
+                for workload, calls in WORKLOADS.items():
+                    spent, faults, got = timed(llm, calls)
                     if tokens.setdefault(workload, got) != got:
                         raise SystemExit(f"{name}: {workload} generated other tokens than the other variant")
                     if round_index:
