@@ -105,14 +105,18 @@ def fix_mmap_threshold(threshold: int | None = None) -> bool:
     MALLOC_MMAP_THRESHOLD_ / GLIBC_TUNABLES). Called once at server start, before the model loads.
 
     Opt-in: glibc starts at 128 KiB but raises the threshold to the size of any mmap'd block that is
-    freed (up to 32 MiB), and the server frees such blocks every step (torch's activations, the native
-    kernels' scratch and packing buffers, whose sizes vary with the step's rows), so soon nearly all of
+    freed (up to 32 MiB), and the server frees such blocks every step (torch's activations and, before
+    csrc/scratch.h, the native kernels' scratch, whose sizes vary with the step's rows), so soon nearly all of
     them come from the arenas, where blocks of varying sizes fragment them: under a load of mixed
     prefills the arenas' free-but-kept memory grew 15 -> 66-250 MiB in minutes and the RSS less the KV
     pool and the host tier crept up and sawed between trims. Pinned at 256 KiB the arenas stayed flat
     (free 11-16 MiB) and so did that RSS; pinned at 4 MiB they did not. The price: every larger
-    temporary is a fresh mapping, ~5x the page faults of a 16-row decode step and ~20x per prefill
-    token, 15-25% slower decode and ~1.5x slower prefill (benchmarks/results/soak.md): not the default."""
+    temporary is a fresh mapping. The native kernels' scratch no longer pays it (csrc/scratch.h: a 500-row
+    prefill through the C layer loop took 159k page faults pinned before the arena, 1.7k after), but torch's
+    temporaries still do: the 16-row decode step's logits (~1% of its time), and steps beyond the loop's 512
+    exact rows, where the Python loop dequantizes every weight per call (~30% slower there). Without the
+    pin the arena alone does not keep that RSS flat (torch's freed blocks raise the threshold too), so the
+    choice stays the operator's (benchmarks/results/soak.md, "scratch arena"): not the default."""
     env = os.environ
     if threshold is None:
         threshold = int(env.get("KVSERVE_MMAP_THRESHOLD", 0))
