@@ -9,6 +9,9 @@
 // glibc never sees it, and keeps it: it grows to the most its thread's open scopes held at once and does not
 // shrink while serving. `kv_scratch_release` unmaps the arenas of threads that have not used theirs for a
 // while (server/heap.py calls it from its periodic trim, so an idle server gives the memory back).
+// Alone this does not keep that RSS flat (torch's freed tensors raise the threshold too); what it changes
+// is the price of pinning glibc's threshold (KVSERVE_MMAP_THRESHOLD): the kernels no longer fault in
+// fresh pages every call (a 500-row prefill: 159k page faults pinned before, 1.7k with the arena).
 //
 // Use: `ScratchScope scope; float* x = scope.take<float>(n);` -- valid until the scope ends; 64-byte
 // aligned; contents undefined. Scopes nest (a kernel called inside another's scope takes after it) and are
