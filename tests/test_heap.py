@@ -36,6 +36,24 @@ def test_periodic_trim_runs_on_a_worker_thread_until_closed(monkeypatch):
     assert threading.main_thread().name not in calls  # never on the event loop's thread
 
 
+def test_periodic_trim_releases_kernel_scratch_idle_for_a_while(monkeypatch, caplog):
+    """Each trim unmaps the native kernels' scratch arenas idle for SCRATCH_IDLE_S (csrc/scratch.h) and, with
+    the heap log on, says how much."""
+    asked: list[float] = []
+    monkeypatch.setattr(heap, "trim_heap", lambda log=False: True)
+    monkeypatch.setattr(heap, "_malloc_trim", lambda: object())
+    monkeypatch.setattr(heap, "release_idle_scratch", lambda idle: asked.append(idle) or 3 * 2**20)
+
+    async def scenario() -> None:
+        async with heap.periodic_trim(0.01, log=True):
+            await asyncio.sleep(0.1)
+
+    with caplog.at_level("INFO", logger="uvicorn.error"):
+        asyncio.run(scenario())
+    assert asked and set(asked) == {heap.SCRATCH_IDLE_S}
+    assert "kernel scratch: 3.0 MiB idle for 60 s unmapped" in caplog.text
+
+
 def test_interval_zero_never_trims(monkeypatch):
     calls: list[int] = []
     monkeypatch.setattr(heap, "trim_heap", lambda: calls.append(1))

@@ -8,6 +8,13 @@ cyclic garbage held memory (a full `gc.collect()` every 30 s lowered RSS by noth
 temporaries) in a few milliseconds. So the server calls it every `interval` seconds, on a worker thread
 (it takes the allocator's locks, never the GIL-bound event loop's time). Without glibc it does nothing.
 
+The native kernels keep their scratch (csrc/scratch.h: per-thread arenas mapped once, grown to the largest
+step, never freed while serving, so glibc's dynamic mmap threshold no longer climbs with them); an arena
+idle for SCRATCH_IDLE_S (no step on its thread: the engine has been idle that long) is unmapped at the
+next trim, so an idle server gives it back. A busy engine uses its arenas every step and keeps them: remapping
+costs page faults on the next large step (~4,000 for a 17 MiB prefill buffer, a few ms), nothing after a
+minute of idleness.
+
 For investigations, each trim can also log: `KVSERVE_HEAP_LOG=1` glibc's statistics, `KVSERVE_TRACEMALLOC=N`
 the Python heap's growth by site, `KVSERVE_HEAP_TYPES=1` the object types whose count grew (the soak's
 later growth showed up there as `tiers.host._Entry` and `torch.Tensor`: the host KV tier filling).
@@ -25,9 +32,11 @@ import os
 import tracemalloc
 from collections.abc import AsyncIterator
 
+from kvserve.kernels.native import release_idle_scratch, scratch_mapped
 from kvserve.server.periodic import every
 
 TRIM_INTERVAL_S = 30.0
+SCRATCH_IDLE_S = 60.0  # an arena unused this long is unmapped at the next trim
 M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
 MALLINFO2_FIELDS = ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
                     "fordblks", "keepcost")
@@ -73,10 +82,21 @@ def trim_heap(log: bool = False) -> bool:
     trim(0)
     if log:
         after = heap_stats()
-        logger.info("heap (MiB, before -> after trim): %s", ", ".join(
+        scratch = scratch_mapped()
+        logger.info("heap (MiB, before -> after trim): %s%s", ", ".join(
             f"{k} {before[k] / 2**20:.1f} -> {after[k] / 2**20:.1f}" for k in ("arena", "hblkhd", "uordblks",
-                                                                                "fordblks") if k in after))
+                                                                                "fordblks") if k in after),
+            "" if scratch is None else f", kernel scratch {scratch / 2**20:.1f}")
     return True
+
+
+def release_scratch(min_idle_s: float = SCRATCH_IDLE_S, log: bool = False) -> int:
+    """Unmap the native kernels' scratch arenas idle for `min_idle_s` (csrc/scratch.h); the bytes unmapped
+    (0 without the native kernels)."""
+    released = release_idle_scratch(min_idle_s) or 0
+    if log and released:
+        logger.info("kernel scratch: %.1f MiB idle for %.0f s unmapped", released / 2**20, min_idle_s)
+    return released
 
 
 def fix_mmap_threshold(threshold: int | None = None) -> bool:
@@ -85,14 +105,18 @@ def fix_mmap_threshold(threshold: int | None = None) -> bool:
     MALLOC_MMAP_THRESHOLD_ / GLIBC_TUNABLES). Called once at server start, before the model loads.
 
     Opt-in: glibc starts at 128 KiB but raises the threshold to the size of any mmap'd block that is
-    freed (up to 32 MiB), and the server frees such blocks every step (torch's activations, the native
-    kernels' scratch and packing buffers, whose sizes vary with the step's rows), so soon nearly all of
+    freed (up to 32 MiB), and the server frees such blocks every step (torch's activations and, before
+    csrc/scratch.h, the native kernels' scratch, whose sizes vary with the step's rows), so soon nearly all of
     them come from the arenas, where blocks of varying sizes fragment them: under a load of mixed
     prefills the arenas' free-but-kept memory grew 15 -> 66-250 MiB in minutes and the RSS less the KV
     pool and the host tier crept up and sawed between trims. Pinned at 256 KiB the arenas stayed flat
     (free 11-16 MiB) and so did that RSS; pinned at 4 MiB they did not. The price: every larger
-    temporary is a fresh mapping, ~5x the page faults of a 16-row decode step and ~20x per prefill
-    token, 15-25% slower decode and ~1.5x slower prefill (benchmarks/results/soak.md): not the default."""
+    temporary is a fresh mapping. The native kernels' scratch no longer pays it (csrc/scratch.h: a 500-row
+    prefill through the C layer loop took 159k page faults pinned before the arena, 1.7k after), but torch's
+    temporaries still do: the 16-row decode step's logits (~1% of its time), and steps beyond the loop's 512
+    exact rows, where the Python loop dequantizes every weight per call (~30% slower there). Without the
+    pin the arena alone does not keep that RSS flat (torch's freed blocks raise the threshold too), so the
+    choice stays the operator's (benchmarks/results/soak.md, "scratch arena"): not the default."""
     env = os.environ
     if threshold is None:
         threshold = int(env.get("KVSERVE_MMAP_THRESHOLD", 0))
@@ -161,6 +185,7 @@ async def periodic_trim(interval: float = TRIM_INTERVAL_S, log: bool = False) ->
             python_heap.log()
         if census is not None:
             census.log()
+        release_scratch(log=log)
         return trim_heap(log=True) if log else trim_heap()
 
     async with every(interval if _malloc_trim() is not None else 0, job, in_thread=True):

@@ -41,10 +41,11 @@ static int cascade_attention(const float* q, int64_t T, int64_t H, int64_t KVH, 
     const int64_t G = H / KVH;
     const int64_t chunk_blocks = CASCADE_CHUNK_TOKENS / bs > 0 ? CASCADE_CHUNK_TOKENS / bs : 1;
     // Phase 1 tasks: (group, KV head, chunk of shared blocks); each writes mx/sum [M] and acc [M, D].
-    int64_t* task_offset = new int64_t[num_groups + 1];  // first task of each group
-    int64_t* state_offset = new int64_t[num_groups + 1];  // first float of each group's partial states
-    int64_t* row_slot = new int64_t[T];  // row -> (group, position in group), -1 outside a group
-    int64_t* row_group = new int64_t[T];
+    ScratchScope scope;  // scratch.h
+    int64_t* task_offset = scope.take<int64_t>(num_groups + 1);  // first task of each group
+    int64_t* state_offset = scope.take<int64_t>(num_groups + 1);  // first float of each group's partial states
+    int64_t* row_slot = scope.take<int64_t>(T);  // row -> (group, position in group), -1 outside a group
+    int64_t* row_group = scope.take<int64_t>(T);
     int64_t max_m = G;  // most queries stacked in one task
     for (int64_t t = 0; t < T; ++t) { row_slot[t] = -1; row_group[t] = -1; }
     task_offset[0] = state_offset[0] = 0;
@@ -59,7 +60,7 @@ static int cascade_attention(const float* q, int64_t T, int64_t H, int64_t KVH, 
         }
         max_m = members * G > max_m ? members * G : max_m;
     }
-    float* states = new float[state_offset[num_groups] > 0 ? state_offset[num_groups] : 1];
+    float* states = scope.take<float>(state_offset[num_groups]);
     // Phase 2 tasks as paged_attention's: a row's KV heads together once every thread has two rows.
     const int threads = kv_threads();
     const int64_t heads_per_task = T >= 2 * threads ? KVH : 1, parts = KVH / heads_per_task;
@@ -71,8 +72,9 @@ static int cascade_attention(const float* q, int64_t T, int64_t H, int64_t KVH, 
     const int64_t max_da = max_m > heads_per_task * G ? max_m : heads_per_task * G;
 #pragma omp parallel num_threads(threads)
     {
-        PrefillScratch pw = pf_scratch_new((max_m + W - 1) / W * W, D);
-        DecodeScratch dw = da_scratch_new(max_da, D, max_keys);
+        ScratchScope own;  // this thread's
+        PrefillScratch pw = pf_scratch_new(own, (max_m + W - 1) / W * W, D);
+        DecodeScratch dw = da_scratch_new(own, max_da, D, max_keys);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < task_offset[num_groups]; ++task) {
             int64_t i = 0;
@@ -131,9 +133,6 @@ static int cascade_attention(const float* q, int64_t T, int64_t H, int64_t KVH, 
                 for (int64_t e = 0; e < D; e += W) vstore(o + e, vmul(vload(acc + e), inv));
             }
         }
-        da_scratch_free(dw);
-        pf_scratch_free(pw);
     }
-    delete[] task_offset; delete[] state_offset; delete[] row_slot; delete[] row_group; delete[] states;
     return 0;
 }

@@ -12,7 +12,7 @@
 //
 // A task is a row's queries for a range of KV heads: a whole row (every KV head, so its blocks are read
 // front to back once) when rows number at least twice the threads, one KV head otherwise (a single row
-// still runs on every thread). Scratch is allocated once per thread per call.
+// still runs on every thread). Scratch: each thread takes its own from its arena (scratch.h), once per call.
 //
 // C entry (kernels.cpp: kv_paged_attention): q [T, H, D]; K/V pools [blocks, bs, KVH, D]; row t attends to
 // the first ctx_lens[t] tokens of the table at tables + t * table_stride (stride 0: every row shares one
@@ -139,13 +139,12 @@ struct DecodeScratch {
     int64_t keys;
 };
 
-static DecodeScratch da_scratch_new(int64_t M, int64_t D, int64_t max_tokens) {
+// Taken from `scope` (scratch.h: the calling thread's arena), valid until it ends.
+static DecodeScratch da_scratch_new(ScratchScope& scope, int64_t M, int64_t D, int64_t max_tokens) {
     const int64_t keys = (max_tokens + W - 1) / W * W;
-    float* buf = new float[M * (2 * D + 2 + keys)];
+    float* buf = scope.take<float>(M * (2 * D + 2 + keys));
     return DecodeScratch{buf, buf + M * D, buf + 2 * M * D, buf + 2 * M * D + M, buf + 2 * M * D + 2 * M, keys};
 }
-
-static void da_scratch_free(DecodeScratch w) { delete[] w.qs; }
 
 // Loads query rows src[m * D] x scale as the task's M queries.
 static void da_load_queries(DecodeScratch w, const float* src, int64_t M, int64_t D, float scale) {
@@ -255,7 +254,8 @@ static int paged_attention(const float* q, int64_t T, int64_t H, int64_t KVH, in
     for (int64_t t = 0; t < T; ++t) max_ctx = ctx_lens[t] > max_ctx ? ctx_lens[t] : max_ctx;
 #pragma omp parallel num_threads(threads)
     {
-        DecodeScratch w = da_scratch_new(M, D, max_ctx);
+        ScratchScope scope;  // this thread's
+        DecodeScratch w = da_scratch_new(scope, M, D, max_ctx);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < T * parts; ++task) {
             const int64_t t = task / parts, g0 = (task % parts) * heads_per_task;
@@ -267,7 +267,6 @@ static int paged_attention(const float* q, int64_t T, int64_t H, int64_t KVH, in
                 for (int64_t e = 0; e < D; e += W) vstore(o + e, vmul(vload(w.acc + m * D + e), inv));
             }
         }
-        da_scratch_free(w);
     }
     return 0;
 }

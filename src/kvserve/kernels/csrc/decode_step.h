@@ -240,7 +240,8 @@ static int decode_forward(const LayerModel& m, int act_quant, float* hidden, int
     const int team = kv_threads() > 0 ? kv_threads() : 1;
     const int64_t kmax = I > E ? (I > H * D ? I : H * D) : (E > H * D ? E : H * D);
     const int64_t nbmax = kmax / QK;
-    float* buf = new float[T * (3 * E + qkv_width + 2 * H * D + 3 * I) + T * nbmax * (2 + 2 * LANES)];
+    ScratchScope arena;  // scratch.h: the step's buffers, kept between steps
+    float* buf = arena.take<float>(T * (3 * E + qkv_width + 2 * H * D + 3 * I) + T * nbmax * (2 + 2 * LANES));
     float* residual = hidden;  // the token embeddings in, scratch afterwards (as layer_forward)
     float* other = buf;
     float* normed = other + T * E;
@@ -252,18 +253,17 @@ static int decode_forward(const LayerModel& m, int act_quant, float* hidden, int
     s.gate_up = s.attn + T * H * D;
     s.act = s.gate_up + T * 2 * I;
     s.xq_scales = s.act + T * I;
-    int8_t* xq = new int8_t[T * kmax];
+    int8_t* xq = arena.take<int8_t>(T * kmax);
     s.xq = xq;
     s.scratch_bytes = (i8_chunk_scratch(nbmax) + 63) / 64 * 64;
-    uint8_t* scratch = s.scratch_bytes ? new uint8_t[team * s.scratch_bytes + 64] : nullptr;
-    s.scratch = scratch ? scratch + (64 - reinterpret_cast<uintptr_t>(scratch) % 64) % 64 : nullptr;
+    s.scratch = s.scratch_bytes ? arena.take<uint8_t>(team * s.scratch_bytes) : nullptr;  // 64-byte aligned
 
     // Phases of the step, in order: per layer norm, qkv, RoPE (decode_pre_attention), attention, then the six
     // of decode_post_attention; then the final norm. All reset here, before the one region.
     const int64_t L = m.num_layers, per_layer = 10, num_phases = L * per_layer + 1;
-    WorkLane* lanes = new WorkLane[num_phases * team];
-    WorkCount* done = new WorkCount[num_phases * team];
-    Phase* ph = new Phase[num_phases];
+    WorkLane* lanes = arena.take<WorkLane>(num_phases * team);
+    WorkCount* done = arena.take<WorkCount>(num_phases * team);
+    Phase* ph = arena.take<Phase>(num_phases);
     const int64_t cols = s.chunk_cols();
     const bool cascade = num_groups > 0;
     for (int64_t i = 0; i < num_phases; ++i) {
@@ -302,7 +302,8 @@ static int decode_forward(const LayerModel& m, int act_quant, float* hidden, int
 #pragma omp parallel num_threads(team)
     {
         const int tid = omp_get_thread_num();
-        DecodeScratch scratch_attn = da_scratch_new(G, D, max_ctx);
+        ScratchScope own;  // this thread's
+        DecodeScratch scratch_attn = da_scratch_new(own, G, D, max_ctx);
         float* res = residual;
         float* oth = other;
         for (int64_t l = 0; l < L; ++l) {
@@ -321,14 +322,6 @@ static int decode_forward(const LayerModel& m, int act_quant, float* hidden, int
             rms_norm(res + t * E, L ? s.delta + t * E : nullptr, m.final_norm, 1, E, static_cast<float>(m.eps),
                      out + t * E);
         });
-        da_scratch_free(scratch_attn);
     }
-    const int rc = status.load();
-    delete[] ph;
-    delete[] lanes;
-    delete[] done;
-    delete[] scratch;
-    delete[] xq;
-    delete[] buf;
-    return rc;
+    return status.load();
 }

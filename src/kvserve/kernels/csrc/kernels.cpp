@@ -8,6 +8,8 @@
 #include <atomic>
 #include <cstdint>
 
+#include "scratch.h"
+
 // Threads per parallel region, set from torch.get_num_threads() when the library is loaded (0: OpenMP's
 // default). An explicit count, because OpenMP's own setting is per calling thread and the engine may run
 // steps on a thread that never called omp_set_num_threads.
@@ -81,6 +83,11 @@ extern "C" {
 int kv_abi_version() { return 3; }  // 3: kv_pack_i8 and QT_I8_PACKED
 
 void kv_set_num_threads(int n) { g_threads = n; }
+
+// The kernels' scratch arenas (scratch.h): unmap those idle for at least min_idle_ms (0: every arena not in
+// use now); returns the bytes unmapped. kv_scratch_mapped: the bytes mapped now.
+int64_t kv_scratch_release(int64_t min_idle_ms) { return scratch_release(min_idle_ms); }
+int64_t kv_scratch_mapped() { return scratch_mapped(); }
 
 // Bit set of what this CPU can run: AVX2 (with FMA and F16C), AVX-512 (F/BW/VL/DQ), VNNI, BF16, AMX.
 int kv_cpu_features() {

@@ -75,7 +75,8 @@ static int layer_forward_spans(const void* desc, int act_quant, float* hidden, i
         return decode_forward(m, act_quant, hidden, T, positions, slots, pool, layer_stride, bs, tables, table_stride,
                               ctx_lens, num_groups, group_offsets, group_rows, group_shared_blocks,
                               row_shared_blocks, out);
-    float* buf = new float[T * (3 * E + qkv_width + 2 * H * D + 3 * I)];
+    ScratchScope scope;  // scratch.h: kept between steps, not freed
+    float* buf = scope.take<float>(T * (3 * E + qkv_width + 2 * H * D + 3 * I));
     float* normed = buf;                  // [T, E]
     float* delta = normed + T * E;        // [T, E] the sub-layer output added into the residual
     float* other = delta + T * E;         // [T, E] the residual's second buffer
@@ -112,7 +113,6 @@ static int layer_forward_spans(const void* desc, int act_quant, float* hidden, i
         rc |= layer_qmatmul(act_quant, act, T, I, w.down, delta);
     }
     if (rc == 0) rc = rms_norm(residual, m.num_layers ? delta : nullptr, m.final_norm, T, E, eps, out);
-    delete[] buf;
     return rc;
 }
 

@@ -88,17 +88,13 @@ struct PrefillScratch {
     const float** vrow;  // [KEY_STEP]
 };
 
-static PrefillScratch pf_scratch_new(int64_t Mp, int64_t D) {
-    float* buf = new float[D * Mp + PREFILL_KEY_STEP * Mp + Mp * D + 3 * Mp];
-    const float** rows = new const float*[2 * PREFILL_KEY_STEP];
+// Taken from `scope` (scratch.h: the calling thread's arena), valid until it ends.
+static PrefillScratch pf_scratch_new(ScratchScope& scope, int64_t Mp, int64_t D) {
+    float* buf = scope.take<float>(D * Mp + PREFILL_KEY_STEP * Mp + Mp * D + 3 * Mp);
+    const float** rows = scope.take<const float*>(2 * PREFILL_KEY_STEP);
     float* mx = buf + D * Mp + PREFILL_KEY_STEP * Mp + Mp * D;
     return PrefillScratch{buf, buf + D * Mp, buf + D * Mp + PREFILL_KEY_STEP * Mp, mx, mx + Mp, mx + 2 * Mp, rows,
                           rows + PREFILL_KEY_STEP};
-}
-
-static void pf_scratch_free(PrefillScratch w) {
-    delete[] w.qt;
-    delete[] w.krow;
 }
 
 // Zeroes the padded query lanes [M, Mp) and resets the online-softmax state of all Mp lanes.
@@ -186,12 +182,14 @@ static int prefill_attention(const float* q, int64_t H, int64_t KVH, int64_t D, 
     if (D % W != 0 || H % KVH != 0) return -2;
     const int64_t G = H / KVH, QT = PREFILL_TILE_TOKENS;
     const int64_t Mp = (QT * G + W - 1) / W * W;
-    int64_t* task_offset = new int64_t[num_spans + 1];  // first task of each span: KVH x tiles
+    ScratchScope scope;
+    int64_t* task_offset = scope.take<int64_t>(num_spans + 1);  // first task of each span: KVH x tiles
     task_offset[0] = 0;
     for (int64_t s = 0; s < num_spans; ++s) task_offset[s + 1] = task_offset[s] + KVH * ((span_len[s] + QT - 1) / QT);
 #pragma omp parallel num_threads(kv_threads())
     {
-        PrefillScratch w = pf_scratch_new(Mp, D);
+        ScratchScope own;  // this thread's
+        PrefillScratch w = pf_scratch_new(own, Mp, D);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = task_offset[num_spans] - 1; task >= 0; --task) {  // the longest tiles (last) first
             int64_t s = 0;
@@ -202,8 +200,6 @@ static int prefill_attention(const float* q, int64_t H, int64_t KVH, int64_t D, 
             prefill_tile(q, H, KVH, D, G, kpool, vpool, bs, tables + s * table_stride, span_start[s] + a, nq, first,
                          g, scale, w, out);
         }
-        pf_scratch_free(w);
     }
-    delete[] task_offset;
     return 0;
 }

@@ -235,15 +235,16 @@ template <int QT>
 static void qgemm_t(const float* x, int64_t rows, int64_t k, const uint8_t* w, int64_t n, int64_t row_bytes,
                     float* y, int64_t ystride) {
     const int64_t npanels = (n + GM_NR - 1) / GM_NR;
-    GmTile* tiles = new GmTile[rows / (W / 2) + 2];
+    ScratchScope scope;  // scratch.h
+    GmTile* tiles = scope.take<GmTile>(rows / (W / 2) + 2);
     const int64_t ntiles = gm_tiles(rows, tiles);
     const int64_t padded = tiles[ntiles - 1].r0 + tiles[ntiles - 1].width();
-    float* xp = static_cast<float*>(_mm_malloc(padded * k * sizeof(float) + 64, 64));
+    float* xp = scope.take<float>(padded * k);
     constexpr int64_t MAX_BLOCK_TILES = GM_MB / (W / 2) + 2;
     // Row blocks of up to GM_MB rows (whole tiles): each task is one panel against one row block, so the block's
     // packed x (GM_MB x k floats) stays in the core's L2 while the panels stream past it; a panel is dequantized
     // once per row block (once per call up to GM_MB rows: a decode batch).
-    int64_t* block_tiles = new int64_t[ntiles + 1];
+    int64_t* block_tiles = scope.take<int64_t>(ntiles + 1);
     int64_t nblocks = 0;
     for (int64_t t = 0; t < ntiles; ++t)
         if (t == 0 || tiles[t].r0 + tiles[t].width() - tiles[block_tiles[nblocks - 1]].r0 > GM_MB) block_tiles[nblocks++] = t;
@@ -258,8 +259,9 @@ static void qgemm_t(const float* x, int64_t rows, int64_t k, const uint8_t* w, i
     const int64_t SB = (nblocks + nsuper - 1) / nsuper;
 #pragma omp parallel num_threads(kv_threads())
     {
-        float* panel = static_cast<float*>(_mm_malloc(nslices * GM_NR * GM_KC * sizeof(float) + 64, 64));
-        float* acc = static_cast<float*>(_mm_malloc(MAX_BLOCK_TILES * GM_NR * GM_MT * sizeof(float) + 64, 64));
+        ScratchScope own;  // this thread's
+        float* panel = own.take<float>(nslices * GM_NR * GM_KC);
+        float* acc = own.take<float>(MAX_BLOCK_TILES * GM_NR * GM_MT);
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < ntiles; ++t) gm_pack_x(x, k, tiles[t], xp);
 #pragma omp for schedule(static)
@@ -295,12 +297,7 @@ static void qgemm_t(const float* x, int64_t rows, int64_t k, const uint8_t* w, i
                     gm_store_tile(acc + (t - first) * GM_NR * GM_MT, tiles[t], nr, y + n0, ystride);
             }
         }
-        _mm_free(panel);
-        _mm_free(acc);
     }
-    _mm_free(xp);
-    delete[] tiles;
-    delete[] block_tiles;
 }
 
 static int qgemm(int qt, const float* x, int64_t rows, int64_t k, const uint8_t* w, int64_t n, int64_t row_bytes,

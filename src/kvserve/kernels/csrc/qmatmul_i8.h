@@ -207,7 +207,8 @@ static void qmatmul_i8_t(const Q8Rows& x, int64_t rows, int64_t k, const uint8_t
     const int64_t pass = i8_pass_rows(rows, k + 2 * nb * 4 + 2 * nb * LANES * 4);  // q, d, s, dv, sv
 #pragma omp parallel num_threads(kv_threads())
     {
-        Packed* pk = rows > RT ? new Packed[CHUNK * nb] : nullptr;
+        ScratchScope own;  // scratch.h: this thread's
+        Packed* pk = rows > RT ? own.take<Packed>(CHUNK * nb) : nullptr;
         for (int64_t p0 = 0; p0 < rows; p0 += pass) {  // row passes (see i8_pass_rows)
             const int64_t p1 = p0 + pass < rows ? p0 + pass : rows;
 #pragma omp for schedule(static) nowait
@@ -230,7 +231,6 @@ static void qmatmul_i8_t(const Q8Rows& x, int64_t rows, int64_t k, const uint8_t
                 }
             }
         }
-        delete[] pk;
     }
 }
 #endif  // !KV_AVX512
@@ -345,7 +345,8 @@ static void qmatmul_i8_interleaved(const Q8Rows& x, int64_t rows, int64_t k, con
     const int64_t pass = i8_pass_rows(rows, k + 2 * nb * 4);  // q, d, s
 #pragma omp parallel num_threads(kv_threads())
     {
-        Interleaved* pk = new Interleaved[nb];
+        ScratchScope own;  // scratch.h: this thread's
+        Interleaved* pk = own.take<Interleaved>(nb);
         for (int64_t p0 = 0; p0 < rows; p0 += pass) {  // row passes (see i8_pass_rows)
             const int64_t np = p0 + pass < rows ? pass : rows - p0;
             const Q8Rows xp = i8_offset(x, p0, k, nb);
@@ -358,7 +359,6 @@ static void qmatmul_i8_interleaved(const Q8Rows& x, int64_t rows, int64_t k, con
                 interleaved_rows<QT>(xp, np, k, nb, pk, y + p0 * ystride + c0, ystride, ncols);
             }
         }
-        delete[] pk;
     }
 }
 #endif
@@ -432,13 +432,12 @@ static int qmatmul_i8_prepacked(int qt, const float* x, int64_t rows, int64_t k,
     if (gstride != k / QK * packed_block_bytes(qt)) return -2;
     if (rows <= 0 || n <= 0) return 0;
     const int64_t nb = k / QK;
-    int8_t* q = new int8_t[rows * k];
-    float* ds = new float[2 * rows * nb];
+    ScratchScope scope;  // scratch.h
+    int8_t* q = scope.take<int8_t>(rows * k);
+    float* ds = scope.take<float>(2 * rows * nb);
     const Q8Rows xq{q, ds, ds + rows * nb, nullptr, nullptr};
     quantize_rows(x, rows, k, xq);
     qmatmul_i8_packed(qt, xq, rows, k, pw, n, gstride, y, ystride);
-    delete[] q;
-    delete[] ds;
     return 0;
 #else
     (void)x, (void)rows, (void)k, (void)pw, (void)n, (void)gstride, (void)y, (void)ystride, (void)qt;
@@ -457,8 +456,9 @@ static int qmatmul_i8(int qt, const float* x, int64_t rows, int64_t k, const uin
     if (row_bytes > (int64_t(1) << 26)) return -2;  // the AVX-512 path gathers 16 rows by int32 offsets
     if (rows <= 0 || n <= 0) return 0;
     // Scratch for the call: q, then d, s (and the AVX2 kernel's dv, sv) in one float buffer.
-    int8_t* q = new int8_t[rows * k];
-    float* ds = new float[2 * rows * nb + 2 * rows * lanes];
+    ScratchScope scope;  // scratch.h
+    int8_t* q = scope.take<int8_t>(rows * k);
+    float* ds = scope.take<float>(2 * rows * nb + 2 * rows * lanes);
 #if KV_AVX512
     const Q8Rows xq{q, ds, ds + rows * nb, nullptr, nullptr};  // the interleaved kernel scales by d and s
 #else
@@ -474,7 +474,5 @@ static int qmatmul_i8(int qt, const float* x, int64_t rows, int64_t k, const uin
     else if (qt == QT_Q4_0) qmatmul_i8_t<QT_Q4_0>(xq, rows, k, w, n, row_bytes, y, ystride);
     else qmatmul_i8_t<QT_Q8_0>(xq, rows, k, w, n, row_bytes, y, ystride);
 #endif
-    delete[] q;
-    delete[] ds;
     return 0;
 }
