@@ -94,12 +94,12 @@ class Cluster:
         self.policy.on_routed(key, decision.worker)
         sim = next(s for s in self.workers if s.worker is decision.worker)
         self.routed[sim.worker.url] = self.routed.get(sim.worker.url, 0) + 1
-        sim.worker.in_flight += 1
+        sim.worker.begin_request()
         pending = PrefillStart(decision.uncached(key))  # the proxy's count: the policy's estimate, until the answer
         sim.worker.starts.append(pending)
 
         def finished() -> None:
-            sim.worker.in_flight -= 1
+            sim.worker.end_request()
             sim.worker.starts.remove(pending)
             done(sim.worker)
 

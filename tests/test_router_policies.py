@@ -218,7 +218,8 @@ def test_rejoined_worker_starts_with_an_empty_tree():
 
 def test_least_load_picks_the_least_loaded_and_rotates_ties():
     policy, pool = LeastLoadPolicy(), workers(3)
-    pool[0].load.running, pool[1].load.waiting = 2, 1
+    pool[0].polled(WorkerLoad(running=2), 0, 0)  # requests from elsewhere, as polled
+    pool[1].polled(WorkerLoad(waiting=1), 0, 0)
     assert policy.choose(key([1]), pool).worker is pool[2]
     pool[2].in_flight = 5
     assert policy.choose(key([1]), pool).worker is pool[1]

@@ -69,11 +69,20 @@ class Upstream:
     route_header: str | None = None  # ROUTE_HEADER's value for our caller (None: not sent)
 
     _start: PrefillStart | None = field(default=None, init=False)  # our entry in worker.starts, while pending
+    _open: bool = field(default=False, init=False)  # counted in worker.in_flight
 
     def _begin(self) -> None:
-        self.worker.in_flight += 1
+        self.worker.begin_request()
+        self._open = True
         self._start = PrefillStart(self.prefill_tokens)
         self.worker.starts.append(self._start)
+
+    def _end(self) -> None:
+        """The attempt ended (answered, failed, or its caller left): it leaves the worker's counts, once."""
+        self._prefilled()
+        if self._open:
+            self._open = False
+            self.worker.end_request()
 
     def _prefilled(self, answered: bool = False) -> None:
         """The first token is back (`answered`) or the attempt ended: the prefill no longer waits on the
@@ -96,8 +105,7 @@ class Upstream:
         except httpx.TransportError as err:
             raise WorkerFailed(f"{type(err).__name__}: {err}") from err
         finally:
-            self.worker.in_flight -= 1
-            self._prefilled()
+            self._end()
         self.metrics.first_byte.observe(time.perf_counter() - started)
         if answer.status_code == 503:
             raise WorkerFailed(f"worker answered 503: {answer.text[:200]}")
@@ -117,8 +125,7 @@ class Upstream:
                 content = await answer.aread()
                 if answer.status_code == 503:
                     raise WorkerFailed(f"worker answered 503: {content[:200]!r}")
-                self.worker.in_flight -= 1
-                self._prefilled()
+                self._end()
                 await answer.aclose()
                 return Response(content, status_code=answer.status_code,
                                 headers=_response_headers(answer) | self._own_headers())
@@ -126,8 +133,7 @@ class Upstream:
             first = await _unless_disconnected(request, anext(chunks, b""))
             self._prefilled(answered=True)
         except BaseException as err:
-            self.worker.in_flight -= 1
-            self._prefilled()
+            self._end()
             if answer is not None:
                 await answer.aclose()
             if isinstance(err, httpx.TransportError):
@@ -154,7 +160,7 @@ class Upstream:
             yield _sse_error(f"worker {self.worker.url} failed mid-stream: {type(err).__name__}: {err}")
         finally:
             watcher.cancel()
-            self.worker.in_flight -= 1
+            self._end()
             await answer.aclose()
 
 
