@@ -14,6 +14,7 @@ import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from starlette.requests import Request
 
 from kvserve.router.app import Router
 from kvserve.router.keys import RequestKeyer
@@ -21,7 +22,6 @@ from kvserve.router.metrics import RouterMetrics
 from kvserve.router.policies import RoundRobinPolicy
 from kvserve.router.policies.base import is_imbalanced
 from kvserve.router.workers import Worker, WorkerLoad, WorkerPool
-from starlette.requests import Request
 
 PATH = "/v1/completions"
 

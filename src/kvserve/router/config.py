@@ -12,8 +12,7 @@ TREE_BUDGET = 1_000_000  # tokens per worker tree
 LOAD_WEIGHT = 2 / 3  # eta = uncached tokens + LOAD_WEIGHT × work beside it (policies/eta.py)
 REQUEST_OVERHEAD = 32.0  # tokens of prefill one request in flight costs besides its prompt (policies/eta.py)
 MAX_SHARE = 0.58  # a worker past this share of the recent requests sheds them to a less busy one ...
-SHARE_WINDOW = 32  # ... the recent requests counted (policies/base.py ShareGuard) ...
-SHARE_SLACK = 1e9  # ... when the copy's estimate is within this fraction of a prompt of the holder's
+SHARE_WINDOW = 32  # ... the recent requests counted (policies/base.py ShareGuard)
 LOAD_ESTIMATES = ("eta", "requests")  # cache_aware: how it picks among cache holders and new workers
 QUEUE_MODELS = ("fcfs", "shared")  # eta: a request waits for all prefill queued ahead | Σ min(p, its own)
 PD_MIN_PROMPT = 128  # pd: shorter prompts skip the prefill pool (a chat turn is cheaper to compute than to ship)
@@ -41,7 +40,6 @@ class RouterConfig:
     queue_model: str = "fcfs"  # eta's queue: "shared" is the earlier processor-sharing estimate
     pd_min_prompt: int = PD_MIN_PROMPT
     polled_load: bool = False  # a worker's load as max(own in flight, polled): the lagging count, for comparisons
-    share_slack: float = SHARE_SLACK
 
     def __post_init__(self) -> None:
         if self.policy not in POLICY_NAMES:
@@ -60,7 +58,5 @@ class RouterConfig:
             raise ValueError(f"queue_model must be one of {QUEUE_MODELS}, got {self.queue_model!r}")
         if not 0.0 < self.max_share <= 1.0:
             raise ValueError(f"max_share must be in (0, 1], got {self.max_share}")
-        if self.share_slack < 0:
-            raise ValueError(f"share_slack must be >= 0, got {self.share_slack}")
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")

@@ -51,9 +51,9 @@ def build_policy(config: RouterConfig) -> Policy:
         return LeastLoadPolicy()
     cost = EtaCost(config.load_weight, config.request_overhead, config.queue_model)
     if config.policy == "kv_events":
-        return KvEventsPolicy(cost, config.balance_abs, config.balance_rel, config.max_share, config.share_slack)
+        return KvEventsPolicy(cost, config.balance_abs, config.balance_rel, config.max_share)
     settings = CacheAwareSettings(config.balance_abs, config.balance_rel, config.cache_threshold, config.tree_budget,
-                                  config.load_estimate, cost, config.max_share, config.share_slack)
+                                  config.load_estimate, cost, config.max_share)
     if config.policy == "pd":  # plans by request counts (PdPolicy)
         return PdPolicy(settings, config.pd_min_prompt)
     return CacheAwarePolicy(settings)

@@ -13,9 +13,11 @@ attempt ends: answered, failed, retried elsewhere, or abandoned by its client): 
 the polled running + waiting less every request of ours that may have been in the worker's count
 (those in flight when the poll was sent and those sent while it was out). The poll alone lags by up to
 an interval (250 ms in the benchmark): `max(in_flight, running + waiting)`, the load before, still
-counted requests that had finished, and SGLang's imbalance guard fired on them. `starts` is the router's own record of prefill work queued there: for each
-request it sent that has not answered its first token yet, its uncached prompt tokens (as the policy
-estimated them; `prefills` lists them, `policies/eta.py` scores workers by them) and when it was sent;
+counted requests that had finished, and SGLang's imbalance guard fired on them.
+
+`starts` is the router's own record of prefill work queued there: for each request it sent that has
+not answered its first token yet, its uncached prompt tokens (as the policy estimated them;
+`prefills` lists them, `policies/eta.py` scores workers by them) and when it was sent;
 `seconds_per_token` is the worker's prefill speed as this router has seen it (an EWMA of time to first
 token per uncached token, long prefills only): together, how far the oldest has got.
 """

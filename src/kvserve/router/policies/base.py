@@ -142,18 +142,14 @@ class ShareGuard:
     def share(self, worker: Worker) -> float:
         return sum(1 for seen in self.recent if seen is worker) / max(len(self.recent), 1)
 
-    def shed(self, chosen: Worker, workers: list[Worker], costs: dict[Worker, float] | None = None,
-             slack: float = float("inf")) -> Worker | None:
-        """The worker to send to instead of `chosen`, or None to keep it. With `costs` (each worker's
-        estimated time to first token for this request, in tokens) only a worker whose estimate is within
-        `slack` tokens of the chosen one's qualifies: the copy must not make this request much slower than
-        the queue it leaves (a question arriving while its document is still being read on `chosen` waits
-        a read there too, so its copy is nearly free; one that `chosen` would answer at once is not)."""
+    def shed(self, chosen: Worker, workers: list[Worker]) -> Worker | None:
+        """The worker to send to instead of `chosen`, or None to keep it. The counts compared are exact:
+        this router's own requests in flight and prefill not yet answered (plus polled traffic from
+        elsewhere), not a poll that still shows requests finished since."""
         if len(self.recent) < (self.recent.maxlen or 0) or self.share(chosen) <= self.max_share:
             return None
         lighter = [worker for worker in workers if worker is not chosen and worker.load_score < chosen.load_score
-                   and worker.pending_prefill <= chosen.pending_prefill  # not onto a copy still running
-                   and (costs is None or costs[worker] <= costs[chosen] + slack)]
+                   and worker.pending_prefill <= chosen.pending_prefill]  # not onto a copy still running
         if not lighter:
             return None
         return min(lighter, key=lambda worker: (self.share(worker), worker.load_score))

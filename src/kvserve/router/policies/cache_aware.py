@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvserve.router.config import BALANCE_ABS, BALANCE_REL, CACHE_THRESHOLD, LOAD_ESTIMATES, MAX_SHARE, SHARE_SLACK, TREE_BUDGET
+from kvserve.router.config import BALANCE_ABS, BALANCE_REL, CACHE_THRESHOLD, LOAD_ESTIMATES, MAX_SHARE, TREE_BUDGET
 from kvserve.router.keys import RouteKey, namespace_marker
 from kvserve.router.policies.base import (
     Decision,
@@ -54,7 +54,6 @@ class CacheAwareSettings:
     load_estimate: str = "eta"  # "requests": SGLang's rule as is
     cost: EtaCost = EtaCost()
     max_share: float = MAX_SHARE  # with eta: ShareGuard (1.0: off)
-    share_slack: float = SHARE_SLACK  # ShareGuard: a copy's estimate within this fraction of a prompt
 
     def __post_init__(self) -> None:
         if self.load_estimate not in LOAD_ESTIMATES:
@@ -113,8 +112,7 @@ class CacheAwarePolicy(Policy):
                 return Decision(chosen, "imbalance", target)
         if s.load_estimate == "eta":
             decision = self._by_eta(key, workers, matches, hit)
-            costs = s.cost.costs(len(key.tokens), matches)
-            lighter = self.shares.shed(decision.worker, workers, costs, s.share_slack * len(key.tokens))
+            lighter = self.shares.shed(decision.worker, workers)
             return decision if lighter is None else Decision(lighter, "share", matches[lighter])
         if hit:
             holders = [worker for worker in workers if matches[worker] == best]

@@ -43,7 +43,7 @@ from urllib.parse import urlsplit
 
 from kvserve.events.subscriber import EventStream
 from kvserve.prefix.hashing import block_hashes
-from kvserve.router.config import BALANCE_ABS, BALANCE_REL, MAX_SHARE, SHARE_SLACK
+from kvserve.router.config import BALANCE_ABS, BALANCE_REL, MAX_SHARE
 from kvserve.router.index import BlockIndex, PendingBlocks, WorkerEvents
 from kvserve.router.keys import RouteKey
 from kvserve.router.policies.base import (
@@ -65,8 +65,7 @@ class KvEventsPolicy(Policy):
     name = "kv_events"
 
     def __init__(self, cost: EtaCost | None = None, balance_abs: int = BALANCE_ABS,
-                 balance_rel: float = BALANCE_REL, max_share: float = MAX_SHARE,
-                 share_slack: float = SHARE_SLACK) -> None:
+                 balance_rel: float = BALANCE_REL, max_share: float = MAX_SHARE) -> None:
         self.index = BlockIndex()
         self.pending = PendingBlocks(PENDING_TTL_S)
         self._last_hashes: tuple[RouteKey, dict[Worker, list[bytes]]] | None = None
@@ -76,7 +75,6 @@ class KvEventsPolicy(Policy):
         self._ties = LoadTieBreaker()
         self.hot = HotPrefixes()
         self.shares = ShareGuard(max_share)
-        self.share_slack = share_slack
         self.streams: dict[Worker, EventStream] = {}
         self._tasks: dict[Worker, asyncio.Task] = {}
         self.handlers: dict[Worker, WorkerEvents] = {}
@@ -96,7 +94,7 @@ class KvEventsPolicy(Policy):
                 return Decision(chosen, "imbalance", target)
         costs = self.cost.costs(len(key.tokens), runs)
         chosen = self._ties.least_loaded(EtaCost.cheapest(costs))
-        lighter = self.shares.shed(chosen, workers, costs, self.share_slack * len(key.tokens))
+        lighter = self.shares.shed(chosen, workers)
         if lighter is not None:
             return Decision(lighter, "share", runs[lighter])
         reason = "least_load" if best == 0 else "rebalance" if runs[chosen] < best else "cache_hit"
