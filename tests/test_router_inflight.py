@@ -157,6 +157,28 @@ def test_an_error_answer_a_broken_stream_and_a_departed_client_are_uncounted():
     asyncio.run(run())
 
 
+def test_a_stream_whose_headers_never_went_out_is_uncounted():
+    """The caller left between the first chunk and the response's start: the server never iterates the body
+    (the relay's own cleanup never runs), yet the attempt is released and the upstream closed."""
+    async def run() -> None:
+        router, _ = setup({"http://a": "ok"})
+        response = await router.route(request({"prompt": "x", "stream": True}), PATH)
+        assert counts(router) == [1]
+
+        async def send(message: dict) -> None:
+            raise OSError("client gone")
+
+        async def receive() -> dict:
+            return {"type": "http.disconnect"}
+
+        scope = {"type": "http", "asgi": {"spec_version": "2.4"}}
+        with pytest.raises(Exception):  # noqa: B017 (Starlette's ClientDisconnect)
+            await response(scope, receive, send)
+        assert counts(router) == [0]
+
+    asyncio.run(run())
+
+
 def test_ending_more_requests_than_were_sent_is_an_error():
     worker = Worker(url="http://a")
     worker.begin_request()

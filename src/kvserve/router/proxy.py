@@ -16,13 +16,14 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import httpx
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from kvserve.router.metrics import RouterMetrics
 from kvserve.router.workers import PrefillStart, Worker
@@ -140,9 +141,13 @@ class Upstream:
                 raise WorkerFailed(f"{type(err).__name__}: {err}") from err
             raise
         self.metrics.first_byte.observe(time.perf_counter() - started)
-        return StreamingResponse(self._relay(request, answer, first, chunks), status_code=200,
-                                 media_type=answer.headers.get("content-type", "text/event-stream"),
-                                 headers=SSE_HEADERS | self._own_headers())
+        return RelayedResponse(self._relay(request, answer, first, chunks), status_code=200,
+                               media_type=answer.headers.get("content-type", "text/event-stream"),
+                               headers=SSE_HEADERS | self._own_headers(), on_close=lambda: self._close(answer))
+
+    async def _close(self, answer: httpx.Response) -> None:
+        self._end()
+        await answer.aclose()
 
     async def _relay(
         self, request: Request, answer: httpx.Response, first: bytes, chunks: AsyncIterator[bytes]
@@ -162,6 +167,22 @@ class Upstream:
             watcher.cancel()
             self._end()
             await answer.aclose()
+
+
+class RelayedResponse(StreamingResponse):
+    """A relayed stream that releases its attempt however the response ends, including when the ASGI server
+    never iterates the body (the caller left before the headers went out): the relay's own `finally` runs
+    only once iteration has begun, and the worker's count and connection must not leak."""
+
+    def __init__(self, *args: Any, on_close: Callable[[], Awaitable[None]], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._on_close()
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
