@@ -144,6 +144,23 @@ def test_cache_aware_ignores_affinity_when_imbalanced():
 
 
 @pytest.mark.parametrize("make", [CacheAwarePolicy, KvEventsPolicy])
+def test_imbalance_guard_sends_a_new_prefix_to_the_emptiest_idle_worker(make):
+    """Imbalanced with two idle workers: a prompt cached nowhere goes to the one holding nothing yet, every
+    time (the rotation alone sent a 4th document beside another one, and one of 4 workers idled all run);
+    a prompt cached somewhere still rotates over the tie as before."""
+    policy, pool = make(), workers(3)
+    held = list(range(5000, 5256))
+    policy.on_routed(key(held), pool[1])
+    if isinstance(policy, KvEventsPolicy):
+        hashes = block_hashes(held, 4, ALICE, "sha256")
+        policy.index.apply(pool[1].url, KVEventBatch(ts=0.0, events=[BlockStored(hashes, None, [], 4)]))
+    pool[0].in_flight = 3  # 3 − 0 > 2 and 3 > 1.5 × 0: imbalanced; w1 and w2 idle
+    for fresh in range(4):
+        decision = policy.choose(key(range(100 * fresh + 10_000, 100 * fresh + 10_300)), pool)
+        assert decision.worker is pool[2] and decision.reason == "imbalance"
+
+
+@pytest.mark.parametrize("make", [CacheAwarePolicy, KvEventsPolicy])
 def test_imbalance_guard_copies_only_a_hot_prefix(make):
     """4 workers, each holding one of 4 equally asked documents: the one busy with 3 requests for its
     document keeps the 4th (copying a cold document costs its whole prefill to save one wait); once that

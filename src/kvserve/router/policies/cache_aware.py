@@ -106,7 +106,8 @@ class CacheAwarePolicy(Policy):
         best = max(matches.values())
         hit = best > s.cache_threshold * len(key.tokens)
         if imbalanced:
-            chosen = self._ties.least_loaded(workers)
+            emptiest = None if hit else lambda w: (self.tree(w).num_tokens,)  # a new prefix: spread it
+            chosen = self._ties.least_loaded(workers, emptiest)
             target = matches[chosen]
             if target > s.cache_threshold * len(key.tokens) or self.hot.worth_copying(key, matches, target):
                 return Decision(chosen, "imbalance", target)

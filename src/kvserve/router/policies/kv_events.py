@@ -88,7 +88,8 @@ class KvEventsPolicy(Policy):
         assert key.tokens is not None
         best = max(runs.values())
         if imbalanced:
-            chosen = self._ties.least_loaded(workers)
+            emptiest = None if best else lambda w: (self.index.num_blocks(w.url),)  # a new prefix: spread it
+            chosen = self._ties.least_loaded(workers, emptiest)
             target = runs[chosen]
             if self.hot.worth_copying(key, runs, target):
                 return Decision(chosen, "imbalance", target)
