@@ -72,6 +72,7 @@ class Cluster:
     routed: dict[str, int] = field(default_factory=dict)
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    ttfts: list[float] = field(default_factory=list)  # per request: from routing to its job's end (FCFS: first token)
     _seq: int = 0
 
     @classmethod
@@ -94,12 +95,14 @@ class Cluster:
         self.policy.on_routed(key, decision.worker)
         sim = next(s for s in self.workers if s.worker is decision.worker)
         self.routed[sim.worker.url] = self.routed.get(sim.worker.url, 0) + 1
-        sim.worker.in_flight += 1
+        sim.worker.begin_request()
         pending = PrefillStart(decision.uncached(key))  # the proxy's count: the policy's estimate, until the answer
         sim.worker.starts.append(pending)
+        sent = self.now
 
         def finished() -> None:
-            sim.worker.in_flight -= 1
+            self.ttfts.append(self.now - sent)
+            sim.worker.end_request()
             sim.worker.starts.remove(pending)
             done(sim.worker)
 
@@ -378,3 +381,73 @@ def test_rag_over_four_workers_copies_no_cold_document(name):
     two = [hit_rate(POLICIES[name](), 2, seed) for seed in seeds]
     assert sum(hit for hit, _ in two) / len(seeds) >= single - 0.02, (single, two)
     assert sum(share for _, share in two) / len(seeds) <= 0.60, two
+
+
+def benchmark_chat(cluster: Cluster, seed: int, concurrency: int = 4) -> None:
+    """`benchmarks/router.py`'s chat in work units (a token of prefill is one; ~2.8 ms on a 1-thread worker, so
+    its 1 s think time is 360 and its 4 s ramp 1,440): 16 users, a 512-token system prompt, 48-token
+    questions and 192-token replies, at most `concurrency` requests in flight."""
+    rng = random.Random(seed)
+    shared = ids(rng, 512)
+    queued: list[tuple[list[int], Callable[[Worker], None]]] = []
+    busy = 0
+
+    def submit(prompt: list[int], answered: Callable[[Worker], None]) -> None:
+        nonlocal busy
+        if busy >= concurrency:
+            queued.append((prompt, answered))
+            return
+        busy += 1
+
+        def finished(worker: Worker) -> None:
+            nonlocal busy
+            busy -= 1
+            if queued:
+                submit(*queued.pop(0))
+            answered(worker)
+
+        cluster.send(prompt, finished)
+
+    def user() -> Callable[[], None]:
+        history, turn = list(shared), 0
+
+        def next_turn() -> None:
+            prompt = history + ids(rng, 48)
+
+            def answered(_: Worker) -> None:
+                nonlocal history, turn
+                history, turn = prompt + ids(rng, 192), turn + 1
+                if turn < 6:
+                    cluster.at(cluster.now + rng.expovariate(1 / 360), next_turn)
+
+            submit(prompt, answered)
+
+        return next_turn
+
+    for _ in range(16):
+        cluster.at(rng.uniform(0, 1440), user())
+    cluster.run()
+
+
+def p90(values: list[float]) -> float:
+    return sorted(values)[int(0.9 * len(values))]
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_affinity_shortens_the_simulated_chat_tail_over_two_workers(name):
+    """Not a performance measurement (benchmarks/router.py is): the policies' queueing in the simulation.
+    Over 2 workers a cache-aware policy's p90 must stay well under round_robin's, whose turns recompute
+    their history on the other worker. Seen: 1.85× on average over these seeds (1.56-2.31), 1.26× with
+    --load-weight 2 (conversations move and recompute their history). No --load-weight / --request-overhead
+    setting went past ~1.85× over 10 seeds: the tail is turns queued third on the worker that holds their
+    conversation, as in the benchmark's dumps. Both workers sharing one cache (no routing can) reach 2.45×."""
+    from kvserve.router.policies import RoundRobinPolicy
+
+    ratios = []
+    for seed in range(6):
+        spread, routed = Cluster.of(RoundRobinPolicy()), Cluster.of(POLICIES[name]())
+        benchmark_chat(spread, seed)
+        benchmark_chat(routed, seed)
+        assert len(routed.ttfts) == 96
+        ratios.append(p90(spread.ttfts) / p90(routed.ttfts))
+    assert sum(ratios) / len(ratios) >= 1.6, ratios

@@ -144,6 +144,23 @@ def test_cache_aware_ignores_affinity_when_imbalanced():
 
 
 @pytest.mark.parametrize("make", [CacheAwarePolicy, KvEventsPolicy])
+def test_imbalance_guard_sends_a_new_prefix_to_the_emptiest_idle_worker(make):
+    """Imbalanced with two idle workers: a prompt cached nowhere goes to the one holding nothing yet, every
+    time (the rotation alone sent a 4th document beside another one, and one of 4 workers idled all run);
+    a prompt cached somewhere still rotates over the tie as before."""
+    policy, pool = make(), workers(3)
+    held = list(range(5000, 5256))
+    policy.on_routed(key(held), pool[1])
+    if isinstance(policy, KvEventsPolicy):
+        hashes = block_hashes(held, 4, ALICE, "sha256")
+        policy.index.apply(pool[1].url, KVEventBatch(ts=0.0, events=[BlockStored(hashes, None, [], 4)]))
+    pool[0].in_flight = 3  # 3 − 0 > 2 and 3 > 1.5 × 0: imbalanced; w1 and w2 idle
+    for fresh in range(4):
+        decision = policy.choose(key(range(100 * fresh + 10_000, 100 * fresh + 10_300)), pool)
+        assert decision.worker is pool[2] and decision.reason == "imbalance"
+
+
+@pytest.mark.parametrize("make", [CacheAwarePolicy, KvEventsPolicy])
 def test_imbalance_guard_copies_only_a_hot_prefix(make):
     """4 workers, each holding one of 4 equally asked documents: the one busy with 3 requests for its
     document keeps the 4th (copying a cold document costs its whole prefill to save one wait); once that
@@ -218,7 +235,8 @@ def test_rejoined_worker_starts_with_an_empty_tree():
 
 def test_least_load_picks_the_least_loaded_and_rotates_ties():
     policy, pool = LeastLoadPolicy(), workers(3)
-    pool[0].load.running, pool[1].load.waiting = 2, 1
+    pool[0].polled(WorkerLoad(running=2), 0, 0)  # requests from elsewhere, as polled
+    pool[1].polled(WorkerLoad(waiting=1), 0, 0)
     assert policy.choose(key([1]), pool).worker is pool[2]
     pool[2].in_flight = 5
     assert policy.choose(key([1]), pool).worker is pool[1]
@@ -416,8 +434,8 @@ def test_eta_cost_is_checked_and_counts_work_ahead():
 
 def test_cache_aware_eta_leaves_a_busy_holder_for_an_idle_worker():
     """SGLang's rule (requests) keeps a hit on its busy holder while the load gap is within balance_abs;
-    with eta the same hit moves once the queue outweighs the prompt. A miss still goes to the smallest
-    tree; among equal trees, to the least estimate."""
+    with eta the same hit moves once the queue outweighs the prompt. A miss goes to the worker whose
+    queue finishes first, whatever its tree; among equal estimates, to the smallest tree."""
     conversation, new = list(range(100, 400)), list(range(1000, 1240))
     for estimate, expected in (("requests", 0), ("eta", 1)):
         policy, pool = CacheAwarePolicy(CacheAwareSettings(load_estimate=estimate)), workers(2)
@@ -430,12 +448,15 @@ def test_cache_aware_eta_leaves_a_busy_holder_for_an_idle_worker():
     policy.on_routed(key([9] * 50), pool[2])  # w2's tree is the bigger
     pool[0].in_flight, pool[0].starts = 1, pending([200])  # w0 and w1: 1 request each, w0's the longer
     pool[1].in_flight, pool[1].starts = 1, pending([20])
-    decision = policy.choose(key(range(500, 900)), pool)  # 400 + ⅔ × 52 is within 200 of w2's 400
-    assert decision.worker is pool[1] and decision.reason == "smallest_tree"
-    pool[1].starts = pending([1000])  # w1 busy with a first read: 400 + ⅔ × 1,032 > 400 + 200, and so is w0 ...
-    pool[0].starts = pending([1000])
-    decision = policy.choose(key(range(500, 900)), pool)  # ... so the idle w2 reads it, bigger tree or not
+    decision = policy.choose(key(range(500, 900)), pool)  # 400 + 0 on the idle w2 < 400 + ⅔ × 52 on w1
     assert decision.worker is pool[2] and decision.reason == "smallest_tree"
+    pool[2].in_flight, pool[2].starts = 1, pending([200])  # now w0 and w2 carry the same: w1 finishes first
+    decision = policy.choose(key(range(1500, 1900)), pool)
+    assert decision.worker is pool[1]
+    for worker in pool:
+        worker.in_flight, worker.starts = 0, pending([])
+    policy.on_routed(key([8] * 50), pool[0])  # all idle: w1, the one empty tree, takes the new prefix
+    assert policy.choose(key(range(2500, 2900)), pool).worker is pool[1]
 
 
 def test_kv_events_policy_counts_what_it_just_sent_until_the_worker_reports():

@@ -39,6 +39,7 @@ class RouterConfig:
     max_share: float = MAX_SHARE
     queue_model: str = "fcfs"  # eta's queue: "shared" is the earlier processor-sharing estimate
     pd_min_prompt: int = PD_MIN_PROMPT
+    polled_load: bool = False  # a worker's load as max(own in flight, polled): the lagging count, for comparisons
 
     def __post_init__(self) -> None:
         if self.policy not in POLICY_NAMES:

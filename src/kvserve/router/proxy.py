@@ -16,13 +16,14 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import httpx
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from kvserve.router.metrics import RouterMetrics
 from kvserve.router.workers import PrefillStart, Worker
@@ -69,11 +70,20 @@ class Upstream:
     route_header: str | None = None  # ROUTE_HEADER's value for our caller (None: not sent)
 
     _start: PrefillStart | None = field(default=None, init=False)  # our entry in worker.starts, while pending
+    _open: bool = field(default=False, init=False)  # counted in worker.in_flight
 
     def _begin(self) -> None:
-        self.worker.in_flight += 1
+        self.worker.begin_request()
+        self._open = True
         self._start = PrefillStart(self.prefill_tokens)
         self.worker.starts.append(self._start)
+
+    def _end(self) -> None:
+        """The attempt ended (answered, failed, or its caller left): it leaves the worker's counts, once."""
+        self._prefilled()
+        if self._open:
+            self._open = False
+            self.worker.end_request()
 
     def _prefilled(self, answered: bool = False) -> None:
         """The first token is back (`answered`) or the attempt ended: the prefill no longer waits on the
@@ -96,8 +106,7 @@ class Upstream:
         except httpx.TransportError as err:
             raise WorkerFailed(f"{type(err).__name__}: {err}") from err
         finally:
-            self.worker.in_flight -= 1
-            self._prefilled()
+            self._end()
         self.metrics.first_byte.observe(time.perf_counter() - started)
         if answer.status_code == 503:
             raise WorkerFailed(f"worker answered 503: {answer.text[:200]}")
@@ -117,8 +126,7 @@ class Upstream:
                 content = await answer.aread()
                 if answer.status_code == 503:
                     raise WorkerFailed(f"worker answered 503: {content[:200]!r}")
-                self.worker.in_flight -= 1
-                self._prefilled()
+                self._end()
                 await answer.aclose()
                 return Response(content, status_code=answer.status_code,
                                 headers=_response_headers(answer) | self._own_headers())
@@ -126,17 +134,20 @@ class Upstream:
             first = await _unless_disconnected(request, anext(chunks, b""))
             self._prefilled(answered=True)
         except BaseException as err:
-            self.worker.in_flight -= 1
-            self._prefilled()
+            self._end()
             if answer is not None:
                 await answer.aclose()
             if isinstance(err, httpx.TransportError):
                 raise WorkerFailed(f"{type(err).__name__}: {err}") from err
             raise
         self.metrics.first_byte.observe(time.perf_counter() - started)
-        return StreamingResponse(self._relay(request, answer, first, chunks), status_code=200,
-                                 media_type=answer.headers.get("content-type", "text/event-stream"),
-                                 headers=SSE_HEADERS | self._own_headers())
+        return RelayedResponse(self._relay(request, answer, first, chunks), status_code=200,
+                               media_type=answer.headers.get("content-type", "text/event-stream"),
+                               headers=SSE_HEADERS | self._own_headers(), on_close=lambda: self._close(answer))
+
+    async def _close(self, answer: httpx.Response) -> None:
+        self._end()
+        await answer.aclose()
 
     async def _relay(
         self, request: Request, answer: httpx.Response, first: bytes, chunks: AsyncIterator[bytes]
@@ -154,8 +165,24 @@ class Upstream:
             yield _sse_error(f"worker {self.worker.url} failed mid-stream: {type(err).__name__}: {err}")
         finally:
             watcher.cancel()
-            self.worker.in_flight -= 1
+            self._end()
             await answer.aclose()
+
+
+class RelayedResponse(StreamingResponse):
+    """A relayed stream that releases its attempt however the response ends, including when the ASGI server
+    never iterates the body (the caller left before the headers went out): the relay's own `finally` runs
+    only once iteration has begun, and the worker's count and connection must not leak."""
+
+    def __init__(self, *args: Any, on_close: Callable[[], Awaitable[None]], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._on_close()
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:

@@ -36,7 +36,8 @@ def build_router(config: RouterConfig) -> FastAPI:
     tokenizer = load_tokenizer(config.model) if config.model else None
     api_keys = load_api_keys(config.api_keys) if config.api_keys else None
     client = httpx.AsyncClient(timeout=CLIENT_TIMEOUT, limits=CLIENT_LIMITS)
-    pool = WorkerPool(config.workers, client, config.poll_interval, poll_headers=_admin_headers(config.api_keys))
+    pool = WorkerPool(config.workers, client, config.poll_interval, poll_headers=_admin_headers(config.api_keys),
+                      polled_load=config.polled_load)
     router = Router(pool=pool, policy=build_policy(config), keyer=RequestKeyer(tokenizer, api_keys), client=client,
                     metrics=RouterMetrics(lambda: pool.workers), max_attempts=config.max_attempts,
                     metrics_keys=None if config.open_metrics else api_keys)

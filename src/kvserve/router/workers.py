@@ -6,11 +6,18 @@ that refuses a connection while a request is proxied to it, leaves the pool at o
 succeed again it rejoins with a new `generation`, and the policies drop whatever they had indexed for
 it (its cache died with the old process).
 
-Load as the router sees it: `max(in_flight, running + waiting)`. The router's own count of requests
-it has outstanding on a worker is exact and immediate; the polled counts catch traffic that did not
-come through this router. `starts` is the router's own record of prefill work queued there: for each
-request it sent that has not answered its first token yet, its uncached prompt tokens (as the policy
-estimated them; `prefills` lists them, `policies/eta.py` scores workers by them) and when it was sent;
+Load as the router sees it: `in_flight + external`. `in_flight` is the router's own count of requests
+it has outstanding on the worker (the proxy counts one up when it sends a request and down when the
+attempt ends: answered, failed, retried elsewhere, or abandoned by its client): exact and immediate.
+`external` is what the last poll saw beyond that, the traffic that did not come through this router:
+the polled running + waiting less every request of ours that may have been in the worker's count
+(those in flight when the poll was sent and those sent while it was out). The poll alone lags by up to
+an interval (250 ms in the benchmark): `max(in_flight, running + waiting)`, the load before, still
+counted requests that had finished, and SGLang's imbalance guard fired on them.
+
+`starts` is the router's own record of prefill work queued there: for each request it sent that has
+not answered its first token yet, its uncached prompt tokens (as the policy estimated them;
+`prefills` lists them, `policies/eta.py` scores workers by them) and when it was sent;
 `seconds_per_token` is the worker's prefill speed as this router has seen it (an EWMA of time to first
 token per uncached token, long prefills only): together, how far the oldest has got.
 """
@@ -77,7 +84,10 @@ class Worker:
     healthy: bool = False
     generation: int = 0
     load: WorkerLoad = field(default_factory=WorkerLoad)
-    in_flight: int = 0
+    in_flight: int = 0  # requests this router has outstanding here (proxy.Upstream keeps it)
+    sent: int = 0  # requests this router has ever sent here (a poll's window: see `external`)
+    ours_at_poll: int = 0  # of the last poll's running + waiting, how many may have been this router's
+    polled_load: bool = False  # load_score as before: max(in_flight, polled running + waiting), for comparisons
     failures: int = 0
     starts: list[PrefillStart] = field(default_factory=list)  # per request routed here, not answered yet
     seconds_per_token: float | None = None  # prefill speed seen here (None: nothing long answered yet)
@@ -120,9 +130,34 @@ class Worker:
         oldest = min(self.starts, key=lambda start: start.started)
         return min(float(oldest.tokens), (now - oldest.started) / self.seconds_per_token)
 
+    def begin_request(self) -> None:
+        """This router sent the worker a request (the proxy, as it sends)."""
+        self.in_flight += 1
+        self.sent += 1
+
+    def end_request(self) -> None:
+        """A request this router sent here ended (answered, failed, retried elsewhere or abandoned)."""
+        if self.in_flight <= 0:
+            raise RuntimeError(f"router: request count of {self.url} would go below zero")
+        self.in_flight -= 1
+
+    def polled(self, load: WorkerLoad, in_flight_at_send: int, sent_at_send: int) -> None:
+        """A `/load` answer: the poll went out when this router had `in_flight_at_send` requests here and had
+        sent `sent_at_send` in all. Ours in the worker's count are at most those plus the ones sent since."""
+        self.ours_at_poll = in_flight_at_send + (self.sent - sent_at_send)
+        self.load = load
+
+    @property
+    def external(self) -> int:
+        """Running + waiting at the last poll beyond this router's own requests: traffic from elsewhere."""
+        return max(self.load.running + self.load.waiting - self.ours_at_poll, 0)
+
     @property
     def load_score(self) -> int:
-        return max(self.in_flight, self.load.running + self.load.waiting)
+        """Requests on the worker: this router's own (exact) and others' (as of the last poll)."""
+        if self.polled_load:
+            return max(self.in_flight, self.load.running + self.load.waiting)
+        return self.in_flight + self.external
 
 
 JoinCallback = Callable[[Worker], None]
@@ -133,13 +168,13 @@ class WorkerPool:
 
     def __init__(
         self, urls: list[str], client: httpx.AsyncClient, interval: float = 1.0, max_failures: int = 2,
-        poll_headers: dict[str, str] | None = None,
+        poll_headers: dict[str, str] | None = None, polled_load: bool = False,
     ) -> None:
         if not urls:
             raise ValueError("the router needs at least one --worker URL")
         if len(set(urls)) != len(urls):
             raise ValueError("duplicate --worker URL")
-        self.workers = [Worker(url=url.rstrip("/")) for url in urls]
+        self.workers = [Worker(url=url.rstrip("/"), polled_load=polled_load) for url in urls]
         self._client = client
         self._interval = interval
         self._max_failures = max_failures
@@ -160,6 +195,7 @@ class WorkerPool:
         await asyncio.gather(*(self._poll(worker) for worker in self.workers))
 
     async def _poll(self, worker: Worker) -> None:
+        in_flight, sent = worker.in_flight, worker.sent
         try:
             load = await self._fetch_load(worker)
         except (httpx.HTTPError, ValueError) as err:
@@ -171,7 +207,7 @@ class WorkerPool:
         restarted = worker.healthy and load.instance is not None and load.instance != worker.load.instance
         if restarted:  # came back between two polls: same URL, new process, empty cache
             self.mark_down(worker, "restarted")
-        worker.load = load
+        worker.polled(load, in_flight, sent)
         if not worker.healthy:
             self._join(worker)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvserve.router.config import SHARE_WINDOW
@@ -55,9 +56,16 @@ class LoadTieBreaker:
     def __init__(self) -> None:
         self._turn = itertools.count()
 
-    def least_loaded(self, workers: list[Worker]) -> Worker:
+    def least_loaded(self, workers: list[Worker], prefer: Callable[[Worker], tuple] | None = None) -> Worker:
+        """`prefer` (lowest first) narrows the tie before it rotates: the imbalance guard's least loaded
+        workers are often several idle ones, and a prompt cached nowhere should go to the emptiest, not
+        to whichever the rotation reaches (4 workers: a new document went to an idle worker already
+        holding another while a fourth stayed empty all run)."""
         best = min(_load_key(worker) for worker in workers)
         tied = [worker for worker in workers if _load_key(worker) == best]
+        if prefer is not None:
+            first = min(prefer(worker) for worker in tied)
+            tied = [worker for worker in tied if prefer(worker) == first]
         return tied[next(self._turn) % len(tied)]
 
 
@@ -143,7 +151,9 @@ class ShareGuard:
         return sum(1 for seen in self.recent if seen is worker) / max(len(self.recent), 1)
 
     def shed(self, chosen: Worker, workers: list[Worker]) -> Worker | None:
-        """The worker to send to instead of `chosen`, or None to keep it."""
+        """The worker to send to instead of `chosen`, or None to keep it. The counts compared are exact:
+        this router's own requests in flight and prefill not yet answered (plus polled traffic from
+        elsewhere), not a poll that still shows requests finished since."""
         if len(self.recent) < (self.recent.maxlen or 0) or self.share(chosen) <= self.max_share:
             return None
         lighter = [worker for worker in workers if worker is not chosen and worker.load_score < chosen.load_score

@@ -12,11 +12,11 @@ That is the rule with `load_estimate="requests"`. With `"eta"` (the default) ste
 worker's estimated time to first token (`EtaCost`: the prompt tokens its tree lacks + the prefill and
 requests this router has in flight there) instead of its request count: a hit goes to the best match
 unless the work queued there outweighs computing the prompt on another worker (reason `rebalance`);
-a miss still goes to the smallest tree (then the least estimate); then `ShareGuard` may send it to a
-less busy worker when the chosen one has served more than `max_share` of the recent requests. A new
-prefix brings later requests
-with it, so spreading new prefixes spreads the load to come (by estimate alone, a simulated RAG run
-put 3 of 4 documents on one worker and 60% of the requests with them). The
+a miss goes to the worker whose queue finishes first (the smallest tree among equals); then
+`ShareGuard` may send it to a less busy worker when the chosen one has served more than `max_share` of
+the recent requests. (By estimate alone and without the share guard, a simulated RAG run once put 3 of 4
+documents on one worker and 60% of the requests with them; the smallest tree within half a prompt of
+the cheapest, the rule in between, started first reads behind another worker's queue.) The
 request count alone missed the difference between a busy worker and a busy one with an idle twin: over
 2 workers, a conversation's turn waited behind two others on its worker while the other idled, and
 chat TTFT p90 was 1.3× one worker's (benchmarks/results/router.md). Step 1 stays SGLang's.
@@ -68,9 +68,6 @@ class CacheAwareSettings:
             raise ValueError(f"max_share must be in (0, 1], got {self.max_share}")
 
 
-MISS_SLACK = 0.5  # a miss may wait this fraction of its own prefill to keep prefixes spread (_by_eta)
-
-
 def tree_key(key: RouteKey) -> list[int]:
     assert key.tokens is not None and key.namespace is not None
     return [namespace_marker(key.namespace), *key.tokens]
@@ -109,7 +106,8 @@ class CacheAwarePolicy(Policy):
         best = max(matches.values())
         hit = best > s.cache_threshold * len(key.tokens)
         if imbalanced:
-            chosen = self._ties.least_loaded(workers)
+            emptiest = None if hit else lambda w: (self.tree(w).num_tokens,)  # a new prefix: spread it
+            chosen = self._ties.least_loaded(workers, emptiest)
             target = matches[chosen]
             if target > s.cache_threshold * len(key.tokens) or self.hot.worth_copying(key, matches, target):
                 return Decision(chosen, "imbalance", target)
@@ -127,22 +125,21 @@ class CacheAwarePolicy(Policy):
 
     def _by_eta(self, key: RouteKey, workers: list[Worker], matches: dict[Worker, int], hit: bool) -> Decision:
         """Steps 2 and 3 by estimated time to first token. A hit: the cheapest worker (then the least
-        loaded). A miss: the smallest tree still (a new prefix brings later requests with it: spreading
-        prefixes spreads the load to come), then the cheapest, then the least loaded; but only among
-        workers whose estimate is within `MISS_SLACK` of a prompt's prefill of the cheapest: a worker
-        busy with another first read would make this one wait for it (tree sizes differ by a few
-        questions, so the smaller tree was often the worker already reading while the other idled)."""
+        loaded). A miss: the worker whose queue finishes first (the least estimate), the smallest tree
+        among equals (a new prefix brings later requests with it: spreading prefixes spreads the load to
+        come), then the least loaded. The rule before took the smallest tree among workers within half a
+        prompt's prefill of the cheapest, which could start a document's first read behind another
+        worker's queue while its questions piled up behind it (the RAG tails); the share guard now keeps
+        the prefixes' requests from piling onto one worker."""
         assert key.tokens is not None
         costs = self.settings.cost.costs(len(key.tokens), matches)
         if hit:
             chosen = self._ties.least_loaded(EtaCost.cheapest(costs))
             reason = "cache_hit" if matches[chosen] == max(matches.values()) else "rebalance"
             return Decision(chosen, reason, matches[chosen])
-        bound = min(costs.values()) + MISS_SLACK * len(key.tokens)
-        able = [worker for worker in workers if costs[worker] <= bound]
+        able = EtaCost.cheapest(costs)
         smallest = min(self.tree(worker).num_tokens for worker in able)
-        fresh = {w: costs[w] for w in able if self.tree(w).num_tokens == smallest}
-        chosen = self._ties.least_loaded(EtaCost.cheapest(fresh))
+        chosen = self._ties.least_loaded([worker for worker in able if self.tree(worker).num_tokens == smallest])
         return Decision(chosen, "smallest_tree", matches[chosen])
 
     def on_routed(self, key: RouteKey, worker: Worker) -> None:

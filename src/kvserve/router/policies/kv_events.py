@@ -88,11 +88,13 @@ class KvEventsPolicy(Policy):
         assert key.tokens is not None
         best = max(runs.values())
         if imbalanced:
-            chosen = self._ties.least_loaded(workers)
+            emptiest = None if best else lambda w: (self.index.num_blocks(w.url),)  # a new prefix: spread it
+            chosen = self._ties.least_loaded(workers, emptiest)
             target = runs[chosen]
             if self.hot.worth_copying(key, runs, target):
                 return Decision(chosen, "imbalance", target)
-        chosen = self._ties.least_loaded(EtaCost.cheapest(self.cost.costs(len(key.tokens), runs)))
+        costs = self.cost.costs(len(key.tokens), runs)
+        chosen = self._ties.least_loaded(EtaCost.cheapest(costs))
         lighter = self.shares.shed(chosen, workers)
         if lighter is not None:
             return Decision(lighter, "share", runs[lighter])

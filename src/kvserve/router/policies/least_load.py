@@ -1,4 +1,5 @@
-"""least_load: the worker with the fewest running + waiting requests (then the lowest KV usage)."""
+"""least_load: the worker with the fewest requests (the router's own in flight there, plus polled traffic from
+elsewhere: `Worker.load_score`), then the lowest KV usage."""
 
 from __future__ import annotations
 
