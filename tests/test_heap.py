@@ -88,14 +88,17 @@ def test_python_heap_diff_names_what_grew(caplog):
 
 PINNED_PROBE = """
 import ctypes, os, sys
+from kvserve.kernels.malloc import mmap_threshold_pinned
 from kvserve.server.heap import fix_mmap_threshold, heap_stats
 libc = ctypes.CDLL(None)
 libc.malloc.restype, libc.free.argtypes = ctypes.c_void_p, (ctypes.c_void_p,)
-for mode, env in (("pin", {"KVSERVE_MMAP_THRESHOLD": "262144"}), ("off", {}),
+for mode, env in (("pin", {"KVSERVE_MMAP_THRESHOLD": "262144"}), ("default", {}),
+                  ("off", {"KVSERVE_MMAP_THRESHOLD": "0"}),
                   ("env", {"KVSERVE_MMAP_THRESHOLD": "262144", "MALLOC_MMAP_THRESHOLD_": "1"})):
     if os.fork() == 0:  # a fresh child per mode: the threshold is process-wide
         os.environ.update(env)
         pinned = fix_mmap_threshold()
+        assert mmap_threshold_pinned() == (262144 if pinned else 0)
         libc.free(libc.malloc(8 << 20))  # a freed 8 MiB mapping: glibc's dynamic threshold rises to 8 MiB
         before = heap_stats()["hblkhd"]
         block = libc.malloc(700 << 10)  # a host-tier-sized block
@@ -107,10 +110,10 @@ for mode, env in (("pin", {"KVSERVE_MMAP_THRESHOLD": "262144"}), ("off", {}),
 
 @pytest.mark.skipif(not heap.heap_stats(), reason="needs glibc >= 2.33 (mallinfo2)")
 def test_pinned_mmap_threshold_gives_large_blocks_their_own_mapping():
-    """Pinned (KVSERVE_MMAP_THRESHOLD at the server's start), a 700 KiB block is its own mapping even after
-    a large block was freed; with glibc's dynamic threshold (the default; or when the operator set
-    MALLOC_MMAP_THRESHOLD_, which is then left alone: glibc reads it only at its start, so here it changes
-    nothing) it comes from an arena instead."""
+    """Pinned (at the server's start: 256 KiB by default, or KVSERVE_MMAP_THRESHOLD), a 700 KiB block is its
+    own mapping even after a large block was freed; with glibc's dynamic threshold (KVSERVE_MMAP_THRESHOLD=0;
+    or when the operator set MALLOC_MMAP_THRESHOLD_, which is then left alone: glibc reads it only at its
+    start, so here it changes nothing) it comes from an arena instead."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     for name in ("MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABLES", "KVSERVE_MMAP_THRESHOLD"):
         env.pop(name, None)
@@ -118,5 +121,6 @@ def test_pinned_mmap_threshold_gives_large_blocks_their_own_mapping():
                            check=True).stdout.splitlines()
     results = {mode: (pinned, int(mapped)) for mode, pinned, mapped in (line.split() for line in lines)}
     assert results["pin"][0] == "True" and results["pin"][1] >= 700 << 10, results
+    assert results["default"] == results["pin"], results  # the server pins 256 KiB unless told otherwise
     assert results["off"] == ("False", 0), results
     assert results["env"] == ("False", 0), results

@@ -472,3 +472,22 @@ def test_layer_loop_runs_cascade_groups_beside_a_prefill(kernels, tiny_model_dir
     assert torch.equal(loop_cascade, python_cascade)
     assert (loop_cascade - loop_paged).abs().max() <= 1e-4 * loop_paged.abs().max()
     assert not torch.equal(loop_cascade[:3], loop_paged[:3])  # the loop ran the cascade kernel for decodes
+
+
+def test_pinned_mmap_threshold_sends_long_exact_steps_to_the_loop(kernels, tiny_model_dir, monkeypatch):
+    """A server pins glibc's mmap threshold (kernels/malloc.py); then float32 steps of every size run in the
+    C loop (its scratch is kept) instead of the Python loop, whose torch temporaries would each fault in
+    fresh pages. A 600-token prompt beside a decode: one loop step, logits as the torch kernels'."""
+    monkeypatch.setattr("kvserve.model.layer_loop.mmap_threshold_pinned", lambda: 256 * 1024)
+    model = quantized_tiny_llama(tiny_model_dir, kernels)
+    blocks, step = torch.zeros(1, 1, dtype=torch.float32), SimpleNamespace(prefills=[])
+    assert model.layer_loop.applies(MAX_STEP_ROWS, blocks, step)
+    assert not model.layer_loop.applies(MAX_STEP_ROWS + 1, blocks, step)
+    calls = count_loop_rows(monkeypatch)
+    prompts = [[5, 9, 200], [3 + (7 * i) % 250 for i in range(600)]]
+    native = run_steps(model, prompts, 16, steps=2)
+    assert 601 in calls and len(calls) == len(prompts) + 2
+    oracle = run_steps(quantized_tiny_llama(tiny_model_dir, Kernels.create("torch")), prompts, 16, steps=2)
+    for ours, reference_logits in zip(native, oracle, strict=True):
+        assert (ours - reference_logits).abs().max() <= 1e-4 * reference_logits.abs().max()
+        assert torch.equal(ours.argmax(-1), reference_logits.argmax(-1))

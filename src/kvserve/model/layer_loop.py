@@ -12,8 +12,9 @@ dequantize + torch GEMM differs from qgemm.h in summation order only.
 
 It applies to: native kernels, float32 on the CPU, every layer projection quantized (GGUF blocks), hidden
 and head sizes a multiple of the SIMD width, no LoRA in the step, and a step of at most `MAX_ROWS` tokens
-or, with the engine's metadata, of up to `EXACT_MAX_STEP_ROWS` rows (float32 activations) or
-`MAX_STEP_ROWS` (int8): decodes, prefill chunks, any mix. From 5 rows its exact matmuls run the wide GEMM of
+or, with the engine's metadata, of up to `EXACT_MAX_STEP_ROWS` rows (float32 activations; `MAX_STEP_ROWS`
+where glibc's mmap threshold is pinned, as a server does: kernels/malloc.py) or `MAX_STEP_ROWS` (int8):
+decodes, prefill chunks, any mix. From 5 rows its exact matmuls run the wide GEMM of
 csrc/qgemm.h; int8 activations run the int8 matmul at any row count. Prefill, 1 thread, CPU time, whole
 request (benchmarks/results/kernels_prefill.md): exact 256-512 tokens 1.03-1.11x the Python loop, 1,024-2,048
 0.85x (torch's GEMM on dequantized weights is faster there, hence the exact bound); int8 512 tokens 1.07x,
@@ -30,6 +31,7 @@ import torch
 
 from kvserve.kernels.cascade_plan import CASCADE_FIELDS, check_cascade_plan
 from kvserve.kernels.i8pack import PackedI8Weight
+from kvserve.kernels.malloc import mmap_threshold_pinned
 from kvserve.kernels.ops import NATIVE_QMATMUL_MAX_ROWS, Kernels
 from kvserve.kernels.quant import QuantWeight
 from kvserve.kv.attention import AttentionMetadata, native_spans
@@ -79,6 +81,11 @@ class LayerLoop:
         self.model = model
         self.native = kernels.native
         self.act_quant = int(kernels.activation_quant == "int8")  # csrc/layer.h's layer_qmatmul picks qmatmul_i8
+        # The most rows of a step with the engine's metadata: float32 steps beyond EXACT_MAX_STEP_ROWS go to
+        # the Python loop, unless glibc's mmap threshold is pinned (a server: kernels/malloc.py), where that
+        # loop's torch temporaries would each fault in fresh pages.
+        exact = MAX_STEP_ROWS if mmap_threshold_pinned() else EXACT_MAX_STEP_ROWS
+        self.max_step_rows = MAX_STEP_ROWS if self.act_quant else exact
         self._layers = (_Layer * len(model.layers))(*[
             _Layer(layer.input_norm.data_ptr(), layer.post_attention_norm.data_ptr(), _matrix(layer.qkv_proj),
                    _matrix(layer.o_proj), _matrix(layer.gate_up_proj), _matrix(layer.down_proj))
@@ -108,8 +115,7 @@ class LayerLoop:
     def applies(self, num_tokens: int, key_blocks: torch.Tensor, meta: AttentionMetadata | None = None) -> bool:
         if key_blocks.dtype != torch.float32 or num_tokens <= 0:
             return False
-        limit = MAX_STEP_ROWS if self.act_quant else EXACT_MAX_STEP_ROWS
-        return num_tokens <= MAX_ROWS or (meta is not None and num_tokens <= limit)
+        return num_tokens <= MAX_ROWS or (meta is not None and num_tokens <= self.max_step_rows)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_pool: KVPool, meta: AttentionMetadata

@@ -132,7 +132,7 @@ def run_server(
     finished request is appended there (`kvserve replay` reads it)."""
     options = options or ServerOptions()
     _configure_logging(options.log_level)
-    fix_mmap_threshold()  # only with KVSERVE_MMAP_THRESHOLD set (server/heap.py); before the model loads
+    fix_mmap_threshold()  # 256 KiB unless KVSERVE_MMAP_THRESHOLD says otherwise (heap.py); before the model
     # Keys fail before the slow model load.
     api_keys = add_operator_keys(load_api_keys(api_keys_path) if api_keys_path else None, options.api_keys)
     limits = limits or ServerLimits(max_num_seqs=config.max_num_seqs)

@@ -25,19 +25,20 @@ from __future__ import annotations
 import collections
 import contextlib
 import ctypes
-import ctypes.util
 import gc
 import logging
 import os
 import tracemalloc
 from collections.abc import AsyncIterator
 
+from kvserve.kernels.malloc import libc as _libc
+from kvserve.kernels.malloc import pin_mmap_threshold
 from kvserve.kernels.native import release_idle_scratch, scratch_mapped
 from kvserve.server.periodic import every
 
 TRIM_INTERVAL_S = 30.0
 SCRATCH_IDLE_S = 60.0  # an arena unused this long is unmapped at the next trim
-M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
+SERVER_MMAP_THRESHOLD = 256 * 1024  # bytes: glibc's mmap threshold pinned at server start (fix_mmap_threshold)
 MALLINFO2_FIELDS = ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
                     "fordblks", "keepcost")
 logger = logging.getLogger("uvicorn.error")
@@ -45,14 +46,6 @@ logger = logging.getLogger("uvicorn.error")
 
 class _Mallinfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in MALLINFO2_FIELDS]
-
-
-def _libc():
-    name = ctypes.util.find_library("c")
-    try:
-        return ctypes.CDLL(name) if name else None
-    except OSError:
-        return None
 
 
 def heap_stats() -> dict[str, int]:
@@ -100,34 +93,30 @@ def release_scratch(min_idle_s: float = SCRATCH_IDLE_S, log: bool = False) -> in
 
 
 def fix_mmap_threshold(threshold: int | None = None) -> bool:
-    """Pin glibc's mmap threshold at `threshold` bytes (default: KVSERVE_MMAP_THRESHOLD, else 0: leave
-    glibc's dynamic threshold). False: not pinned (0, not glibc, or the operator set it already through
-    MALLOC_MMAP_THRESHOLD_ / GLIBC_TUNABLES). Called once at server start, before the model loads.
+    """Pin glibc's mmap threshold at `threshold` bytes (default: KVSERVE_MMAP_THRESHOLD, else
+    SERVER_MMAP_THRESHOLD; 0 leaves glibc's dynamic threshold). False: not pinned (0, not glibc, or the
+    operator set it already through MALLOC_MMAP_THRESHOLD_ / GLIBC_TUNABLES). Called once at server start,
+    before the model loads (kernels/malloc.py records it; the layer loop reads it).
 
-    Opt-in: glibc starts at 128 KiB but raises the threshold to the size of any mmap'd block that is
-    freed (up to 32 MiB), and the server frees such blocks every step (torch's activations and, before
-    csrc/scratch.h, the native kernels' scratch, whose sizes vary with the step's rows), so soon nearly all of
-    them come from the arenas, where blocks of varying sizes fragment them: under a load of mixed
-    prefills the arenas' free-but-kept memory grew 15 -> 66-250 MiB in minutes and the RSS less the KV
-    pool and the host tier crept up and sawed between trims. Pinned at 256 KiB the arenas stayed flat
-    (free 11-16 MiB) and so did that RSS; pinned at 4 MiB they did not. The price: every larger
-    temporary is a fresh mapping. The native kernels' scratch no longer pays it (csrc/scratch.h: a 500-row
-    prefill through the C layer loop took 159k page faults pinned before the arena, 1.7k after), but torch's
-    temporaries still do: the 16-row decode step's logits (~1% of its time), and steps beyond the loop's 512
-    exact rows, where the Python loop dequantizes every weight per call (~30% slower there). Without the
-    pin the arena alone does not keep that RSS flat (torch's freed blocks raise the threshold too), so the
-    choice stays the operator's (benchmarks/results/soak.md, "scratch arena"): not the default."""
+    Why the server pins it: glibc starts at 128 KiB but raises the threshold to the size of any mmap'd
+    block that is freed (up to 32 MiB), and the server frees such blocks every step (torch's activations,
+    whose sizes vary with the step's rows), so soon nearly all of them come from the arenas, where blocks
+    of varying sizes fragment them: under a load of mixed prefills the arenas' free-but-kept memory grew
+    15 -> 66-250 MiB in minutes and the RSS less the KV pool and the host tier crept up (1.5-8 MiB/min) and
+    sawed between trims. Pinned at 256 KiB the arenas stayed flat (free 11-16 MiB) and so did that RSS; at
+    4 MiB they did not. The price: every larger temporary is a fresh mapping. The native kernels' scratch
+    does not pay it (csrc/scratch.h: mapped once and kept), and pinned, the layer loop takes float32 steps of
+    every size (the Python loop's torch temporaries faulted ~790k pages per 2,048-row step); what is left
+    is torch's per-step tensors outside the loop (the logits: ~1% of a 16-row decode step) and the C loop
+    being a little slower than torch's GEMM beyond 512 rows (a 2,048-token prefill ~0.93x, idle, 2 threads).
+    `LLM()` (offline batches, short-lived) keeps glibc's default; KVSERVE_MMAP_THRESHOLD=0 turns the pin off
+    (benchmarks/results/soak.md, "scratch arena" and the idle soak after it)."""
     env = os.environ
     if threshold is None:
-        threshold = int(env.get("KVSERVE_MMAP_THRESHOLD", 0))
+        threshold = int(env.get("KVSERVE_MMAP_THRESHOLD", SERVER_MMAP_THRESHOLD))
     if threshold <= 0 or "MALLOC_MMAP_THRESHOLD_" in env or "mmap_threshold" in env.get("GLIBC_TUNABLES", ""):
         return False
-    libc = _libc()
-    mallopt = getattr(libc, "mallopt", None) if libc is not None else None
-    if mallopt is None:
-        return False
-    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
-    return bool(mallopt(M_MMAP_THRESHOLD, threshold))
+    return pin_mmap_threshold(threshold)
 
 
 class PythonHeapDiff:
