@@ -52,11 +52,12 @@ Re-run everything with `python benchmarks/run_all.py` (or `make bench`); plots a
 result tables by `benchmarks/plot_results.py`.
 
 **Beside llama.cpp, plainly** (section "Native CPU kernels" below; same Q4_1 GGUF, Intel Xeon with
-AVX-512 VNNI, 2 threads, idle machine, 2026-12-01 05:01 UTC, every runner in one run): single-request
-decode 154 tok/s against 91 for llama-batched-bench (1.69x) and 78 for llama-cpp-python; batch 8 / 32 142 /
-203 tok/s against 48 / 53 (prefill included); prefill 4x faster (873 vs 216 tok/s at 512 tokens); sixteen
-requests sharing a 1,900-token prefix 20x sooner than llama-server with 16 slots (7.7 vs 154 s). **Where
-llama.cpp is ahead**: it is ready 1.7 s sooner (`LLM()` 1.99 s vs 0.32 s for llama-cpp-python).
+AVX-512 VNNI, 2 threads, idle machine, 2026-12-01 07:25 UTC, every runner in one run): single-request
+decode 131 tok/s exact, 179 with int8 activations, against 84 for llama-batched-bench (1.55x / 2.13x) and 83
+for llama-cpp-python; batch 8 / 32 132 / 194 tok/s exact, 296 / 382 int8, against 60 / 64 (prefill
+included); prefill 3x faster (882 vs 288 tok/s at 512 tokens; int8 1,859); sixteen requests sharing a
+1,900-token prefix 23x sooner than llama-server with 16 slots (6.9 vs 157 s; int8 4.4 s). **Where
+llama.cpp is ahead**: it is ready 1.9 s sooner (`LLM()` 2.26 s vs 0.33 s for llama-cpp-python).
 Sections measured on another machine (the AMD EPYC rows) or under load (most of the second round's,
 marked in each) are not comparable across sections.
 
