@@ -283,7 +283,7 @@ def test_chat_turns_stay_on_their_worker_and_users_spread(name, seed):
 
 
 def gated_chat(cluster: Cluster, seed: int, users: int = 16, turns: int = 6, system: int = 256,
-               concurrency: int = 4, think: float = 150.0) -> None:
+               concurrency: int = 4, think: float = 150.0, question: int = 16, reply: int = 32) -> None:
     """The benchmark's chat: at most `concurrency` requests in flight (the rest queue at the client), so
     the workers are busy and a load gap of a request or two is the normal state, not an imbalance."""
     rng = random.Random(seed)
@@ -311,11 +311,11 @@ def gated_chat(cluster: Cluster, seed: int, users: int = 16, turns: int = 6, sys
         history, turn = list(shared), 0
 
         def next_turn() -> None:
-            prompt = history + ids(rng, 16)
+            prompt = history + ids(rng, question)
 
             def answered(_: Worker) -> None:
                 nonlocal history, turn
-                history, turn = prompt + ids(rng, 32), turn + 1
+                history, turn = prompt + ids(rng, reply), turn + 1
                 if turn < turns:
                     cluster.at(cluster.now + rng.expovariate(1 / think), next_turn)
 
@@ -387,46 +387,7 @@ def benchmark_chat(cluster: Cluster, seed: int, concurrency: int = 4) -> None:
     """`benchmarks/router.py`'s chat in work units (a token of prefill is one; ~2.8 ms on a 1-thread worker, so
     its 1 s think time is 360 and its 4 s ramp 1,440): 16 users, a 512-token system prompt, 48-token
     questions and 192-token replies, at most `concurrency` requests in flight."""
-    rng = random.Random(seed)
-    shared = ids(rng, 512)
-    queued: list[tuple[list[int], Callable[[Worker], None]]] = []
-    busy = 0
-
-    def submit(prompt: list[int], answered: Callable[[Worker], None]) -> None:
-        nonlocal busy
-        if busy >= concurrency:
-            queued.append((prompt, answered))
-            return
-        busy += 1
-
-        def finished(worker: Worker) -> None:
-            nonlocal busy
-            busy -= 1
-            if queued:
-                submit(*queued.pop(0))
-            answered(worker)
-
-        cluster.send(prompt, finished)
-
-    def user() -> Callable[[], None]:
-        history, turn = list(shared), 0
-
-        def next_turn() -> None:
-            prompt = history + ids(rng, 48)
-
-            def answered(_: Worker) -> None:
-                nonlocal history, turn
-                history, turn = prompt + ids(rng, 192), turn + 1
-                if turn < 6:
-                    cluster.at(cluster.now + rng.expovariate(1 / 360), next_turn)
-
-            submit(prompt, answered)
-
-        return next_turn
-
-    for _ in range(16):
-        cluster.at(rng.uniform(0, 1440), user())
-    cluster.run()
+    gated_chat(cluster, seed, system=512, concurrency=concurrency, think=360.0, question=48, reply=192)
 
 
 def p90(values: list[float]) -> float:
