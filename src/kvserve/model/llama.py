@@ -11,7 +11,8 @@ The hot ops go through a `Kernels` object (native C++ or the torch reference): q
 kernel, `PackedI8Weight`) run in the native matmul, RMSNorm is fused with the residual
 add, and decode attention reads the pool in place; RoPE + the KV write and SwiGLU are one fused call each.
 A step the native layer loop covers (`layer_loop.py`: quantized weights, float32, no LoRA, up to 512 rows
-of decodes and prefill chunks, 4,096 with int8 activations) runs every layer in one C call instead of this loop.
+of decodes and prefill chunks, 4,096 with int8 activations or in a server, which pins glibc's mmap
+threshold) runs every layer in one C call instead of this loop.
 """
 
 from __future__ import annotations
