@@ -95,13 +95,11 @@ class NativeLibrary:
     def release_scratch(self, min_idle_s: float = 0.0) -> int:
         """Unmap the kernels' scratch arenas (csrc/scratch.h) idle for at least `min_idle_s` seconds (0: all
         not in use right now); returns the bytes unmapped. The next call maps what it needs again."""
-        release = getattr(self.lib, "kv_scratch_release", None)
-        return int(release(int(min_idle_s * 1000))) if release is not None else 0
+        return _scratch_call(self.lib, "kv_scratch_release", int(min_idle_s * 1000)) or 0
 
     def scratch_mapped(self) -> int:
         """Bytes the scratch arenas hold mapped now (grown to each thread's largest step, kept between calls)."""
-        mapped = getattr(self.lib, "kv_scratch_mapped", None)
-        return int(mapped()) if mapped is not None else 0
+        return _scratch_call(self.lib, "kv_scratch_mapped") or 0
 
     def qmatmul(self, x: torch.Tensor, data: torch.Tensor, qtype: int, in_features: int) -> torch.Tensor:
         """``x [rows, in] @ W.T`` -> float32 ``[rows, out]``; W is ``data`` (uint8 blocks, one row per output)."""
@@ -347,16 +345,25 @@ def loaded_libraries() -> list[ctypes.CDLL]:
     return libraries
 
 
+def _scratch_call(lib: ctypes.CDLL, name: str, *args: int) -> int | None:
+    """A scratch entry point's answer, or None for a library built before the arena (no such entry)."""
+    function = getattr(lib, name, None)
+    return int(function(*args)) if function is not None else None
+
+
+def _over_loaded(name: str, *args: int) -> int | None:
+    answers = [answer for lib in loaded_libraries() if (answer := _scratch_call(lib, name, *args)) is not None]
+    return sum(answers) if answers else None
+
+
 def release_idle_scratch(min_idle_s: float) -> int | None:
     """`NativeLibrary.release_scratch` on every loaded kernel library: the bytes unmapped (None: none loaded)."""
-    found = [lib.kv_scratch_release for lib in loaded_libraries() if hasattr(lib, "kv_scratch_release")]
-    return sum(int(release(int(min_idle_s * 1000))) for release in found) if found else None
+    return _over_loaded("kv_scratch_release", int(min_idle_s * 1000))
 
 
 def scratch_mapped() -> int | None:
     """`NativeLibrary.scratch_mapped` summed over the loaded kernel libraries (None: none loaded)."""
-    found = [lib.kv_scratch_mapped for lib in loaded_libraries() if hasattr(lib, "kv_scratch_mapped")]
-    return sum(int(mapped()) for mapped in found) if found else None
+    return _over_loaded("kv_scratch_mapped")
 
 
 def _check_range(values: torch.Tensor, count: int, limit: int, name: str) -> None:

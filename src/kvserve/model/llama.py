@@ -150,10 +150,9 @@ class LlamaModel:
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits ``[rows, vocab]`` on the CPU, where the sampler's per-request generators live."""
-        if self.lm_head_i8 is not None:
-            return self.kernels.linear(hidden.float(), self.lm_head_i8).cpu()
-        if isinstance(self.lm_head, QuantWeight):
-            return self.kernels.linear(hidden.float(), self.lm_head).cpu()
+        if isinstance(self.lm_head, QuantWeight):  # packed beside it for the int8 path where that applies
+            head = self.lm_head if self.lm_head_i8 is None else self.lm_head_i8
+            return self.kernels.linear(hidden.float(), head).cpu()
         if self.lm_head_t is not None and hidden.shape[0] <= SMALL_BATCH_ROWS:
             return (hidden @ self.lm_head_t).cpu()
         return F.linear(hidden, self.lm_head).float().cpu()

@@ -19,8 +19,8 @@ constexpr int QT_I8_PACKED = 0x100;
 constexpr int64_t PACKED_COLS = 16;
 
 static inline bool i8_packable(int qt) { return qt == QT_Q4_0 || qt == QT_Q4_1 || qt == QT_Q8_0; }
-static inline int64_t packed_quant_bytes(int qt) { return qt == QT_Q8_0 ? 512 : 256; }
-static inline int64_t packed_block_bytes(int qt) { return qt == QT_Q4_0 ? 288 : qt == QT_Q4_1 ? 320 : 576; }
+static constexpr int64_t packed_quant_bytes(int qt) { return qt == QT_Q8_0 ? 512 : 256; }
+static constexpr int64_t packed_block_bytes(int qt) { return qt == QT_Q4_0 ? 288 : qt == QT_Q4_1 ? 320 : 576; }
 static inline int64_t packed_groups(int64_t n) { return (n + PACKED_COLS - 1) / PACKED_COLS; }
 
 // out: packed_groups(n) * (k / 32) * packed_block_bytes(qt) bytes from the GGUF rows w [n, row_bytes].
@@ -60,8 +60,7 @@ static int pack_i8(int qt, const uint8_t* w, int64_t n, int64_t row_bytes, int64
 template <int R, int NG, int QT>
 static inline void packed_tile(const Q8Rows& x, int64_t k, int64_t nb, const uint8_t* pw, int64_t gstride, float* y,
                                int64_t ystride, int64_t last, const uint8_t* pf) {
-    constexpr int64_t PB = QT == QT_Q4_0 ? 288 : QT == QT_Q4_1 ? 320 : 576;
-    constexpr int64_t QB = QT == QT_Q8_0 ? 512 : 256;
+    constexpr int64_t PB = packed_block_bytes(QT), QB = packed_quant_bytes(QT);
     __m512 acc[R][NG];
     for (int r = 0; r < R; ++r)
         for (int g = 0; g < NG; ++g) acc[r][g] = _mm512_setzero_ps();
