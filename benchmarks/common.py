@@ -25,6 +25,29 @@ def load_workloads() -> dict:
     return json.loads(WORKLOADS.read_text())
 
 
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            return set(next((line for line in info if line.startswith("flags")), "").split())
+    except OSError:
+        return set()
+
+
+def native_bf16() -> bool:
+    """Whether this CPU computes bf16 natively (so transformers bf16 is its faster dtype, not an emulation)."""
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
+
+
+def isa_summary() -> str:
+    """The vector features kernels dispatch on, as benchmarks record them beside the CPU model."""
+    flags = cpu_flags()
+    names = {"avx2": "AVX2", "avx512f": "AVX-512", "avx512_vnni": "VNNI", "avx512_bf16": "BF16",
+             "amx_bf16": "AMX"}
+    present = [label for flag, label in names.items() if flag in flags]
+    return "+".join(present) if present else "no AVX2"
+
+
 def machine() -> str:
     model = platform.processor() or "unknown CPU"
     try:
@@ -33,7 +56,8 @@ def machine() -> str:
                 model = line.split(":", 1)[1].strip()
     except (OSError, subprocess.CalledProcessError):
         pass
-    return f"{model}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
+    cpu = f"{model} ({isa_summary()}), {os.cpu_count()} cores"
+    return f"{cpu}, torch {torch.__version__}, {torch.get_num_threads()} threads"
 
 
 def today() -> str:

@@ -36,7 +36,16 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, Timer, hf_generate, load_hf_model, load_workloads, markdown_table, write_result  # noqa: E402
+from common import (  # noqa: E402
+    ROOT,
+    Timer,
+    hf_generate,
+    load_hf_model,
+    load_workloads,
+    markdown_table,
+    native_bf16,
+    write_result,
+)
 from kvserve import LLM, SamplingParams  # noqa: E402
 from kvserve.model.registry import resolve_model  # noqa: E402
 
@@ -86,14 +95,16 @@ class KvserveRunner:
 
 
 class HFRunner:
-    """transformers on the same GGUF. bf16: only decode and prefill (`skip`): on a CPU without avx512_bf16 /
-    AMX its matmuls run emulated, tens of times slower than fp32, so batches and the shared-prefix run would
-    take many minutes; it is measured so that "x transformers bf16" is stated with fp32 beside it."""
+    """transformers on the same GGUF. bf16 on a CPU without avx512_bf16 / AMX: only decode and prefill
+    (`skip`): its matmuls run emulated, tens of times slower than fp32, so batches and the shared-prefix run
+    would take many minutes; it is measured so that "x transformers bf16" is stated with fp32 beside it. On
+    a CPU with native bf16 it is the faster dtype and runs every figure."""
 
     def __init__(self, dtype: torch.dtype = torch.float32) -> None:
         self.dtype = dtype
         self.name = "transformers fp32" if dtype == torch.float32 else "transformers bf16"
-        self.skip = () if dtype == torch.float32 else ("batch8", "batch32", "shared")
+        emulated = dtype == torch.bfloat16 and not native_bf16()
+        self.skip = ("batch8", "batch32", "shared") if emulated else ()
         self.model = load_hf_model(dtype)
 
     def decode(self, prompt: list[int], new: int) -> float:
@@ -444,6 +455,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="with --prefill-only: rounds")
     parser.add_argument("--decode-only", type=int, metavar="ROUNDS", help="single-request decode only")
     parser.add_argument("--before", metavar="REV", help="with --decode-only: also the kernels of git REV")
+    parser.add_argument("--out", default="kernels", metavar="NAME",
+                        help="results file benchmarks/results/NAME.md (e.g. kernels_avx2 for another CPU's run)")
     parser.add_argument("--before-src", metavar="SRC",
                         help="with --prefill-only: also kvserve from another checkout's src directory (source_ab.py)")
     args = parser.parse_args()
@@ -490,7 +503,7 @@ def main() -> None:
         "after: native kernels, Q4_1": step_breakdown(VARIANTS["kvserve native Q4_1"], workloads),
         "after: native Q4_1, int8 activations": step_breakdown(VARIANTS["kvserve native Q4_1 int8"], workloads),
     }
-    plot(breakdowns, ROOT / "docs" / "kernels_step.png")
+    plot(breakdowns, ROOT / "docs" / f"{args.out}_step.png")
     seed = seed_example(VARIANTS["kvserve native Q4_1"], workloads, 1 if args.quick else 3)
     parts = list(next(iter(breakdowns.values())))
     step_rows = [[name] + [b[p] for p in parts] + [sum(b.values())] for name, b in breakdowns.items()]
@@ -499,7 +512,7 @@ def main() -> None:
         + "\n\nRatios (higher = kvserve native Q4_1 faster; shared prefix as time ratio):\n\n"
         + markdown_table(["", "decode", "batch 8", "batch 32", "prefill 512", "prefill 2048", "shared prefix"],
                          ratio_rows)
-        + "\n\nPer-step breakdown, ms per batch-8 decode step (![plot](docs/kernels_step.png)):\n\n"
+        + f"\n\nPer-step breakdown, ms per batch-8 decode step (![plot](docs/{args.out}_step.png)):\n\n"
         + markdown_table(["", *parts, "total"], step_rows)
         + "\n\nThe seed's example, kvserve native Q4_1, one-token request wall seconds (target: cached ≤ 1.2 × "
         "fresh):\n\n"
@@ -509,7 +522,7 @@ def main() -> None:
     notes.append(f"Decode figures: {new} new tokens; threads: {torch.get_num_threads()}. transformers batches with "
                  "padding; llama.cpp's Python API runs batch requests one at a time. Shared prefix: kvserve gets all "
                  f"16 requests at once; the peers run {PEER_SHARED_REQUESTS} of them one at a time, scaled to 16.")
-    write_result("kernels", "Native CPU kernels vs transformers and llama.cpp", table, "\n".join(notes))
+    write_result(args.out, "Native CPU kernels vs transformers and llama.cpp", table, "\n".join(notes))
     print(table)
 
 

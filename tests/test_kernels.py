@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from kvserve.kernels import reference
 from kvserve.kernels.ops import Kernels
-from kvserve.kernels.quant import QTYPES, QuantWeight
+from kvserve.kernels.quant import QTYPES, QuantWeight, bf16_weight
 
 SETTINGS = settings(max_examples=25, deadline=None)
 
@@ -24,8 +24,11 @@ SETTINGS = settings(max_examples=25, deadline=None)
 
 
 def random_quant(out_features: int, in_features: int, qtype: int, seed: int) -> QuantWeight:
-    """A random matrix in GGUF block format with well-behaved fp16 scales."""
+    """A random matrix in GGUF block format with well-behaved fp16 scales (BF16: values in [-1, 1])."""
     rng = np.random.default_rng(seed)
+    if QTYPES[qtype][0] == "BF16":  # raw bf16 rows (dense weights stored for fp32 arithmetic)
+        values = torch.from_numpy(rng.uniform(-1.0, 1.0, (out_features, in_features)).astype(np.float32))
+        return bf16_weight(values)
     num_blocks = in_features // 32
     scale = rng.uniform(-0.05, 0.05, (out_features, num_blocks, 1)).astype(np.float16).view(np.uint8)
     if QTYPES[qtype][0] == "Q8_0":

@@ -18,7 +18,7 @@ from kvserve.cli import build_parser, engine_config_from_args
 from kvserve.config import EngineConfig
 from kvserve.kernels import reference
 from kvserve.kernels.ops import Kernels
-from kvserve.kernels.quant import QTYPES
+from kvserve.kernels.quant import BLOCK_QTYPES
 from test_kernels import random_quant
 
 SETTINGS = settings(max_examples=25, deadline=None)
@@ -57,7 +57,7 @@ def test_quantization_is_bit_identical_to_the_twin(kernels, rows, width, seed):
 @SETTINGS
 @given(
     rows=st.integers(1, 40), out_features=st.integers(1, 70), blocks=st.integers(1, 6),
-    qtype=st.sampled_from(sorted(QTYPES)), seed=st.integers(0, 2**16),
+    qtype=st.sampled_from(sorted(BLOCK_QTYPES)), seed=st.integers(0, 2**16),
 )
 def test_native_int8_matmul_matches_twin(kernels, rows, out_features, blocks, qtype, seed):
     weight = random_quant(out_features, blocks * 32, qtype, seed)
@@ -70,7 +70,7 @@ def test_native_int8_matmul_matches_twin(kernels, rows, out_features, blocks, qt
     torch.testing.assert_close(kernels.linear(x, weight), native, rtol=0, atol=0)  # every batch size: qmatmul_i8
 
 
-@pytest.mark.parametrize("qtype", sorted(QTYPES))
+@pytest.mark.parametrize("qtype", sorted(BLOCK_QTYPES))
 def test_int8_matmul_row_passes_are_bit_identical(kernels, qtype):
     """Enough rows for several row passes (csrc/qmatmul_i8.h's i8_pass_rows: ~2,100 rows of k = 192 on the
     AVX-512 kernel, ~840 on the AVX2 one), a count that is no multiple of a pass or a row tile: each row's
@@ -90,7 +90,7 @@ def test_int8_matmul_row_passes_are_bit_identical(kernels, qtype):
 @SETTINGS
 @given(
     rows=st.integers(1, 8), out_features=st.integers(1, 40), blocks=st.integers(1, 6),
-    qtype=st.sampled_from(sorted(QTYPES)), seed=st.integers(0, 2**16),
+    qtype=st.sampled_from(sorted(BLOCK_QTYPES)), seed=st.integers(0, 2**16),
 )
 def test_twin_is_within_the_quantization_bound(rows, out_features, blocks, qtype, seed):
     """|x_i - dx*qx_i| <= dx/2, so |y_int8 - y_fp32| <= sum over blocks of dx/2 * sum |w| (plus float slack)."""

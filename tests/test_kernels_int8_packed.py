@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from conftest import ISAS
 from kvserve.kernels.i8pack import PackedI8Weight, pack_reference
 from kvserve.kernels.ops import Kernels
-from kvserve.kernels.quant import QTYPES
+from kvserve.kernels.quant import BLOCK_QTYPES
 from test_kernels import random_quant
 from test_kernels_int8 import activations
 
@@ -29,7 +29,7 @@ def int8() -> Kernels:
 
 
 @SETTINGS
-@given(out_features=st.integers(1, 70), blocks=st.integers(1, 6), qtype=st.sampled_from(sorted(QTYPES)),
+@given(out_features=st.integers(1, 70), blocks=st.integers(1, 6), qtype=st.sampled_from(sorted(BLOCK_QTYPES)),
        seed=st.integers(0, 2**16))
 def test_native_packing_equals_the_torch_twin(int8, out_features, blocks, qtype, seed):
     weight = random_quant(out_features, blocks * 32, qtype, seed)
@@ -42,7 +42,7 @@ def test_native_packing_equals_the_torch_twin(int8, out_features, blocks, qtype,
 
 @SETTINGS
 @given(rows=st.sampled_from([1, 2, 3, 4, 5, 6, 7, 8, 9, 33]), out_features=st.integers(1, 70),
-       blocks=st.integers(1, 6), qtype=st.sampled_from(sorted(QTYPES)), seed=st.integers(0, 2**16))
+       blocks=st.integers(1, 6), qtype=st.sampled_from(sorted(BLOCK_QTYPES)), seed=st.integers(0, 2**16))
 def test_packed_matmul_is_bit_identical_to_the_gguf_kernel(int8, rows, out_features, blocks, qtype, seed):
     weight = random_quant(out_features, blocks * 32, qtype, seed)
     x = activations(rows, blocks * 32, seed)
@@ -53,7 +53,7 @@ def test_packed_matmul_is_bit_identical_to_the_gguf_kernel(int8, rows, out_featu
     assert torch.equal(int8.linear(x, packed), int8.linear(x, weight))
 
 
-@pytest.mark.parametrize("qtype", sorted(QTYPES))
+@pytest.mark.parametrize("qtype", sorted(BLOCK_QTYPES))
 def test_packed_row_passes_are_bit_identical(int8, qtype):
     """Several row passes (~2,100 rows of k = 192 each) and a column count no multiple of 16 or 32."""
     weight = random_quant(53, 6 * 32, qtype, 11)

@@ -26,7 +26,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     defaults = EngineConfig()
     group = parser.add_argument_group("engine")
     group.add_argument("--model", default=defaults.model, help="registry name, .gguf file or HF directory")
-    group.add_argument("--dtype", default=defaults.dtype, choices=DTYPES, help="weights and KV cache dtype")
+    group.add_argument("--dtype", default=defaults.dtype, choices=DTYPES,
+                       help="weights and KV cache dtype; bfloat16 on a CPU without native bf16: bf16 weights, "
+                       "float32 arithmetic and KV cache")
     group.add_argument("--device", default=defaults.device, help="cpu or cuda")
     group.add_argument("--block-size", type=int, default=defaults.block_size, help="tokens per KV block")
     group.add_argument("--kv-cache-memory", default=None,

@@ -36,6 +36,7 @@ from kvserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutpu
 from kvserve.engine.setup import (
     check_activation_quant,
     eos_token_ids,
+    model_weights,
     pool_shape,
     resolve_long_prefill_threshold,
     resolve_max_model_len,
@@ -72,7 +73,7 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         check_activation_quant(config, loaded.weights)
         kernels = Kernels.create(config.kernels, activation_quant=config.activation_quant)
-        dtype = getattr(torch, kernels.resolve_dtype(config.dtype, config.weights))
+        dtype, loaded.weights, bf16_weights = model_weights(kernels, config, loaded.weights)
         self.model = LlamaModel(loaded.config, loaded.weights, dtype, config.device, kernels)
         tensor_shapes = {name: tuple(tensor.shape) for name, tensor in loaded.weights.items()}
         weights_path = loaded.path
@@ -96,7 +97,7 @@ class LLMEngine:
                                  self.model.device) if config.enable_lora else None
         self.runner = ModelRunner(self.model, self.kv_pool, self.lora, cascade=not config.disable_cascade_attn)
         self.tiers = make_engine_tiers(config, self.model_config, tensor_shapes, weights_path, self.block_manager,
-                                       self.kv_pool.tensor)
+                                       self.kv_pool.tensor, bf16_weights)
         self.scheduler.tiers = self.tiers
         self.scheduler.prefix_hold = make_prefix_hold(not config.disable_prefix_hold, config.prefix_cache,
                                                       config.block_size)

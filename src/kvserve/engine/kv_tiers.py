@@ -201,18 +201,20 @@ class EngineTiers:
         self.policy.close()
 
 
-def arithmetic_config(config: EngineConfig, model_config: ModelConfig) -> dict:
+def arithmetic_config(config: EngineConfig, model_config: ModelConfig, bf16_weights: bool = False) -> dict:
     """The model's config plus the flags that change the KV's floats (weights format, activation
-    quantization, kernels): replicas that differ in them must not exchange blocks through a shared tier,
-    or loading from the tier would change outputs (native and dense agree only up to summation order)."""
-    return asdict(model_config) | {
+    quantization, kernels, weights rounded to bf16 for storage): replicas that differ in them must not
+    exchange blocks through a shared tier, or loading from the tier would change outputs (native and dense
+    agree only up to summation order)."""
+    fields = asdict(model_config) | {
         "weights": config.weights, "activation_quant": config.activation_quant, "kernels": config.kernels,
     }
+    return fields | {"weight_storage": "bf16"} if bf16_weights else fields
 
 
 def make_engine_tiers(
     config: EngineConfig, model_config: ModelConfig, tensor_shapes: dict[str, tuple[int, ...]],
-    weights_path: Path, block_manager: BlockManager, pool_tensor: torch.Tensor,
+    weights_path: Path, block_manager: BlockManager, pool_tensor: torch.Tensor, bf16_weights: bool = False,
 ) -> EngineTiers | None:
     """The tiers `config` asks for, or None (none asked, or the prefix cache is off: nothing to extend)."""
     settings = TierSettings(
@@ -222,7 +224,7 @@ def make_engine_tiers(
     if not settings.any or config.prefix_cache == "off":
         return None
     fingerprint = engine_fingerprint(
-        model_config=arithmetic_config(config, model_config), tensor_shapes=tensor_shapes,
+        model_config=arithmetic_config(config, model_config, bf16_weights), tensor_shapes=tensor_shapes,
         kv_dtype=pool_tensor.dtype, block_size=config.block_size,
         weights_path=weights_path if settings.persistent else None,
     )

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from kvserve.config import EngineConfig, default_kv_cache_memory
 from kvserve.engine.limits import default_long_prefill_threshold
-from kvserve.kernels.quant import QuantWeight
+from kvserve.kernels.ops import Kernels
+from kvserve.kernels.quant import BLOCK, BLOCK_QTYPES, QuantWeight, bf16_weight
 from kvserve.kv.pool import KVPoolShape, num_blocks_for_memory
 from kvserve.model.config import ModelConfig
 from kvserve.model.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
@@ -28,9 +33,39 @@ def check_activation_quant(config: EngineConfig, weights: dict[str, object]) -> 
         return
     if torch.device(config.device).type != "cpu":
         raise ValueError(f"activation_quant={config.activation_quant!r} runs on the CPU only, not {config.device!r}")
-    if not any(isinstance(weight, QuantWeight) for weight in weights.values()):
+    if not any(isinstance(weight, QuantWeight) and weight.qtype in BLOCK_QTYPES for weight in weights.values()):
         raise ValueError(f"activation_quant={config.activation_quant!r} needs quantized weights (a Q4_0/Q4_1/Q8_0 "
                          f"GGUF with weights='native'); {config.model!r} loaded none")
+
+
+def bf16_storage(weights: dict[str, object]) -> dict[str, object]:
+    """`Kernels.stores_bf16`'s weights: every dense matrix (projections, embedding, head) as BF16 rows read by
+    the native float kernels; vectors (norms) stay as they are, in the fp32 the model computes in."""
+    def convert(weight: object) -> object:
+        if isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.is_floating_point() \
+                and weight.shape[1] % BLOCK == 0:
+            return bf16_weight(weight)
+        return weight
+
+    return {name: convert(weight) for name, weight in weights.items()}
+
+
+def model_weights(kernels: Kernels, config: EngineConfig, weights: dict[str, object]
+                  ) -> tuple[torch.dtype, dict[str, object], bool]:
+    """The dtype the model computes in, its weights as it will hold them, and whether they were rounded to
+    bf16 for storage (`Kernels.stores_bf16`: bf16 asked for on a CPU without native bf16 arithmetic).
+
+    Without the native kernels (`--kernels torch`, or no compiler), GGUF blocks are dequantized once here:
+    the torch kernels would dequantize every matrix at every call (decode 29x slower than fp32: BENCHMARKS.md,
+    "Every configuration"). int8 activations keep them: their torch twin is the test oracle."""
+    name = kernels.resolve_dtype(config.dtype, config.weights)
+    if kernels.native is None and config.activation_quant == "none":
+        weights = {key: kernels.dequantize(w) if isinstance(w, QuantWeight) else w for key, w in weights.items()}
+    if not kernels.stores_bf16(name, config.device):
+        return getattr(torch, name), weights, False
+    logger.info("bfloat16 on a CPU without native bf16: weights stored in bf16; arithmetic, activations and the "
+                "KV cache in float32")
+    return torch.float32, bf16_storage(weights), True
 
 
 def resolve_long_prefill_threshold(config: EngineConfig, max_model_len: int) -> int:

@@ -25,7 +25,7 @@ from kvserve.kernels import reference
 from kvserve.kernels.cascade_plan import CascadeTensors, check_cascade_plan
 from kvserve.kernels.i8pack import PACKED_BLOCK_BYTES, PackedI8Weight
 from kvserve.kernels.native import NativeLibrary
-from kvserve.kernels.quant import QuantWeight
+from kvserve.kernels.quant import BLOCK_QTYPES, QuantWeight
 
 KERNEL_BACKENDS = ("native", "torch")
 ACTIVATION_QUANTS = ("none", "int8")  # int8: quantized weights see int8 activation blocks (llama.cpp's Q8_1)
@@ -91,13 +91,22 @@ class Kernels:
 
     def resolve_dtype(self, dtype: str, weights: str) -> str:
         """``auto``: bfloat16 only for dense weights on a CPU with native bf16, else float32 (quantized
-        weights run with float32 activations). An explicit bf16 on a CPU without it works, slowly: warn."""
+        weights run with float32 activations). An explicit bf16 on a CPU without it is `stores_bf16`'s
+        case with the native kernels; with the torch kernels it runs emulated, slowly: warn."""
         if dtype == "auto":
             return "bfloat16" if weights == "dense" and self.native_bf16() else "float32"
-        if dtype == "bfloat16" and not self.native_bf16():
-            logger.warning("bfloat16 requested but this CPU has no native bf16 (avx512_bf16/amx): expect it to "
-                           "run several times slower than float32; --dtype auto picks the fast one")
+        if dtype == "bfloat16" and not self.native_bf16() and self.native is None:
+            logger.warning("bfloat16 requested but this CPU has no native bf16 (avx512_bf16/amx) and the native "
+                           "kernels are off: expect it to run many times slower than float32")
         return dtype
+
+    def stores_bf16(self, dtype: str, device: str) -> bool:
+        """Whether bfloat16 is a storage format only: on a CPU without native bf16 arithmetic the native
+        kernels keep dense weights as bf16 rows (quant.BF16) and widen them to fp32 in registers, with
+        activations and the KV cache in fp32. Emulated bf16 arithmetic (torch's) ran 4-60x slower than fp32
+        on an AVX2 EPYC (decode 3.7 against 16.9 tok/s, prefill 5.5 against 327: BENCHMARKS.md)."""
+        return (dtype == "bfloat16" and self.native is not None and not self.native_bf16()
+                and torch.device(device).type == "cpu")
 
     # --- matmuls -----------------------------------------------------------------------------------
 
@@ -121,7 +130,7 @@ class Kernels:
             return self.native.qmatmul_i8_packed(x.float().contiguous(), weight).to(x.dtype)
         if not isinstance(weight, QuantWeight):
             return x @ weight
-        if self.activation_quant == "int8":
+        if self.activation_quant == "int8" and weight.qtype in BLOCK_QTYPES:
             if self.native is None:
                 return reference.qlinear_i8(x, weight).to(x.dtype)
             x32 = x.float().contiguous()

@@ -4,6 +4,10 @@ A `QuantWeight` is a ``[out_features, in_features]`` matrix whose rows are runs 
 (ggml's layout): Q8_0 = fp16 scale d + 32 int8 (w = d*q); Q4_1 = fp16 d, fp16 m + 16 bytes of nibbles
 (w = d*q + m; the low nibble of byte j is weight j, the high nibble weight j+16); Q4_0 = fp16 d + nibbles
 (w = d*(q - 8)). Rows can be permuted and concatenated as bytes, which is all loading needs.
+
+BF16 (ggml id 30) rides the same container without being a quantization: dense bfloat16 weights as rows of
+raw bf16 values (64 bytes per 32), which the native float kernels widen to fp32 in registers. That is how a
+CPU without native bf16 arithmetic runs ``--dtype bfloat16``: bf16 in memory, fp32 in the arithmetic.
 """
 
 from __future__ import annotations
@@ -14,7 +18,9 @@ import torch
 
 BLOCK = 32
 # ggml type id -> (name, bytes per 32-weight block)
-QTYPES: dict[int, tuple[str, int]] = {2: ("Q4_0", 18), 3: ("Q4_1", 20), 8: ("Q8_0", 34)}
+QTYPES: dict[int, tuple[str, int]] = {2: ("Q4_0", 18), 3: ("Q4_1", 20), 8: ("Q8_0", 34), 30: ("BF16", 64)}
+BF16 = 30
+BLOCK_QTYPES = frozenset({2, 3, 8})  # the block quantizations: kept as stored from a GGUF, read by the int8 kernels
 
 
 @dataclass(slots=True)
@@ -60,3 +66,13 @@ def concat_rows(weights: list[QuantWeight]) -> QuantWeight | None:
     if any(w.qtype != first.qtype or w.in_features != first.in_features for w in weights):
         return None
     return QuantWeight(torch.cat([w.data for w in weights], dim=0).contiguous(), first.qtype, first.in_features)
+
+
+def bf16_weight(dense: torch.Tensor) -> QuantWeight:
+    """A dense ``[out, in]`` matrix rounded to bfloat16 (as ``tensor.to(torch.bfloat16)`` rounds) and kept
+    as BF16 rows: half the bytes of fp32, read by the native kernels at fp32 arithmetic."""
+    if dense.dim() != 2:
+        raise ValueError(f"a BF16 weight is a matrix, got shape {tuple(dense.shape)}")
+    rows, cols = dense.shape
+    raw = dense.detach().to(torch.bfloat16).contiguous().view(torch.uint8).reshape(rows, cols * 2)
+    return QuantWeight(raw, BF16, cols)

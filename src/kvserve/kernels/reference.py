@@ -14,6 +14,8 @@ from kvserve.kernels.quant import BLOCK, QuantWeight
 def dequantize(weight: QuantWeight, rows: torch.Tensor | None = None) -> torch.Tensor:
     """Float32 ``[rows, in_features]``, rounding exactly as gguf's numpy dequantizer (d*q, then + m)."""
     data = weight.data if rows is None else weight.data.index_select(0, rows.reshape(-1))
+    if weight.type_name == "BF16":  # raw bf16 values: exact in float32
+        return data.contiguous().view(torch.bfloat16).float().reshape(data.shape[0], weight.in_features)
     blocks = data.view(data.shape[0], weight.in_features // BLOCK, -1)
     scale = blocks[..., 0:2].contiguous().view(torch.float16).float()
     if weight.type_name == "Q8_0":

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from kvserve.kernels.quant import QTYPES, QuantWeight
+from kvserve.kernels.quant import BLOCK_QTYPES, QuantWeight
 from kvserve.model.config import ModelConfig, check_weights, expected_weight_shapes
 from kvserve.model.gguf_header import GGUFFile, read_gguf
 
@@ -198,7 +198,7 @@ def stored_tensor(tensor: gguf.ReaderTensor) -> QuantWeight | None:
     """A 2-D tensor in a format the native kernels run, as its blocks (a view of a copy-on-write mapping,
     else a copy); else None."""
     qtype = int(tensor.tensor_type)
-    if qtype not in QTYPES or len(tensor.shape) != 2:
+    if qtype not in BLOCK_QTYPES or len(tensor.shape) != 2:
         return None
     writable = tensor.data.flags.writeable
     data = torch.from_numpy(tensor.data if writable else np.array(tensor.data, dtype=np.uint8, copy=True))

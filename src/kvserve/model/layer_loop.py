@@ -33,7 +33,7 @@ from kvserve.kernels.cascade_plan import CASCADE_FIELDS, check_cascade_plan
 from kvserve.kernels.i8pack import PackedI8Weight
 from kvserve.kernels.malloc import mmap_threshold_pinned
 from kvserve.kernels.ops import NATIVE_QMATMUL_MAX_ROWS, Kernels
-from kvserve.kernels.quant import QuantWeight
+from kvserve.kernels.quant import BF16, QuantWeight
 from kvserve.kv.attention import AttentionMetadata, native_spans
 from kvserve.kv.pool import KVPool
 
@@ -110,6 +110,8 @@ class LayerLoop:
                        for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")]
         if not all(isinstance(weight, QuantWeight | PackedI8Weight) for weight in projections):
             return None
+        if kernels.activation_quant != "none" and any(getattr(w, "qtype", None) == BF16 for w in projections):
+            return None  # bf16 rows have no int8 kernel: the Python loop runs them in float32
         return cls(model, kernels)
 
     def applies(self, num_tokens: int, key_blocks: torch.Tensor, meta: AttentionMetadata | None = None) -> bool:

@@ -217,7 +217,8 @@ static bool decode_matrix_ok(const LayerMatrix& w, int64_t k, int act_quant) {
         return KV_AVX512 && act_quant && i8_packable(base) && k % QK == 0 &&
                w.row_bytes == k / QK * packed_block_bytes(base);
     }
-    return (w.qtype == QT_Q4_0 || w.qtype == QT_Q4_1 || w.qtype == QT_Q8_0) && k % QK == 0 &&
+    if (act_quant && w.qtype == QT_BF16) return false;  // bf16 weights have no int8 kernel
+    return float_path_type(static_cast<int>(w.qtype)) && k % QK == 0 &&
            w.row_bytes == k / QK * block_bytes(static_cast<int>(w.qtype)) && w.row_bytes <= (int64_t(1) << 26);
 }
 

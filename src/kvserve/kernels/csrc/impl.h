@@ -1,9 +1,14 @@
 // Kernel bodies, compiled once per ISA (see simd.h). Everything here is static: each namespace gets its own copy.
 
-enum : int { QT_Q4_0 = 2, QT_Q4_1 = 3, QT_Q8_0 = 8 };  // ggml type ids
+// ggml type ids. BF16 is not a quantization: dense bf16 weights, read as runs of 32 (64 bytes, no scale)
+// through the same kernels, so a CPU without native bf16 arithmetic stores bf16 and computes in fp32.
+enum : int { QT_Q4_0 = 2, QT_Q4_1 = 3, QT_Q8_0 = 8, QT_BF16 = 30 };
 constexpr int QK = 32;                                // weights per quantization block
 
-static inline int64_t block_bytes(int qt) { return qt == QT_Q4_0 ? 18 : qt == QT_Q4_1 ? 20 : 34; }
+static constexpr int64_t block_bytes(int qt) {
+    return qt == QT_Q4_0 ? 18 : qt == QT_Q4_1 ? 20 : qt == QT_BF16 ? 64 : 34;
+}
+static inline bool float_path_type(int qt) { return qt == QT_Q4_0 || qt == QT_Q4_1 || qt == QT_Q8_0 || qt == QT_BF16; }
 
 // Software prefetch of [p, p + bytes) into cache. The matmuls stream each weight byte once per call; the
 // hardware prefetchers alone leave the cores waiting on memory for as long as they compute (a decode step
@@ -45,7 +50,7 @@ static inline void q4_dequant(const uint8_t* qs, V dv, V mv, V* q) {
 template <int R, int NC, int QT>
 static inline void dot_tile(const float* x, int64_t xstride, int64_t nb, const uint8_t* w, int64_t row_bytes,
                             float* out, int64_t ostride, const uint8_t* pf = nullptr) {
-    constexpr int64_t BB = QT == QT_Q4_0 ? 18 : QT == QT_Q4_1 ? 20 : 34;
+    constexpr int64_t BB = block_bytes(QT);
     constexpr int NV = QK / W;
     V acc[R][NC][2];
     for (int r = 0; r < R; ++r)
@@ -54,8 +59,16 @@ static inline void dot_tile(const float* x, int64_t xstride, int64_t nb, const u
         if (pf) prefetch_span(pf + b * NC * BB, NC * BB);
         for (int c = 0; c < NC; ++c) {
             const uint8_t* blk = w + c * row_bytes + b * BB;
-            const V dv = vset1(half_at(blk));
             V q[NV];
+            if (QT == QT_BF16) {
+                bf16_block(blk, q);
+                for (int r = 0; r < R; ++r) {
+                    const float* xr = x + r * xstride + b * QK;
+                    for (int i = 0; i < NV; ++i) acc[r][c][i & 1] = vfma(vload(xr + i * W), q[i], acc[r][c][i & 1]);
+                }
+                continue;
+            }
+            const V dv = vset1(half_at(blk));
             if (QT == QT_Q8_0) {
                 q8_0_block(reinterpret_cast<const int8_t*>(blk + 2), q);
                 for (int r = 0; r < R; ++r) {
@@ -116,6 +129,7 @@ static inline void qmatmul_cols(int qt, const float* x, int64_t rows, int64_t k,
                                 int64_t row_bytes, float* y, int64_t ystride, int64_t c0, int64_t c1) {
     if (qt == QT_Q4_1) qmatmul_chunk<QT_Q4_1>(x, rows, k, w, n, row_bytes, y, ystride, c0, c1);
     else if (qt == QT_Q4_0) qmatmul_chunk<QT_Q4_0>(x, rows, k, w, n, row_bytes, y, ystride, c0, c1);
+    else if (qt == QT_BF16) qmatmul_chunk<QT_BF16>(x, rows, k, w, n, row_bytes, y, ystride, c0, c1);
     else qmatmul_chunk<QT_Q8_0>(x, rows, k, w, n, row_bytes, y, ystride, c0, c1);
 }
 
@@ -136,6 +150,7 @@ static int qmatmul(int qt, const float* x, int64_t rows, int64_t k, const uint8_
     if (qt == QT_Q4_1) qmatmul_t<QT_Q4_1>(x, rows, k, w, n, row_bytes, y, ystride);
     else if (qt == QT_Q4_0) qmatmul_t<QT_Q4_0>(x, rows, k, w, n, row_bytes, y, ystride);
     else if (qt == QT_Q8_0) qmatmul_t<QT_Q8_0>(x, rows, k, w, n, row_bytes, y, ystride);
+    else if (qt == QT_BF16) qmatmul_t<QT_BF16>(x, rows, k, w, n, row_bytes, y, ystride);
     else return -1;
     return 0;
 }
@@ -145,7 +160,7 @@ static int qmatmul(int qt, const float* x, int64_t rows, int64_t k, const uint8_
 static int dequantize(int qt, const uint8_t* w, int64_t row_bytes, int64_t k, const int64_t* ids, int64_t nrows,
                       float* out) {
     if (k % QK != 0) return -2;
-    if (qt != QT_Q4_0 && qt != QT_Q4_1 && qt != QT_Q8_0) return -1;
+    if (!float_path_type(qt)) return -1;
     const int64_t nb = k / QK, bb = block_bytes(qt);
 #pragma omp parallel for schedule(static) num_threads(kv_threads())
     for (int64_t r = 0; r < nrows; ++r) {
@@ -154,6 +169,11 @@ static int dequantize(int qt, const uint8_t* w, int64_t row_bytes, int64_t k, co
         for (int64_t b = 0; b < nb; ++b) {
             const uint8_t* blk = src + b * bb;
             V q[QK / W];
+            if (qt == QT_BF16) {
+                bf16_block(blk, q);
+                for (int i = 0; i < QK / W; ++i) vstore(dst + b * QK + i * W, q[i]);
+                continue;
+            }
             const float d = half_to_float(blk);
             if (qt == QT_Q8_0) {
                 q8_0_block(reinterpret_cast<const int8_t*>(blk + 2), q);

@@ -84,7 +84,7 @@ static inline int64_t gm_tiles(int64_t rows, GmTile* tiles) {
 template <int QT>
 static inline void gm_dequant_panel(const uint8_t* w, int64_t row_bytes, int64_t n0, int nr, int64_t k0,
                                     int64_t kc, float* panel) {
-    constexpr int64_t BB = QT == QT_Q4_0 ? 18 : QT == QT_Q4_1 ? 20 : 34;
+    constexpr int64_t BB = block_bytes(QT);
     for (int j = 0; j < GM_NR; ++j) {
         float* dst = panel + j * kc;
         if (j >= nr) {
@@ -92,6 +92,14 @@ static inline void gm_dequant_panel(const uint8_t* w, int64_t row_bytes, int64_t
             continue;
         }
         const uint8_t* row = w + (n0 + j) * row_bytes + (k0 / QK) * BB;
+        if (QT == QT_BF16) {
+            V q[QK / W];
+            for (int64_t b = 0; b < kc / QK; ++b) {
+                bf16_block(row + b * BB, q);
+                for (int i = 0; i < QK / W; ++i) vstore(dst + b * QK + i * W, q[i]);
+            }
+            continue;
+        }
 #if KV_AVX512
         {
             // The block scales of 16 blocks at a time: one gather of their first 4 bytes (d, and Q4_1's m), one
@@ -307,6 +315,7 @@ static int qgemm(int qt, const float* x, int64_t rows, int64_t k, const uint8_t*
     if (qt == QT_Q4_1) qgemm_t<QT_Q4_1>(x, rows, k, w, n, row_bytes, y, ystride);
     else if (qt == QT_Q4_0) qgemm_t<QT_Q4_0>(x, rows, k, w, n, row_bytes, y, ystride);
     else if (qt == QT_Q8_0) qgemm_t<QT_Q8_0>(x, rows, k, w, n, row_bytes, y, ystride);
+    else if (qt == QT_BF16) qgemm_t<QT_BF16>(x, rows, k, w, n, row_bytes, y, ystride);
     else return -1;
     return 0;
 }

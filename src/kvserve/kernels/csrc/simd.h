@@ -44,6 +44,14 @@ static inline void q8_0_block(const int8_t* qs, V* q) {
     q[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs))));
     q[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16))));
 }
+// 32 bf16 weights as floats: a bf16 is the top half of a float32, so widening to 32 bits and shifting left
+// by 16 is exact (no rounding, no native bf16 instructions needed).
+static inline void bf16_block(const uint8_t* p, V* q) {
+    for (int i = 0; i < 2; ++i) {
+        const __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * i)));
+        q[i] = _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
+    }
+}
 #else
 typedef __m256 V;
 constexpr int W = 8;
@@ -98,6 +106,12 @@ static inline void q4_1_block(const uint8_t* qs, V* q) {
 static inline void q8_0_block(const int8_t* qs, V* q) {
     for (int i = 0; i < 4; ++i)
         q[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 8 * i))));
+}
+static inline void bf16_block(const uint8_t* p, V* q) {
+    for (int i = 0; i < 4; ++i) {
+        const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * i)));
+        q[i] = _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
+    }
 }
 #endif
 
