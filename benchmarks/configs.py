@@ -2,8 +2,9 @@
 
 Runs each (weights, dtype, activations, kernels) combination a user can ask for on the default model --
 single-request decode, prefill of 512 tokens, batch 8 (64-token prompts, 32 new tokens each) -- interleaved
-round by round (median of --rounds), and divides each by the float32 run with the same weights: dense by
-dense fp32 (the transformers-exact reference), native by native fp32. Records the CPU model and its vector
+round by round (median of --rounds), and divides each by the float32 run with the same weights and kernels:
+dense by dense fp32 (the transformers-exact reference), native by native fp32; the torch kernels (no
+compiler) by dense fp32 on the torch kernels, which is what they run a GGUF's blocks as. Records the CPU model and its vector
 features, since that is what decides it: without native bf16 (no avx512_bf16 / AMX) `--dtype bfloat16`
 keeps weights in bf16 and computes in fp32 (kernels/ops.py `stores_bf16`); with it, bf16 runs natively.
 
@@ -29,7 +30,7 @@ CONFIGS = {  # name -> (LLM arguments, the fp32 configuration it is compared wit
     "native Q4_1 fp32": ({"weights": "native"}, "native Q4_1 fp32"),
     "native Q4_1 bf16": ({"weights": "native", "dtype": "bfloat16"}, "native Q4_1 fp32"),
     "native Q4_1 int8": ({"weights": "native", "activation_quant": "int8"}, "native Q4_1 fp32"),
-    "native Q4_1, torch kernels": ({"weights": "native", "kernels": "torch"}, "native Q4_1 fp32"),
+    "native Q4_1, torch kernels": ({"weights": "native", "kernels": "torch"}, "dense fp32, torch kernels"),
 }
 FIGURES = ("decode", "prefill512", "batch8")
 TARGET = 2.0  # no configuration more than this many times slower than its fp32

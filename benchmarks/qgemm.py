@@ -113,6 +113,7 @@ def main() -> None:
     parser.add_argument("--end-to-end", action="store_true", help="the engine, native vs dense weights")
     parser.add_argument("--new", type=int, default=32, help="--end-to-end: new tokens per request")
     parser.add_argument("--repeats", type=int, default=2, help="--end-to-end: runs per figure")
+    parser.add_argument("--out", default="qgemm", metavar="NAME", help="results file benchmarks/results/NAME.md")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.end_to_end:
@@ -133,7 +134,7 @@ def main() -> None:
     notes = (f"ms per layer of the default model's shapes, median of interleaved rounds; ISA {kernels.isa}, "
              f"{args.threads} thread(s). The dense column is not an option for a quantized file (it is the "
              "`--weights dense` cost: 4-byte weights, no dequantizing).")
-    path = write_result("qgemm", "Quantized matmul by row count (per-row kernel, wide GEMM, dequantize + GEMM)",
+    path = write_result(args.out, "Quantized matmul by row count (per-row kernel, wide GEMM, dequantize + GEMM)",
                         markdown_table(header, table), notes)
     print(path)
 

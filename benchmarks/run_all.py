@@ -17,7 +17,8 @@ ROOT = HERE.parent
 ORDER = [
     "throughput", "memory_efficiency", "prefix_cache", "prefix_lookup", "parallel_memory",
     "server_load", "serve_sweep", "side_channel", "dashboard", "soak", "router", "router_2w", "eviction", "structured",
-    "tiers", "kernels", "kernels_prefill", "membw", "kernels_decode", "decode_step", "decode_step_batch",
+    "tiers", "kernels", "kernels_avx2", "configs", "kernels_prefill", "membw", "kernels_decode", "decode_step",
+    "decode_step_batch",
     "decode_attention", "decode_step_mixed_2t",
     "decode_step_mixed_1t", "decode_step_mixed_1t_cached1024", "qgemm", "qgemm_end_to_end",
     "llama_cpp_peers", "int8", "int8_packed", "perplexity", "step_profile", "shared_prefix", "vmm", "disagg", "lora",
@@ -31,6 +32,7 @@ SCRIPTS = {
     "step_rows_native": ("step_rows", ["--weights", "native"]),
     "int8_packed": ("int8_packed", ["--before", "d7500bc"]),  # the int8 kernels before the packed layout
     "kernels_decode": ("kernels", ["--decode-only", "5"]),
+    "kernels_avx2": ("kernels", ["--quick", "--skip-hf-bf16", "--out", "kernels_avx2"]),  # on an AVX2-only CPU
     "decode_step_batch": ("decode_step", ["--rows", "8,32,64"]),
     "decode_attention": ("decode_attention", ["--write"]),
     "kernels_prefill": ("kernels", ["--prefill-only"]),
@@ -58,6 +60,17 @@ for llama-cpp-python; batch 8 / 32 132 / 194 tok/s exact, 296 / 382 int8, agains
 included); prefill 3x faster (882 vs 288 tok/s at 512 tokens; int8 1,859); sixteen requests sharing a
 1,900-token prefix 23x sooner than llama-server with 16 slots (6.9 vs 157 s; int8 4.4 s). **Where
 llama.cpp is ahead**: it is ready 1.9 s sooner (`LLM()` 2.26 s vs 0.33 s for llama-cpp-python).
+
+**On an AVX2-only CPU** (section "Native CPU kernels" for `kernels_avx2`: AMD EPYC, AVX2/FMA, no AVX-512,
+no native bf16, 2 threads, idle, 2026-12-01 20:35 UTC, every runner in one run): single-request decode
+72 tok/s exact against **80 for llama-batched-bench: llama.cpp is 10% faster here** (67 for
+llama-cpp-python; int8 activations 65, slower than exact on this CPU: the AVX2 int8 kernel's Q8_0 dot, the
+tied head, runs 1.5x slower than the fp32 one); batch 8 / 32 74 / 83 tok/s against 40 / 50 (1.9x / 1.6x);
+prefill 2.8x / 2.2x llama.cpp at 512 / 2,048 tokens, but at 2,048 **0.9x transformers fp32**; the
+shared-prefix workload 16.2 s against 209 s for llama-server (12.9x). `LLM()` ready 3.3 s (torch's import
+alone takes 2.25 s on this CPU) against 0.47 s. `--dtype bfloat16` there now stores weights in bf16 and
+computes in fp32 (section "Every configuration"): dense bf16 decode 47 tok/s, 3x dense fp32, where torch's
+emulated bf16 ran 3.7.
 Sections measured on another machine (the AMD EPYC rows) or under load (most of the second round's,
 marked in each) are not comparable across sections.
 
