@@ -4,9 +4,10 @@ Runs each (weights, dtype, activations, kernels) combination a user can ask for 
 single-request decode, prefill of 512 tokens, batch 8 (64-token prompts, 32 new tokens each) -- interleaved
 round by round (median of --rounds), and divides each by the float32 run with the same weights and kernels:
 dense by dense fp32 (the transformers-exact reference), native by native fp32; the torch kernels (no
-compiler) by dense fp32 on the torch kernels, which is what they run a GGUF's blocks as. Records the CPU model and its vector
-features, since that is what decides it: without native bf16 (no avx512_bf16 / AMX) `--dtype bfloat16`
-keeps weights in bf16 and computes in fp32 (kernels/ops.py `stores_bf16`); with it, bf16 runs natively.
+compiler) by dense fp32 on the torch kernels, which is what they run a GGUF's blocks as. Records the CPU
+model and its vector features, since that is what decides it: without native bf16 (no avx512_bf16 / AMX)
+`--dtype bfloat16` keeps weights in bf16 and computes in fp32 (kernels/ops.py `stores_bf16`); with it, bf16
+runs natively.
 
     python benchmarks/configs.py              # ~5 minutes on 2 cores
     python benchmarks/configs.py --rounds 1   # one round

@@ -20,7 +20,7 @@ ORDER = [
     "tiers", "kernels", "kernels_avx2", "configs", "kernels_prefill", "membw", "kernels_decode", "decode_step",
     "decode_step_batch",
     "decode_attention", "decode_step_mixed_2t",
-    "decode_step_mixed_1t", "decode_step_mixed_1t_cached1024", "qgemm", "qgemm_end_to_end",
+    "decode_step_mixed_1t", "decode_step_mixed_1t_cached1024", "qgemm", "qgemm_avx2", "qgemm_end_to_end",
     "llama_cpp_peers", "int8", "int8_packed", "perplexity", "step_profile", "shared_prefix", "vmm", "disagg", "lora",
     "fairness", "scheduler_overhead", "step_rows_native",
 ]
@@ -33,6 +33,7 @@ SCRIPTS = {
     "int8_packed": ("int8_packed", ["--before", "d7500bc"]),  # the int8 kernels before the packed layout
     "kernels_decode": ("kernels", ["--decode-only", "5"]),
     "kernels_avx2": ("kernels", ["--quick", "--skip-hf-bf16", "--out", "kernels_avx2"]),  # on an AVX2-only CPU
+    "qgemm_avx2": ("qgemm", ["--rows", "32,64,128,256,512,1024", "--rounds", "3", "--out", "qgemm_avx2"]),
     "decode_step_batch": ("decode_step", ["--rows", "8,32,64"]),
     "decode_attention": ("decode_attention", ["--write"]),
     "kernels_prefill": ("kernels", ["--prefill-only"]),
