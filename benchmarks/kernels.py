@@ -522,7 +522,8 @@ def main() -> None:
     notes.append(f"Decode figures: {new} new tokens; threads: {torch.get_num_threads()}. transformers batches with "
                  "padding; llama.cpp's Python API runs batch requests one at a time. Shared prefix: kvserve gets all "
                  f"16 requests at once; the peers run {PEER_SHARED_REQUESTS} of them one at a time, scaled to 16.")
-    write_result(args.out, "Native CPU kernels vs transformers and llama.cpp", table, "\n".join(notes))
+    title = "Native CPU kernels vs transformers and llama.cpp" + ("" if args.out == "kernels" else f" ({args.out})")
+    write_result(args.out, title, table, "\n".join(notes))
     print(table)
 
 

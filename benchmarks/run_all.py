@@ -62,7 +62,7 @@ included); prefill 3x faster (882 vs 288 tok/s at 512 tokens; int8 1,859); sixte
 1,900-token prefix 23x sooner than llama-server with 16 slots (6.9 vs 157 s; int8 4.4 s). **Where
 llama.cpp is ahead**: it is ready 1.9 s sooner (`LLM()` 2.26 s vs 0.33 s for llama-cpp-python).
 
-**On an AVX2-only CPU** (section "Native CPU kernels" for `kernels_avx2`: AMD EPYC, AVX2/FMA, no AVX-512,
+**On an AVX2-only CPU** (section "Native CPU kernels ... (kernels_avx2)": AMD EPYC, AVX2/FMA, no AVX-512,
 no native bf16, 2 threads, idle, 2026-12-01 20:35 UTC, every runner in one run): single-request decode
 72 tok/s exact against **80 for llama-batched-bench: llama.cpp is 10% faster here** (67 for
 llama-cpp-python; int8 activations 65, slower than exact on this CPU: the AVX2 int8 kernel's Q8_0 dot, the
