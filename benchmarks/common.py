@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from kvserve.kernels.native import cpu_flags
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 WORKLOADS = ROOT / "benchmarks" / "data" / "workloads.json"
@@ -23,15 +25,6 @@ def load_workloads() -> dict:
     if not WORKLOADS.exists():
         raise SystemExit(f"missing {WORKLOADS}: the workloads file ships with the repository for this benchmark")
     return json.loads(WORKLOADS.read_text())
-
-
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags from /proc/cpuinfo (empty where it cannot be read)."""
-    try:
-        with open("/proc/cpuinfo") as info:
-            return set(next((line for line in info if line.startswith("flags")), "").split())
-    except OSError:
-        return set()
 
 
 def native_bf16() -> bool:

@@ -47,6 +47,16 @@ _SIGNATURES = {
 _SCRATCH_SIGNATURES = {"kv_scratch_release": [_I], "kv_scratch_mapped": []}
 
 
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as /proc/cpuinfo lists them (empty where it cannot be read): for what the
+    library does not report (it is not built) and for benchmark headers."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            return set(next((line for line in info if line.startswith("flags")), "").split())
+    except OSError:
+        return set()
+
+
 def cpu_features(lib: ctypes.CDLL) -> set[str]:
     bits = lib.kv_cpu_features()
     return {name for name, bit in FEATURE_BITS.items() if bits & bit}

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from kvserve.kernels import reference
 from kvserve.kernels.cascade_plan import CascadeTensors, check_cascade_plan
 from kvserve.kernels.i8pack import PACKED_BLOCK_BYTES, PackedI8Weight
-from kvserve.kernels.native import NativeLibrary
+from kvserve.kernels.native import NativeLibrary, cpu_flags
 from kvserve.kernels.quant import BLOCK_QTYPES, QuantWeight
 
 KERNEL_BACKENDS = ("native", "torch")
@@ -80,14 +80,8 @@ class Kernels:
 
     def native_bf16(self) -> bool:
         """Whether this CPU computes bf16 natively (AVX512_BF16 or AMX); without it bf16 runs emulated."""
-        if self.native is not None:
-            return bool({"avx512_bf16", "amx_bf16"} & self.native.features)
-        try:
-            with open("/proc/cpuinfo") as info:
-                flags = next((line for line in info if line.startswith("flags")), "").split()
-        except OSError:
-            return False
-        return "avx512_bf16" in flags or "amx_bf16" in flags
+        features = self.native.features if self.native is not None else cpu_flags()
+        return bool({"avx512_bf16", "amx_bf16"} & features)
 
     def resolve_dtype(self, dtype: str, weights: str) -> str:
         """``auto``: bfloat16 only for dense weights on a CPU with native bf16, else float32 (quantized

@@ -60,16 +60,8 @@ static inline void dot_tile(const float* x, int64_t xstride, int64_t nb, const u
         for (int c = 0; c < NC; ++c) {
             const uint8_t* blk = w + c * row_bytes + b * BB;
             V q[NV];
-            if (QT == QT_BF16) {
-                bf16_block(blk, q);
-                for (int r = 0; r < R; ++r) {
-                    const float* xr = x + r * xstride + b * QK;
-                    for (int i = 0; i < NV; ++i) acc[r][c][i & 1] = vfma(vload(xr + i * W), q[i], acc[r][c][i & 1]);
-                }
-                continue;
-            }
-            const V dv = vset1(half_at(blk));
             if (QT == QT_Q8_0) {
+                const V dv = vset1(half_at(blk));
                 q8_0_block(reinterpret_cast<const int8_t*>(blk + 2), q);
                 for (int r = 0; r < R; ++r) {
                     const float* xr = x + r * xstride + b * QK;
@@ -79,8 +71,13 @@ static inline void dot_tile(const float* x, int64_t xstride, int64_t nb, const u
                 }
                 continue;
             }
-            const V mv = QT == QT_Q4_1 ? vset1(half_at(blk + 2)) : vmul(dv, vset1(-8.0f));
-            q4_dequant(blk + (QT == QT_Q4_1 ? 4 : 2), dv, mv, q);
+            if (QT == QT_BF16) {
+                bf16_block(blk, q);  // the weights themselves: no scale
+            } else {
+                const V dv = vset1(half_at(blk));
+                const V mv = QT == QT_Q4_1 ? vset1(half_at(blk + 2)) : vmul(dv, vset1(-8.0f));
+                q4_dequant(blk + (QT == QT_Q4_1 ? 4 : 2), dv, mv, q);
+            }
             for (int r = 0; r < R; ++r) {
                 const float* xr = x + r * xstride + b * QK;
                 for (int i = 0; i < NV; ++i) acc[r][c][i & 1] = vfma(vload(xr + i * W), q[i], acc[r][c][i & 1]);
