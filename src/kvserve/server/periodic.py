@@ -23,7 +23,12 @@ async def every(interval: float, job: Callable[[], object], in_thread: bool = Fa
         while True:
             await asyncio.sleep(interval)
             if in_thread:
-                await asyncio.to_thread(job)
+                running = asyncio.ensure_future(asyncio.to_thread(job))
+                try:
+                    await asyncio.shield(running)
+                except asyncio.CancelledError:
+                    await running  # a thread cannot be interrupted: the context closes once its job returned
+                    raise
             else:
                 job()
 
