@@ -11,6 +11,7 @@ runs natively.
 
     python benchmarks/configs.py              # ~5 minutes on 2 cores
     python benchmarks/configs.py --rounds 1   # one round
+    python benchmarks/configs.py --out configs_amx   # another CPU's section beside the first
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ def measure(runner: KvserveRunner, workloads: dict) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--out", default="configs", metavar="NAME",
+                        help="write benchmarks/results/NAME.md (one section per CPU measured)")
     args = parser.parse_args()
     workloads = load_workloads()
     samples: dict[str, dict[str, list[float]]] = {name: {f: [] for f in FIGURES} for name in CONFIGS}
@@ -75,7 +78,8 @@ def main() -> None:
              "one's (below 1: faster). Batch 8: 64-token prompts, 32 new tokens each, prefill included. "
              + (f"Over {TARGET:g}x: {', '.join(failing)}." if failing else f"Every configuration within {TARGET:g}x."))
     table = markdown_table(header, rows)
-    write_result("configs", "Every configuration against float32 on this CPU", table, notes)
+    title = "Every configuration against float32 on this CPU" + ("" if args.out == "configs" else f" ({args.out})")
+    write_result(args.out, title, table, notes)
     print(table + "\n\n" + notes)
 
 

@@ -47,6 +47,7 @@ from common import (  # noqa: E402
     write_result,
 )
 from kvserve import LLM, SamplingParams  # noqa: E402
+from kvserve.kernels.native import cpu_flags  # noqa: E402
 from kvserve.model.registry import resolve_model  # noqa: E402
 
 VARIANTS = {
@@ -477,6 +478,9 @@ def main() -> None:
     except ImportError:
         notes.append("llama.cpp: not installed (`pip install -e .[bench]` builds llama-cpp-python).")
     runners += llama_cpp_tools_runner(notes)
+    if "amx_int8" in cpu_flags():
+        notes.append("llama.cpp on this CPU (AMX): built without its AMX backend (`llama_cpp_tools.NO_AMX_ARGS`; "
+                     "AVX-512 + VNNI + BF16), which segfaulted in `ggml_backend_amx_mul_mat` on this model.")
     results = figures(runners, workloads, new)
     del runners
     startup = {name: VARIANTS[name] for name in ("kvserve native Q4_1", "kvserve torch fp32 (before)")}

@@ -84,7 +84,7 @@ def source_dir(version: str) -> Path:
 
 
 def build_dir(version: str) -> Path:
-    return CACHE / f"build-{version}"
+    return CACHE / (f"build-{version}" if isa_args() == ("-DGGML_NATIVE=ON",) else f"build-{version}-noamx")
 
 
 def built() -> bool:
@@ -103,8 +103,27 @@ def tool(name: str) -> Path:
     return path
 
 
+# llama.cpp 0.3.36 (llama-cpp-python's) built with -march=native on a CPU with AMX compiles its AMX backend,
+# which segfaulted in ggml_backend_amx_mul_mat on the first batch of the default Q4_1 model (Intel Xeon with
+# AMX-INT8/BF16, 2026-12-01): there the peers are built for the same ISA without it -- AVX-512 with VNNI and
+# BF16, llama.cpp's fastest path that runs. The same flags go into CMAKE_ARGS for llama-cpp-python (below).
+NO_AMX_ARGS = ("-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
+               "-DGGML_BMI2=ON", "-DGGML_AVX_VNNI=ON", "-DGGML_AVX512=ON", "-DGGML_AVX512_VBMI=ON",
+               "-DGGML_AVX512_VNNI=ON", "-DGGML_AVX512_BF16=ON", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF",
+               "-DGGML_AMX_BF16=OFF")
+
+
+def isa_args() -> tuple[str, ...]:
+    """-march=native, except on a CPU with AMX (see NO_AMX_ARGS). For llama-cpp-python on such a CPU:
+    CMAKE_ARGS="$(python benchmarks/llama_cpp_tools.py --cmake-args)" pip install --force-reinstall --no-deps
+    --no-binary llama-cpp-python llama-cpp-python==<version>."""
+    from kvserve.kernels.native import cpu_flags
+
+    return NO_AMX_ARGS if "amx_int8" in cpu_flags() else ("-DGGML_NATIVE=ON",)
+
+
 def build(jobs: int = 2, targets: tuple[str, ...] = TARGETS) -> Path:
-    """Configure and build only `targets` (CPU, -march=native, Release); idempotent."""
+    """Configure and build only `targets` (CPU, native ISA but AMX, Release); idempotent."""
     version = bindings_version()
     out = build_dir(version)
     if all((out / "bin" / name).exists() for name in targets):
@@ -113,9 +132,9 @@ def build(jobs: int = 2, targets: tuple[str, ...] = TARGETS) -> Path:
     source = source_dir(version)
     cmake = _cmake()
     if not (out / "CMakeCache.txt").exists():
-        log("configuring (CPU only, native ISA, Release)")
+        log(f"configuring (CPU only, {' '.join(isa_args())}, Release)")
         subprocess.run([cmake, "-S", str(source), "-B", str(out), "-DCMAKE_BUILD_TYPE=Release",
-                        "-DGGML_NATIVE=ON", "-DGGML_CUDA=OFF", "-DGGML_METAL=OFF", "-DGGML_VULKAN=OFF",
+                        *isa_args(), "-DGGML_CUDA=OFF", "-DGGML_METAL=OFF", "-DGGML_VULKAN=OFF",
                         "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
                         "-DBUILD_SHARED_LIBS=OFF"], check=True)
     for name in targets:
@@ -236,11 +255,16 @@ def server(model: Path, slots: int, ctx_per_slot: int, threads: int = 2, ready_s
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--build", action="store_true", help="only build the tools")
+    parser.add_argument("--cmake-args", action="store_true",
+                        help="print the ISA flags for this CPU (CMAKE_ARGS for llama-cpp-python) and exit")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--prompt", type=int, default=96, help="prompt tokens per sequence")
     parser.add_argument("--generated", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
+    if args.cmake_args:
+        print(" ".join(isa_args()))
+        return
     build(args.jobs)
     if args.build:
         return

@@ -17,7 +17,8 @@ ROOT = HERE.parent
 ORDER = [
     "throughput", "memory_efficiency", "prefix_cache", "prefix_lookup", "parallel_memory",
     "server_load", "serve_sweep", "side_channel", "dashboard", "soak", "router", "router_2w", "eviction", "structured",
-    "tiers", "kernels", "kernels_avx2", "configs", "kernels_prefill", "membw", "kernels_decode", "decode_step",
+    "tiers", "kernels", "kernels_avx2", "kernels_amx", "configs", "configs_amx", "amx", "kernels_prefill", "membw",
+    "kernels_decode", "decode_step",
     "decode_step_batch",
     "decode_attention", "decode_step_mixed_2t",
     "decode_step_mixed_1t", "decode_step_mixed_1t_cached1024", "qgemm", "qgemm_avx2", "qgemm_end_to_end",
@@ -33,6 +34,8 @@ SCRIPTS = {
     "int8_packed": ("int8_packed", ["--before", "d7500bc"]),  # the int8 kernels before the packed layout
     "kernels_decode": ("kernels", ["--decode-only", "5"]),
     "kernels_avx2": ("kernels", ["--quick", "--skip-hf-bf16", "--out", "kernels_avx2"]),  # on an AVX2-only CPU
+    "kernels_amx": ("kernels", ["--quick", "--out", "kernels_amx"]),  # on a CPU with AMX and native bf16
+    "configs_amx": ("configs", ["--out", "configs_amx"]),  # on a CPU with AMX and native bf16
     "qgemm_avx2": ("qgemm", ["--rows", "32,64,128,256,512,1024", "--rounds", "3", "--out", "qgemm_avx2"]),
     "decode_step_batch": ("decode_step", ["--rows", "8,32,64"]),
     "decode_attention": ("decode_attention", ["--write"]),
@@ -72,7 +75,17 @@ shared-prefix workload 16.2 s against 209 s for llama-server (12.9x). `LLM()` re
 alone takes 2.25 s on this CPU) against 0.47 s. `--dtype bfloat16` there now stores weights in bf16 and
 computes in fp32 (section "Every configuration"): dense bf16 decode 47 tok/s, 3x dense fp32, where torch's
 emulated bf16 ran 3.7.
-Sections measured on another machine (the AMD EPYC rows) or under load (most of the second round's,
+**On a CPU with AMX and native bf16** (section "... (kernels_amx)": Intel Xeon with AVX-512 VNNI/BF16,
+AMX-INT8/BF16, 2 threads, idle, 2026-12-01 23:48 UTC, every runner in one run; llama.cpp built without its
+AMX backend, which segfaulted in `ggml_backend_amx_mul_mat` on this model): single-request decode 171 tok/s
+exact, 231 int8, against 88 for llama-batched-bench (1.9x / 2.6x); batch 8 / 32 137 / 193 exact, 290 / 312
+int8, against 64 / 69; 16 requests sharing a 1,900-token prefix 7.6 s against 144 s for llama-server.
+**transformers bf16 is ahead there on prefill**: its AMX GEMMs run 1,964 / 2,123 tok/s at 512 / 2,048
+tokens against kvserve's 860 / 737 exact and 1,791 / 998 int8, and batch 32 at 239 tok/s (kvserve int8 312,
+exact 193: 3x not met). The int8 path's AMX tiles help its Q8_0 matmuls only (section "The int8 path on AMX
+tiles"); `--dtype bfloat16` with quantized weights now computes in fp32 there too (it decoded 4.4x slower
+through torch's bf16: section "Every configuration ... (configs_amx)").
+Sections measured on another machine (the AMD EPYC rows, the AMX Xeon rows) or under load (most of the second round's,
 marked in each) are not comparable across sections.
 
 ![kvserve / transformers](docs/throughput.png)

@@ -87,6 +87,17 @@ def test_storage_only_where_bf16_is_not_native(no_native_bf16):
 
 
 @needs_native
+def test_quantized_weights_store_bf16_on_every_cpu(monkeypatch):
+    """With native (quantized) weights bf16 is storage on a CPU with native bf16 too (torch's bf16 decoded 4.4x
+    slower there); dense weights on such a CPU keep torch's bf16 arithmetic (its AMX GEMMs prefill faster)."""
+    monkeypatch.setattr(Kernels, "native_bf16", lambda self: True)
+    native = Kernels.create("native")
+    assert native.stores_bf16("bfloat16", "cpu", "native")
+    assert not native.stores_bf16("bfloat16", "cpu", "dense")
+    assert not native.stores_bf16("float32", "cpu", "native")
+
+
+@needs_native
 def test_engine_stores_bf16_and_matches_transformers_on_rounded_weights(tiny_model_dir, bf16_hf_model,
                                                                         no_native_bf16):
     llm = LLM(str(tiny_model_dir), dtype="bfloat16", num_blocks=64, block_size=4, max_num_batched_tokens=24,

@@ -53,7 +53,8 @@ def bf16_storage(weights: dict[str, object]) -> dict[str, object]:
 def model_weights(kernels: Kernels, config: EngineConfig, weights: dict[str, object]
                   ) -> tuple[torch.dtype, dict[str, object], bool]:
     """The dtype the model computes in, its weights as it will hold them, and whether they were rounded to
-    bf16 for storage (`Kernels.stores_bf16`: bf16 asked for on a CPU without native bf16 arithmetic).
+    bf16 for storage (`Kernels.stores_bf16`: bf16 asked for on a CPU without native bf16 arithmetic, or with
+    quantized weights).
 
     Without the native kernels (`--kernels torch`, or no compiler), GGUF blocks are dequantized once here:
     the torch kernels would dequantize every matrix at every call (decode 29x slower than fp32: BENCHMARKS.md,
@@ -61,11 +62,13 @@ def model_weights(kernels: Kernels, config: EngineConfig, weights: dict[str, obj
     name = kernels.resolve_dtype(config.dtype, config.weights)
     if kernels.native is None and config.activation_quant == "none":
         weights = {key: kernels.dequantize(w) if isinstance(w, QuantWeight) else w for key, w in weights.items()}
-    if not kernels.stores_bf16(name, config.device):
+    if not kernels.stores_bf16(name, config.device, config.weights):
         return getattr(torch, name), weights, False
-    logger.info("bfloat16 on a CPU without native bf16: weights stored in bf16; arithmetic, activations and the "
-                "KV cache in float32")
-    return torch.float32, bf16_storage(weights), True
+    logger.info("bfloat16 with the native float kernels (quantized weights, or a CPU without native bf16): dense "
+                "matrices stored in bf16; arithmetic, activations and the KV cache in float32")
+    stored = bf16_storage(weights)
+    # GGUF blocks stay as they are: only dense matrices are rounded, and the tiers' fingerprint says so
+    return torch.float32, stored, any(stored[key] is not weight for key, weight in weights.items())
 
 
 def resolve_long_prefill_threshold(config: EngineConfig, max_model_len: int) -> int:

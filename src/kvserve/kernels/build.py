@@ -18,7 +18,7 @@ from pathlib import Path
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = ("kernels.cpp", "impl.h", "decode_attention.h", "simd.h", "qmatmul_i8.h", "qmatmul_i8_packed.h",
-           "cascade.h", "prefill.h", "fused.h", "layer.h", "qgemm.h", "decode_step.h", "scratch.h")
+           "qmatmul_amx.h", "cascade.h", "prefill.h", "fused.h", "layer.h", "qgemm.h", "decode_step.h", "scratch.h")
 # -ffp-contract=off: dequantization must round d*q and +m separately, exactly as gguf's numpy reader.
 FLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off", "-Wno-maybe-uninitialized")
 

@@ -17,7 +17,8 @@ from kvserve.kernels.cascade_plan import CASCADE_FIELDS, CascadeTensors, check_c
 from kvserve.kernels.i8pack import PACKED_BLOCK_BYTES, PackedI8Weight, packed_groups
 
 ISA_CODES = {"avx2": 1, "avx512": 2}
-FEATURE_BITS = {"avx2": 1, "avx512": 2, "avx512_vnni": 4, "avx512_bf16": 8, "amx_bf16": 16}
+FEATURE_BITS = {"avx2": 1, "avx512": 2, "avx512_vnni": 4, "avx512_bf16": 8, "amx_bf16": 16, "amx_int8": 32}
+AMX_ENV = "KVSERVE_AMX"  # "0": never use AMX tiles (the tests compare both paths in one process)
 ABI_VERSION = 3  # 3: kv_pack_i8, the int8 path's packed weights
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -45,6 +46,10 @@ _SIGNATURES = {
 # These return int64. Optional: a library built from sources before the scratch arena (benchmarks' `--before`
 # builds of older revisions) lacks them, and has no arena to release (its calls then return 0).
 _SCRATCH_SIGNATURES = {"kv_scratch_release": [_I], "kv_scratch_mapped": []}
+# Optional too (older builds lack it): the int8 path's AMX tiles where they pay (1), for every packed weight
+# type (2: measurements, tests), off (0) or unchanged (-1); returns the mode, -1 where the CPU or the kernel
+# cannot run tiles.
+_AMX_SIGNATURE = ("kv_amx_enable", [ctypes.c_int])
 
 
 def cpu_flags() -> set[str]:
@@ -96,7 +101,34 @@ class NativeLibrary:
             raise ValueError(f"unknown ISA {chosen!r}; choose one of {sorted(ISA_CODES)}")
         if chosen not in features:
             raise RuntimeError(f"ISA {chosen} requested but this CPU supports only {sorted(features)}")
-        return cls(lib, chosen, frozenset(features))
+        library = cls(lib, chosen, frozenset(features))
+        library.set_amx(os.environ.get(AMX_ENV, "1") != "0")
+        return library
+
+    def _amx_switch(self):
+        """The library's AMX switch where this handle can use it (the AVX-512 build on a CPU with AMX-INT8, a
+        library that has the switch), else None."""
+        function = getattr(self.lib, _AMX_SIGNATURE[0], None)
+        if function is None or self.isa != "avx512" or "amx_int8" not in self.features:
+            return None
+        function.argtypes = _AMX_SIGNATURE[1]
+        function.restype = ctypes.c_int
+        return function
+
+    def set_amx(self, on: bool, every_type: bool = False) -> bool:
+        """Use AMX tiles for the int8 path's matmuls of 16+ rows (csrc/qmatmul_amx.h; bit-identical to the
+        VNNI kernel) where this CPU and Linux (which must grant the tile state) allow: for Q8_0 weights, where
+        they are faster, or with `every_type` for Q4_0/Q4_1 too (measurements and tests: there they are not).
+        Returns whether they are on. The switch is the library's: it holds for every AVX-512 handle on it in
+        this process (the AVX2 build never runs tiles)."""
+        switch = self._amx_switch()
+        return switch is not None and switch((2 if every_type else 1) if on else 0) > 0
+
+    @property
+    def amx(self) -> bool:
+        """Whether this handle's int8 matmuls run on AMX tiles now (for Q8_0 weights at least)."""
+        switch = self._amx_switch()
+        return switch is not None and switch(-1) > 0
 
     @property
     def code(self) -> int:

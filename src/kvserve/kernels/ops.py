@@ -8,7 +8,8 @@ never a crash. ``Kernels.create("torch")`` is the pure-torch reference (`referen
 ``activation_quant="int8"`` makes every matmul with a quantized (`QuantWeight`) weight quantize its
 activation rows to int8 blocks and dot them with the weight blocks in integer arithmetic (native:
 `qmatmul_i8`, at every batch size; torch: its twin `reference.qlinear_i8`); on AVX-512 the model keeps those
-weights packed for it (`prepare_int8`, kernels/i8pack.py), bit-identical results. Dense weights are unaffected;
+weights packed for it (`prepare_int8`, kernels/i8pack.py; on a CPU with AMX-INT8 its Q8_0 matmuls of 16+ rows run
+on AMX tiles, csrc/qmatmul_amx.h), bit-identical results. Dense weights are unaffected;
 the engine refuses the option without quantized weights. "none" keeps fp32 activations, the exact path.
 """
 
@@ -76,7 +77,10 @@ class Kernels:
 
     def describe(self) -> str:
         backend = f"native ({self.isa})" if self.native else "torch"
-        return backend if self.activation_quant == "none" else f"{backend}, {self.activation_quant} activations"
+        if self.activation_quant == "none":
+            return backend
+        tiles = " on AMX tiles" if self.native is not None and self.native.amx else ""
+        return f"{backend}, {self.activation_quant} activations{tiles}"
 
     def native_bf16(self) -> bool:
         """Whether this CPU computes bf16 natively (AVX512_BF16 or AMX); without it bf16 runs emulated."""
@@ -94,13 +98,18 @@ class Kernels:
                            "kernels are off: expect it to run many times slower than float32")
         return dtype
 
-    def stores_bf16(self, dtype: str, device: str) -> bool:
-        """Whether bfloat16 is a storage format only: on a CPU without native bf16 arithmetic the native
-        kernels keep dense weights as bf16 rows (quant.BF16) and widen them to fp32 in registers, with
-        activations and the KV cache in fp32. Emulated bf16 arithmetic (torch's) ran 4-60x slower than fp32
-        on an AVX2 EPYC (decode 3.7 against 16.9 tok/s, prefill 5.5 against 327: BENCHMARKS.md)."""
-        return (dtype == "bfloat16" and self.native is not None and not self.native_bf16()
-                and torch.device(device).type == "cpu")
+    def stores_bf16(self, dtype: str, device: str, weights: str = "dense") -> bool:
+        """Whether bfloat16 is a storage format only: the native kernels keep dense matrices as bf16 rows
+        (quant.BF16) and widen them to fp32 in registers, with activations and the KV cache in fp32 -- on a
+        CPU without native bf16 arithmetic, and with quantized (`native`) weights on any CPU, whose kernels
+        compute in fp32 whatever the activations' dtype. Emulated bf16 arithmetic (torch's) ran 4-60x slower
+        than fp32 on an AVX2 EPYC (decode 3.7 against 16.9 tok/s, prefill 5.5 against 327); torch's native
+        bf16 with quantized weights decoded 4.4x slower than fp32 on an AMX Xeon (32.6 against 143.9 tok/s:
+        a cast at every matmul, attention in torch), with no faster prefill (BENCHMARKS.md, "Every
+        configuration"). Dense weights on a CPU with native bf16 keep torch's bf16 (AMX GEMMs: prefill 2.3x
+        fp32's there, decode 1.7x slower)."""
+        return (dtype == "bfloat16" and self.native is not None and torch.device(device).type == "cpu"
+                and (weights != "dense" or not self.native_bf16()))
 
     # --- matmuls -----------------------------------------------------------------------------------
 

@@ -1,9 +1,12 @@
 // kvserve native CPU kernels: a plain C ABI (loaded with ctypes), every kernel compiled twice -- for
 // AVX2/FMA/F16C and for AVX-512 (F/BW/VL/DQ/VNNI) -- and chosen per call by the `isa` argument, which
-// Python sets from kv_cpu_features() (run-time __builtin_cpu_supports checks) or an override.
+// Python sets from kv_cpu_features() (run-time __builtin_cpu_supports checks) or an override. The AVX-512
+// build may also use AMX tiles (qmatmul_amx.h), only once kv_amx_enable has checked the CPU and the OS.
 #include <immintrin.h>
 #include <omp.h>
 #include <sched.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <cstdint>
@@ -39,6 +42,13 @@ struct HalfTable {
     }
 };
 static const HalfTable g_half_table;
+
+// Whether the int8 path may use AMX tiles (qmatmul_amx.h): set by kv_amx_enable once the CPU has AMX-INT8
+// and Linux has granted this process the tile state -- 1: for the weight types where tiles are faster, 2:
+// for every packed type (measurements, tests); 0 (the default) never, so a library loaded by anything else
+// never executes a tile instruction.
+static int g_amx = 0;
+static inline int kv_amx_mode() { return g_amx; }
 static inline const float* kv_half_table() { return g_half_table.value; }
 
 #pragma GCC push_options
@@ -58,8 +68,15 @@ namespace isa_avx2 {
 }  // namespace isa_avx2
 #pragma GCC pop_options
 
+// AMX intrinsics need GCC 11 (clang 12); an older compiler builds everything else and reports no tiles.
 #pragma GCC push_options
+#if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11)
+#define KV_HAS_AMX 1
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c,amx-tile,amx-int8")
+#else
+#define KV_HAS_AMX 0
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
+#endif
 namespace isa_avx512 {
 #define KV_AVX512 1
 #include "simd.h"
@@ -76,7 +93,7 @@ namespace isa_avx512 {
 #pragma GCC pop_options
 
 enum : int { ISA_AVX2 = 1, ISA_AVX512 = 2 };
-enum : int { F_AVX2 = 1, F_AVX512 = 2, F_VNNI = 4, F_BF16 = 8, F_AMX = 16 };
+enum : int { F_AVX2 = 1, F_AVX512 = 2, F_VNNI = 4, F_BF16 = 8, F_AMX = 16, F_AMX_INT8 = 32 };
 
 extern "C" {
 
@@ -89,7 +106,8 @@ void kv_set_num_threads(int n) { g_threads = n; }
 int64_t kv_scratch_release(int64_t min_idle_ms) { return scratch_release(min_idle_ms); }
 int64_t kv_scratch_mapped() { return scratch_mapped(); }
 
-// Bit set of what this CPU can run: AVX2 (with FMA and F16C), AVX-512 (F/BW/VL/DQ), VNNI, BF16, AMX.
+// Bit set of what this CPU can run: AVX2 (with FMA and F16C), AVX-512 (F/BW/VL/DQ), VNNI, BF16, AMX-BF16,
+// AMX-INT8.
 int kv_cpu_features() {
     __builtin_cpu_init();
     int f = 0;
@@ -100,7 +118,24 @@ int kv_cpu_features() {
     if (__builtin_cpu_supports("avx512vnni")) f |= F_VNNI;
     if (__builtin_cpu_supports("avx512bf16")) f |= F_BF16;
     if (__builtin_cpu_supports("amx-bf16")) f |= F_AMX;
+    if (__builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-int8")) f |= F_AMX_INT8;
     return f;
+}
+
+// AMX tiles for the int8 path: mode 1 (where they pay), 2 (every packed type), 0 (off) or -1 (as they are);
+// returns the mode now, or -1 when this CPU or kernel cannot run them (no AMX-INT8, or Linux refuses the tile
+// state: ARCH_REQ_XCOMP_PERM, Linux >= 5.16).
+int kv_amx_enable(int mode) {
+    if (mode < 0) return g_amx;
+    if (mode == 0) return g_amx = 0;
+    if (!KV_HAS_AMX) return -1;
+    if (!g_amx) {
+        __builtin_cpu_init();
+        if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-int8")) return -1;
+        constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+        if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) != 0) return -1;
+    }
+    return g_amx = mode > 1 ? 2 : 1;
 }
 
 #define KV_DISPATCH(call)                                  \

@@ -104,9 +104,10 @@ static inline Q8Rows i8_offset(const Q8Rows& x, int64_t r0, int64_t k, int64_t n
 // re-unpacked once per pass (a few % at these sizes); each output element is computed exactly as before.
 constexpr int64_t I8_ROW_PASS_BYTES = 512 * 1024;  // half a core's L2 on the dev VM (2 MiB)
 
-// Rows per pass, for activations of `bytes_per_row` (q, scales and any per-lane copies): a multiple of 8.
+// Rows per pass, for activations of `bytes_per_row` (q, scales and any per-lane copies): a multiple of 16
+// (whole AMX tiles, qmatmul_amx.h).
 static inline int64_t i8_pass_rows(int64_t rows, int64_t bytes_per_row) {
-    int64_t pass = I8_ROW_PASS_BYTES / bytes_per_row / 8 * 8;
+    int64_t pass = I8_ROW_PASS_BYTES / bytes_per_row / 16 * 16;
     pass = pass < 64 ? 64 : pass;
     return pass < rows ? pass : rows;
 }

@@ -159,6 +159,8 @@ static void packed_rows(const Q8Rows& x, int64_t rows, int64_t k, int64_t nb, co
                                 last, pf);
 }
 
+#include "qmatmul_amx.h"
+
 // The packed weight's groups [g, g + ng) if they exist, else null: what a tile prefetches ahead.
 static inline const uint8_t* packed_ahead(const uint8_t* pw, int64_t n, int64_t gstride, int64_t g, int64_t ng) {
     return g + ng <= packed_groups(n) ? pw + g * gstride : nullptr;
@@ -169,6 +171,10 @@ static inline const uint8_t* packed_ahead(const uint8_t* pw, int64_t n, int64_t 
 template <int QT>
 static inline void packed_groups_run(const Q8Rows& x, int64_t rows, int64_t k, const uint8_t* pw, int64_t n,
                                      int64_t gstride, float* y, int64_t ystride, int64_t g0, int64_t g1) {
+    if (amx_pays<QT>(rows)) {  // tiles where the CPU has them and they are faster (qmatmul_amx.h): bit-identical
+        amx_groups_run<QT>(x, rows, k, pw, n, gstride, y, ystride, g0, g1);
+        return;
+    }
     const int64_t nb = k / QK;
     int64_t g = g0;
     for (; g + 2 <= g1; g += 2) {
