@@ -13,7 +13,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from kvserve.kernels import native as native_module
+from kvserve.kernels import scratch as scratch_module
 from kvserve.kernels.ops import Kernels
 from kvserve.kernels.quant import QTYPES
 from kvserve.kv.cascade import plan_cascade
@@ -108,7 +108,7 @@ def test_release_unmaps_and_the_next_call_maps_again(kernels, tiny_model_dir, th
             assert all(torch.equal(a, b) for a, b in zip(case(), before[name], strict=True)), name
         assert lib.scratch_mapped() > 0
         # The server's periodic trim finds the loaded library by path (no handle): the same arenas.
-        assert native_module.release_idle_scratch(0) > 0
+        assert scratch_module.release_idle_scratch(0) > 0
         assert lib.scratch_mapped() == 0
     finally:
         lib.lib.kv_set_num_threads(torch.get_num_threads())

@@ -15,6 +15,7 @@ import torch
 
 from kvserve.kernels.cascade_plan import CASCADE_FIELDS, CascadeTensors, check_cascade_plan
 from kvserve.kernels.i8pack import PACKED_BLOCK_BYTES, PackedI8Weight, packed_groups
+from kvserve.kernels.scratch import bind_scratch, scratch_call
 
 ISA_CODES = {"avx2": 1, "avx512": 2}
 FEATURE_BITS = {"avx2": 1, "avx512": 2, "avx512_vnni": 4, "avx512_bf16": 8, "amx_bf16": 16, "amx_int8": 32}
@@ -43,9 +44,6 @@ _SIGNATURES = {
     "kv_cascade_attention": [ctypes.c_int, _P, _I, _I, _I, _I, _P, _P, _I, _P, _I, _P, _I, _P, _P, _P, _P, _F, _P],
     "kv_prefill_attention": [ctypes.c_int, _P, _I, _I, _I, _P, _P, _I, _I, _P, _P, _P, _P, _I, _F, _P],
 }
-# These return int64. Optional: a library built from sources before the scratch arena (benchmarks' `--before`
-# builds of older revisions) lacks them, and has no arena to release (its calls then return 0).
-_SCRATCH_SIGNATURES = {"kv_scratch_release": [_I], "kv_scratch_mapped": []}
 # Optional too (older builds lack it): the int8 path's AMX tiles where they pay (1), for every packed weight
 # type (2: measurements, tests), off (0) or unchanged (-1); returns the mode, -1 where the CPU or the kernel
 # cannot run tiles.
@@ -89,7 +87,7 @@ class NativeLibrary:
             function = getattr(lib, name)
             function.argtypes = argtypes
             function.restype = ctypes.c_int
-        _bind_scratch(lib)
+        bind_scratch(lib)
         if lib.kv_abi_version() != ABI_VERSION:
             raise RuntimeError(f"{path}: ABI version {lib.kv_abi_version()}, expected {ABI_VERSION}")
         lib.kv_set_num_threads(torch.get_num_threads())
@@ -137,11 +135,11 @@ class NativeLibrary:
     def release_scratch(self, min_idle_s: float = 0.0) -> int:
         """Unmap the kernels' scratch arenas (csrc/scratch.h) idle for at least `min_idle_s` seconds (0: all
         not in use right now); returns the bytes unmapped. The next call maps what it needs again."""
-        return _scratch_call(self.lib, "kv_scratch_release", int(min_idle_s * 1000)) or 0
+        return scratch_call(self.lib, "kv_scratch_release", int(min_idle_s * 1000)) or 0
 
     def scratch_mapped(self) -> int:
         """Bytes the scratch arenas hold mapped now (grown to each thread's largest step, kept between calls)."""
-        return _scratch_call(self.lib, "kv_scratch_mapped") or 0
+        return scratch_call(self.lib, "kv_scratch_mapped") or 0
 
     def qmatmul(self, x: torch.Tensor, data: torch.Tensor, qtype: int, in_features: int) -> torch.Tensor:
         """``x [rows, in] @ W.T`` -> float32 ``[rows, out]``; W is ``data`` (uint8 blocks, one row per output)."""
@@ -354,58 +352,6 @@ class NativeLibrary:
         out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=torch.float32)
         _ok(self.lib.kv_swiglu(self.code, gate_up.data_ptr(), gate_up.shape[0], out.shape[1], out.data_ptr()), "swiglu")
         return out
-
-
-def _bind_scratch(lib: ctypes.CDLL) -> None:
-    for name, argtypes in _SCRATCH_SIGNATURES.items():
-        function = getattr(lib, name, None)
-        if function is None:
-            continue
-        function.argtypes = argtypes
-        function.restype = ctypes.c_int64
-
-
-def loaded_libraries() -> list[ctypes.CDLL]:
-    """The kernel libraries this process has loaded (`libkvkernels-*.so` in /proc/self/maps, whatever sources
-    they were built from), opened without loading anything (RTLD_NOLOAD); empty where none is (torch kernels,
-    no compiler, not Linux). The scratch arenas are per process, like glibc's heaps, so the server's periodic
-    heap trim (server/heap.py) reaches them without a handle on the engine's model."""
-    try:
-        maps = Path("/proc/self/maps").read_text()
-    except OSError:
-        return []
-    paths = {line.split(maxsplit=5)[5] for line in maps.splitlines()
-             if line.count(" ") >= 5 and "/libkvkernels-" in line and line.endswith(".so")}
-    libraries = []
-    for path in sorted(paths):
-        try:
-            lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_NOW)
-        except OSError:
-            continue
-        _bind_scratch(lib)
-        libraries.append(lib)
-    return libraries
-
-
-def _scratch_call(lib: ctypes.CDLL, name: str, *args: int) -> int | None:
-    """A scratch entry point's answer, or None for a library built before the arena (no such entry)."""
-    function = getattr(lib, name, None)
-    return int(function(*args)) if function is not None else None
-
-
-def _over_loaded(name: str, *args: int) -> int | None:
-    answers = [answer for lib in loaded_libraries() if (answer := _scratch_call(lib, name, *args)) is not None]
-    return sum(answers) if answers else None
-
-
-def release_idle_scratch(min_idle_s: float) -> int | None:
-    """`NativeLibrary.release_scratch` on every loaded kernel library: the bytes unmapped (None: none loaded)."""
-    return _over_loaded("kv_scratch_release", int(min_idle_s * 1000))
-
-
-def scratch_mapped() -> int | None:
-    """`NativeLibrary.scratch_mapped` summed over the loaded kernel libraries (None: none loaded)."""
-    return _over_loaded("kv_scratch_mapped")
 
 
 def _check_range(values: torch.Tensor, count: int, limit: int, name: str) -> None:

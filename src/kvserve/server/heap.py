@@ -33,7 +33,7 @@ from collections.abc import AsyncIterator
 
 from kvserve.kernels.malloc import libc as _libc
 from kvserve.kernels.malloc import pin_mmap_threshold
-from kvserve.kernels.native import release_idle_scratch, scratch_mapped
+from kvserve.kernels.scratch import release_idle_scratch, scratch_mapped
 from kvserve.server.periodic import every
 
 TRIM_INTERVAL_S = 30.0
