@@ -11,16 +11,18 @@
 // kernel forms (its u8/s8 swap and 128 * sum(qw) correction cancel in integer arithmetic), and the float
 // epilogue is packed_tile's, operation for operation and block by block: results are bit-identical to it.
 //
-// Why it pays: one TDPBSSD is 8,192 multiply-adds where vpdpbusd is 64; what remains is the per-block float
-// epilogue (the block scales forbid summing blocks in the tile), about 4 vector operations per 16 outputs.
+// One TDPBSSD is 8,192 multiply-adds where vpdpbusd is 64; what remains is the per-block float epilogue
+// (the block scales forbid summing blocks in the tile), 3-4 vector operations per 16 outputs -- which is
+// what bounds it (see amx_pays).
 
 constexpr int64_t AMX_ROWS = 16;  // activation rows per tile (and the fewest rows worth a tile)
 
-// Where tiles run: Q8_0 weights from one whole tile of rows (1.4-1.7x the VNNI kernel's multiply-adds per
-// second at 16-2,048 rows, 2 threads; benchmarks/results/amx.md). Q4_0/Q4_1 only when asked (kv_amx_enable
-// mode 2: the benchmark and the tests): their extra epilogue work (Q4_1's m * s, one more broadcast load)
-// left tiles no faster than VNNI (0.8-1.1x) -- the per-block float epilogue, not the tile product, bounds
-// this kernel, and VNNI unpacks nibbles in registers for free.
+// Where tiles run: Q8_0 weights from one whole tile of rows (the tied head: 1.2-1.85x the VNNI kernel's
+// multiply-adds per second at 16-2,048 rows, 2 threads; benchmarks/results/amx.md). Q4_0/Q4_1 only when
+// asked (kv_amx_enable mode 2: the benchmark and the tests): their extra epilogue work (Q4_1's m * s, one
+// more broadcast load) left tiles no faster than VNNI (0.71-1.05x on the default model's projections) --
+// the per-block float epilogue, not the tile product, bounds this kernel, and VNNI unpacks nibbles in
+// registers for free.
 template <int QT>
 static inline bool amx_pays(int64_t rows) {
     return rows >= AMX_ROWS && kv_amx_mode() >= (QT == QT_Q8_0 ? 1 : 2);
