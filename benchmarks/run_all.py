@@ -16,7 +16,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 ORDER = [
     "throughput", "memory_efficiency", "prefix_cache", "prefix_lookup", "parallel_memory",
-    "server_load", "serve_sweep", "side_channel", "dashboard", "soak", "router", "router_2w", "eviction", "structured",
+    "server_load", "serve_sweep", "side_channel", "dashboard", "soak", "router", "router_2w",
+    "router_2w_amx", "eviction", "structured",
     "tiers", "kernels", "kernels_avx2", "kernels_amx", "configs", "configs_amx", "amx", "kernels_prefill", "membw",
     "kernels_decode", "decode_step",
     "decode_step_batch",
@@ -30,6 +31,9 @@ SCRIPTS = {
     "router_2w": ("router", ["--max-workers", "2", "--worker-counts", "2", "--workloads", "rag", "chat",
                              "--no-single", "--policies", "round_robin", "cache_aware", "kv_events",
                              "--out", "router_2w"]),
+    "router_2w_amx": ("router", ["--max-workers", "2", "--worker-counts", "2", "--workloads", "rag", "chat",
+                                 "--no-single", "--policies", "round_robin", "cache_aware", "kv_events",
+                                 "--out", "router_2w_amx"]),  # the same on the AMX Xeon
     "step_rows_native": ("step_rows", ["--weights", "native"]),
     "int8_packed": ("int8_packed", ["--before", "d7500bc"]),  # the int8 kernels before the packed layout
     "kernels_decode": ("kernels", ["--decode-only", "5"]),
