@@ -84,7 +84,7 @@ def source_dir(version: str) -> Path:
 
 
 def build_dir(version: str) -> Path:
-    return CACHE / (f"build-{version}" if isa_args() == ("-DGGML_NATIVE=ON",) else f"build-{version}-noamx")
+    return CACHE / (f"build-{version}-noamx" if has_amx() else f"build-{version}")
 
 
 def built() -> bool:
@@ -113,13 +113,18 @@ NO_AMX_ARGS = ("-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_F
                "-DGGML_AMX_BF16=OFF")
 
 
+def has_amx() -> bool:
+    from kvserve.kernels.native import cpu_flags
+
+    return "amx_int8" in cpu_flags()
+
+
 def isa_args() -> tuple[str, ...]:
     """-march=native, except on a CPU with AMX (see NO_AMX_ARGS). For llama-cpp-python on such a CPU:
     CMAKE_ARGS="$(python benchmarks/llama_cpp_tools.py --cmake-args)" pip install --force-reinstall --no-deps
-    --no-binary llama-cpp-python llama-cpp-python==<version>."""
-    from kvserve.kernels.native import cpu_flags
-
-    return NO_AMX_ARGS if "amx_int8" in cpu_flags() else ("-DGGML_NATIVE=ON",)
+    --no-cache-dir --no-binary llama-cpp-python llama-cpp-python==<version> (without --no-cache-dir pip reuses
+    the wheel it built before, AMX and all)."""
+    return NO_AMX_ARGS if has_amx() else ("-DGGML_NATIVE=ON",)
 
 
 def build(jobs: int = 2, targets: tuple[str, ...] = TARGETS) -> Path:

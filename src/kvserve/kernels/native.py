@@ -88,6 +88,9 @@ class NativeLibrary:
             function.argtypes = argtypes
             function.restype = ctypes.c_int
         bind_scratch(lib)
+        if (amx_switch := getattr(lib, _AMX_SIGNATURE[0], None)) is not None:
+            amx_switch.argtypes = _AMX_SIGNATURE[1]
+            amx_switch.restype = ctypes.c_int
         if lib.kv_abi_version() != ABI_VERSION:
             raise RuntimeError(f"{path}: ABI version {lib.kv_abi_version()}, expected {ABI_VERSION}")
         lib.kv_set_num_threads(torch.get_num_threads())
@@ -106,12 +109,9 @@ class NativeLibrary:
     def _amx_switch(self):
         """The library's AMX switch where this handle can use it (the AVX-512 build on a CPU with AMX-INT8, a
         library that has the switch), else None."""
-        function = getattr(self.lib, _AMX_SIGNATURE[0], None)
-        if function is None or self.isa != "avx512" or "amx_int8" not in self.features:
+        if self.isa != "avx512" or "amx_int8" not in self.features:
             return None
-        function.argtypes = _AMX_SIGNATURE[1]
-        function.restype = ctypes.c_int
-        return function
+        return getattr(self.lib, _AMX_SIGNATURE[0], None)
 
     def set_amx(self, on: bool, every_type: bool = False) -> bool:
         """Use AMX tiles for the int8 path's matmuls of 16+ rows (csrc/qmatmul_amx.h; bit-identical to the

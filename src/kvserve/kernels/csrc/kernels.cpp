@@ -93,6 +93,11 @@ namespace isa_avx512 {
 #pragma GCC pop_options
 
 enum : int { ISA_AVX2 = 1, ISA_AVX512 = 2 };
+
+static bool cpu_has_amx_int8() {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-int8");
+}
 enum : int { F_AVX2 = 1, F_AVX512 = 2, F_VNNI = 4, F_BF16 = 8, F_AMX = 16, F_AMX_INT8 = 32 };
 
 extern "C" {
@@ -118,7 +123,7 @@ int kv_cpu_features() {
     if (__builtin_cpu_supports("avx512vnni")) f |= F_VNNI;
     if (__builtin_cpu_supports("avx512bf16")) f |= F_BF16;
     if (__builtin_cpu_supports("amx-bf16")) f |= F_AMX;
-    if (__builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-int8")) f |= F_AMX_INT8;
+    if (cpu_has_amx_int8()) f |= F_AMX_INT8;
     return f;
 }
 
@@ -130,8 +135,7 @@ int kv_amx_enable(int mode) {
     if (mode == 0) return g_amx = 0;
     if (!KV_HAS_AMX) return -1;
     if (!g_amx) {
-        __builtin_cpu_init();
-        if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-int8")) return -1;
+        if (!cpu_has_amx_int8()) return -1;
         constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
         if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) != 0) return -1;
     }

@@ -7,9 +7,9 @@
 // which already is AMX's "4 bytes of K per column" arrangement (piece j of column c at j*64 + c*4): Q8_0's
 // 8 pieces load as they are; Q4's 4 pieces of nibbles are split once per call into 8 rows of unsigned bytes
 // (low nibbles are weights 4t..4t+3 = B row t, high nibbles weights 16+4t.. = B row 4+t). TDPBSSD (signed
-// activations x nibbles, which as bytes below 128 are the same signed or unsigned) gives exactly the int32 sums the VNNI
-// kernel forms (its u8/s8 swap and 128 * sum(qw) correction cancel in integer arithmetic), and the float
-// epilogue is packed_tile's, operation for operation and block by block: results are bit-identical to it.
+// activations x nibbles, which as bytes below 128 read alike signed or unsigned) gives exactly the int32
+// sums the VNNI kernel forms (its u8/s8 swap and 128 * sum(qw) correction cancel in integer arithmetic), and
+// the float epilogue is packed_tile's, operation for operation and block by block: bit-identical to it.
 //
 // One TDPBSSD is 8,192 multiply-adds where vpdpbusd is 64; what remains is the per-block float epilogue
 // (the block scales forbid summing blocks in the tile), 3-4 vector operations per 16 outputs -- which is
@@ -74,8 +74,9 @@ static inline void amx_scales(const uint8_t* wb, __m512* dw, __m512* mw) {
                           : _mm512_setzero_ps();
 }
 
-// One block's tile product, stored: tile `c` (0 or 1) = A (16 rows of block b) x B (the block's tile).
-template <int QT>
+// One block's tile product, stored: product tile `c` (0 or 1; its weight tile 3 + c) = A (16 rows of block
+// b) x B (the block's tile). Two spelled-out branches: GCC's tile intrinsics paste their tile numbers into the
+// instruction text, so they must be literals (not even template parameters).
 static inline void amx_product(const Q8Rows& x, int64_t k, int64_t b, const uint8_t* bt, int64_t bstride,
                                int32_t* out, int c) {
     _tile_loadd(2, x.q + b * QK, k);
@@ -103,9 +104,9 @@ static inline void amx_tile_rows(const Q8Rows& x, int64_t k, int64_t nb, const u
     __m512 acc[AMX_ROWS];
     for (int r = 0; r < AMX_ROWS; ++r) acc[r] = _mm512_setzero_ps();
     __m512 dw, mw;
-    amx_product<QT>(x, k, 0, bt, bstride, cbuf, 0);
+    amx_product(x, k, 0, bt, bstride, cbuf, 0);
     for (int64_t b = 0; b < nb; ++b) {
-        if (b + 1 < nb) amx_product<QT>(x, k, b + 1, bt, bstride, cbuf + ((b + 1) & 1) * 256, (b + 1) & 1);
+        if (b + 1 < nb) amx_product(x, k, b + 1, bt, bstride, cbuf + ((b + 1) & 1) * 256, (b + 1) & 1);
         amx_scales<QT>(pw + b * PB, &dw, &mw);
         amx_epilogue<QT>(cbuf + (b & 1) * 256, x, nb, b, dw, mw, acc);
     }
