@@ -18,7 +18,8 @@ ORDER = [
     "throughput", "memory_efficiency", "prefix_cache", "prefix_lookup", "parallel_memory",
     "server_load", "serve_sweep", "side_channel", "dashboard", "soak", "router", "router_2w",
     "router_2w_amx", "eviction", "structured",
-    "tiers", "kernels", "kernels_avx2", "kernels_amx", "configs", "configs_amx", "amx", "kernels_prefill", "membw",
+    "tiers", "kernels", "kernels_avx2", "kernels_amx", "configs", "configs_amx", "amx", "amx_exact", "kernels_prefill",
+    "membw",
     "kernels_decode", "decode_step",
     "decode_step_batch",
     "decode_attention", "decode_step_mixed_2t",
@@ -40,6 +41,7 @@ SCRIPTS = {
     "kernels_avx2": ("kernels", ["--quick", "--skip-hf-bf16", "--out", "kernels_avx2"]),  # on an AVX2-only CPU
     "kernels_amx": ("kernels", ["--quick", "--out", "kernels_amx"]),  # on a CPU with AMX and native bf16
     "configs_amx": ("configs", ["--out", "configs_amx"]),  # on a CPU with AMX and native bf16
+    "amx_exact": ("amx", ["--exact"]),  # on a CPU with AMX-BF16
     "qgemm_avx2": ("qgemm", ["--rows", "32,64,128,256,512,1024", "--rounds", "3", "--out", "qgemm_avx2"]),
     "decode_step_batch": ("decode_step", ["--rows", "8,32,64"]),
     "decode_attention": ("decode_attention", ["--write"]),

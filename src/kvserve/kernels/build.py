@@ -17,8 +17,13 @@ import tempfile
 from pathlib import Path
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("kernels.cpp", "impl.h", "decode_attention.h", "simd.h", "qmatmul_i8.h", "qmatmul_i8_packed.h",
-           "qmatmul_amx.h", "cascade.h", "prefill.h", "fused.h", "layer.h", "qgemm.h", "decode_step.h", "scratch.h")
+
+
+def sources() -> list[Path]:
+    """Every source the library is compiled from (kernels.cpp includes the headers): all of csrc, so a new
+    header can never be left out of the digest (a stale library would load)."""
+    return sorted(path for pattern in ("*.cpp", "*.h") for path in CSRC.glob(pattern))
+
 # -ffp-contract=off: dequantization must round d*q and +m separately, exactly as gguf's numpy reader.
 FLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off", "-Wno-maybe-uninitialized")
 
@@ -41,8 +46,8 @@ def compiler() -> str:
 def library_path(cxx: str | None = None) -> Path:
     """The cache path for the current sources, flags and compiler."""
     digest = hashlib.sha256()
-    for name in SOURCES:
-        digest.update((CSRC / name).read_bytes())
+    for path in sources():
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
     digest.update(" ".join((cxx or compiler(), *FLAGS)).encode())
     return cache_dir() / f"libkvkernels-{digest.hexdigest()[:16]}.so"
 

@@ -48,6 +48,9 @@ _SIGNATURES = {
 # type (2: measurements, tests), off (0) or unchanged (-1); returns the mode, -1 where the CPU or the kernel
 # cannot run tiles.
 _AMX_SIGNATURE = ("kv_amx_enable", [ctypes.c_int])
+# Optional as well: the exact path's wide GEMM on AMX-BF16 tiles, on (1), off (0) or unchanged (-1); returns
+# the state, -1 where the CPU or the kernel cannot.
+_AMX_EXACT = "kv_amx_exact"
 
 
 def cpu_flags() -> set[str]:
@@ -88,9 +91,10 @@ class NativeLibrary:
             function.argtypes = argtypes
             function.restype = ctypes.c_int
         bind_scratch(lib)
-        if (amx_switch := getattr(lib, _AMX_SIGNATURE[0], None)) is not None:
-            amx_switch.argtypes = _AMX_SIGNATURE[1]
-            amx_switch.restype = ctypes.c_int
+        for name in (_AMX_SIGNATURE[0], _AMX_EXACT):
+            if (amx_switch := getattr(lib, name, None)) is not None:
+                amx_switch.argtypes = _AMX_SIGNATURE[1]
+                amx_switch.restype = ctypes.c_int
         if lib.kv_abi_version() != ABI_VERSION:
             raise RuntimeError(f"{path}: ABI version {lib.kv_abi_version()}, expected {ABI_VERSION}")
         lib.kv_set_num_threads(torch.get_num_threads())
@@ -103,15 +107,31 @@ class NativeLibrary:
         if chosen not in features:
             raise RuntimeError(f"ISA {chosen} requested but this CPU supports only {sorted(features)}")
         library = cls(lib, chosen, frozenset(features))
-        library.set_amx(os.environ.get(AMX_ENV, "1") != "0")
+        tiles = os.environ.get(AMX_ENV, "1") != "0"
+        library.set_amx(tiles)
+        library.set_amx_exact(tiles)
         return library
 
-    def _amx_switch(self):
-        """The library's AMX switch where this handle can use it (the AVX-512 build on a CPU with AMX-INT8, a
-        library that has the switch), else None."""
-        if self.isa != "avx512" or "amx_int8" not in self.features:
+    def _amx_switch(self, name: str = _AMX_SIGNATURE[0], feature: str = "amx_int8"):
+        """The library's AMX switch `name` where this handle can use it (the AVX-512 build on a CPU with
+        `feature`, a library that has the switch), else None."""
+        if self.isa != "avx512" or feature not in self.features:
             return None
-        return getattr(self.lib, _AMX_SIGNATURE[0], None)
+        return getattr(self.lib, name, None)
+
+    def set_amx_exact(self, on: bool) -> bool:
+        """Run the exact path's wide GEMM (from 16-64 rows by weight type) on AMX-BF16 tiles (csrc/qgemm_amx.h:
+        float32 activations split into three bf16 parts, so exact to the dequantized weights up to summation
+        order, as the AVX-512 GEMM) where this CPU and Linux allow; returns whether it is on. Library-wide, as
+        `set_amx`."""
+        switch = self._amx_switch(_AMX_EXACT, "amx_bf16")
+        return switch is not None and switch(1 if on else 0) > 0
+
+    @property
+    def amx_exact(self) -> bool:
+        """Whether this handle's exact wide GEMMs run on AMX-BF16 tiles now."""
+        switch = self._amx_switch(_AMX_EXACT, "amx_bf16")
+        return switch is not None and switch(-1) > 0
 
     def set_amx(self, on: bool, every_type: bool = False) -> bool:
         """Use AMX tiles for the int8 path's matmuls of 16+ rows (csrc/qmatmul_amx.h; bit-identical to the

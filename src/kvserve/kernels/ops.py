@@ -78,7 +78,8 @@ class Kernels:
     def describe(self) -> str:
         backend = f"native ({self.isa})" if self.native else "torch"
         if self.activation_quant == "none":
-            return backend
+            exact_tiles = self.native is not None and self.native.amx_exact
+            return backend + (", wide matmuls on AMX tiles" if exact_tiles else "")
         tiles = " on AMX tiles" if self.native is not None and self.native.amx else ""
         return f"{backend}, {self.activation_quant} activations{tiles}"
 
@@ -144,7 +145,8 @@ class Kernels:
         rows = x32.shape[0]
         if rows < QGEMM_MIN_ROWS:
             out = self.native.qmatmul(x32, weight.data, weight.qtype, weight.in_features)
-        elif rows <= QGEMM_MAX_ROWS or weight.out_features * weight.in_features >= ALWAYS_NATIVE_ELEMENTS:
+        elif (rows <= QGEMM_MAX_ROWS or weight.out_features * weight.in_features >= ALWAYS_NATIVE_ELEMENTS
+              or self.native.amx_exact):  # on AMX tiles the wide GEMM beats torch's at every row count
             out = self.native.qgemm(x32, weight.data, weight.qtype, weight.in_features)
         else:
             out = F.linear(x32, self.dequantize(weight))

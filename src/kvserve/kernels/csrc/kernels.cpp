@@ -49,6 +49,10 @@ static const HalfTable g_half_table;
 // never executes a tile instruction.
 static int g_amx = 0;
 static inline int kv_amx_mode() { return g_amx; }
+// Whether the exact path's wide GEMM may use AMX-BF16 tiles (qgemm_amx.h): set by kv_amx_exact once the CPU
+// has AMX-BF16 and Linux has granted the tile state; off by default, as g_amx.
+static bool g_amx_exact = false;
+static inline bool kv_amx_exact() { return g_amx_exact; }
 static inline const float* kv_half_table() { return g_half_table.value; }
 
 #pragma GCC push_options
@@ -72,7 +76,7 @@ namespace isa_avx2 {
 #pragma GCC push_options
 #if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11)
 #define KV_HAS_AMX 1
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c,amx-tile,amx-int8")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c,amx-tile,amx-int8,amx-bf16")
 #else
 #define KV_HAS_AMX 0
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
@@ -98,6 +102,18 @@ static bool cpu_has_amx_int8() {
     __builtin_cpu_init();
     return __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-int8");
 }
+static bool cpu_has_amx_bf16() {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16");
+}
+// Linux (>= 5.16) hands a process the tile state only when asked (ARCH_REQ_XCOMP_PERM); asked once.
+static bool amx_permitted() {
+    static const bool granted = [] {
+        constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+        return KV_HAS_AMX && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    }();
+    return granted;
+}
 enum : int { F_AVX2 = 1, F_AVX512 = 2, F_VNNI = 4, F_BF16 = 8, F_AMX = 16, F_AMX_INT8 = 32 };
 
 extern "C" {
@@ -122,7 +138,7 @@ int kv_cpu_features() {
         f |= F_AVX512;
     if (__builtin_cpu_supports("avx512vnni")) f |= F_VNNI;
     if (__builtin_cpu_supports("avx512bf16")) f |= F_BF16;
-    if (__builtin_cpu_supports("amx-bf16")) f |= F_AMX;
+    if (cpu_has_amx_bf16()) f |= F_AMX;
     if (cpu_has_amx_int8()) f |= F_AMX_INT8;
     return f;
 }
@@ -133,13 +149,17 @@ int kv_cpu_features() {
 int kv_amx_enable(int mode) {
     if (mode < 0) return g_amx;
     if (mode == 0) return g_amx = 0;
-    if (!KV_HAS_AMX) return -1;
-    if (!g_amx) {
-        if (!cpu_has_amx_int8()) return -1;
-        constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-        if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) != 0) return -1;
-    }
+    if (!KV_HAS_AMX || !cpu_has_amx_int8() || !amx_permitted()) return -1;
     return g_amx = mode > 1 ? 2 : 1;
+}
+
+// AMX-BF16 tiles for the exact path's wide GEMM (qgemm_amx.h): 1 on, 0 off, -1 as it is; returns the state
+// now, or -1 when this CPU or kernel cannot run them.
+int kv_amx_exact(int on) {
+    if (on < 0) return g_amx_exact;
+    if (on == 0) return g_amx_exact = false;
+    if (!KV_HAS_AMX || !cpu_has_amx_bf16() || !amx_permitted()) return -1;
+    return g_amx_exact = true;
 }
 
 #define KV_DISPATCH(call)                                  \

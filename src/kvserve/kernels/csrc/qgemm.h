@@ -308,10 +308,20 @@ static void qgemm_t(const float* x, int64_t rows, int64_t k, const uint8_t* w, i
     }
 }
 
+#if KV_AVX512
+#include "qgemm_amx.h"
+#endif
+
 static int qgemm(int qt, const float* x, int64_t rows, int64_t k, const uint8_t* w, int64_t n, int64_t row_bytes,
                  float* y, int64_t ystride) {
     if (k % QK != 0) return -2;
     if (rows <= 0 || n <= 0) return 0;
+#if KV_AVX512
+    if (amx_exact_pays(qt, rows)) {  // AMX-BF16 tiles where the CPU has them (qgemm_amx.h): the same contract
+        qgemm_amx(qt, x, rows, k, w, n, row_bytes, y, ystride);
+        return 0;
+    }
+#endif
     if (qt == QT_Q4_1) qgemm_t<QT_Q4_1>(x, rows, k, w, n, row_bytes, y, ystride);
     else if (qt == QT_Q4_0) qgemm_t<QT_Q4_0>(x, rows, k, w, n, row_bytes, y, ystride);
     else if (qt == QT_Q8_0) qgemm_t<QT_Q8_0>(x, rows, k, w, n, row_bytes, y, ystride);
