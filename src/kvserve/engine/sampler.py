@@ -1,7 +1,12 @@
 """Sampler: logits processors, greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
 
-Random rows draw with the exponential-race trick (argmax of p / Exp(1) noise) from the request's own
-torch.Generator, so a seeded request gets the same tokens whatever else shares its batch.
+Random rows draw by inverting the row's cumulative distribution (float64) at one uniform number from the
+request's own torch.Generator, so a seeded request gets the same tokens whatever else shares its batch.
+Measured on the CPU here (2026-12-02): the exponential race this replaced (argmax of p / Exp(1) noise, a
+noise value per vocabulary entry) took 6.4 ms a row for a 49k vocabulary, the inversion 0.1 ms; a server
+step with ten sampling rows spent more on noise than on the model. Top-k takes the k-th largest logit from
+`topk`, and top-p looks for the nucleus among the TOP_P_CANDIDATES most probable tokens first (exact
+whenever they hold the mass; else the full sort), instead of sorting the whole vocabulary (3 ms a row).
 """
 
 from __future__ import annotations
@@ -25,10 +30,20 @@ def sample(logits: torch.Tensor, requests: Sequence[Request]) -> tuple[list[int]
         rows = torch.tensor(random_rows, dtype=torch.long)
         probs = _processed_probs(processed[rows], [requests[i] for i in random_rows])
         for position, row in enumerate(random_rows):
-            noise = torch.empty_like(probs[position]).exponential_(generator=requests[row].generator)
-            token_ids[row] = (probs[position] / noise).argmax()
+            token_ids[row] = draw(probs[position], requests[row].generator)
     sampled = token_ids.tolist()
     return sampled, _logprobs(logits, requests, sampled)
+
+
+TOP_P_CANDIDATES = 1024  # tokens top-p looks among before it sorts the whole vocabulary
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token from `probs` (a row, non-negative, not necessarily normalised): the first index whose
+    cumulative mass exceeds u x the total for u uniform in [0, 1) -- never a token of zero probability."""
+    cumulative = probs.double().cumsum(0)
+    target = torch.rand((), generator=generator, dtype=torch.float64) * cumulative[-1]
+    return min(int(torch.searchsorted(cumulative, target, right=True)), probs.shape[0] - 1)
 
 
 def _processed_probs(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
@@ -49,19 +64,43 @@ def _processed_probs(logits: torch.Tensor, requests: list[Request]) -> torch.Ten
 
 
 def _apply_top_k(logits: torch.Tensor, top_ks: list[int]) -> torch.Tensor:
+    """Keep each row's logits of at least its k-th largest (rows with k 0 or >= vocab: all)."""
     vocab_size = logits.shape[-1]
-    ks = torch.tensor([k if 0 < k < vocab_size else vocab_size for k in top_ks])
-    sorted_logits = logits.sort(dim=-1, descending=True).values
-    kth_largest = sorted_logits.gather(1, (ks - 1).unsqueeze(1))
+    rows = [i for i, k in enumerate(top_ks) if 0 < k < vocab_size]
+    if not rows:
+        return logits
+    ks = torch.tensor([top_ks[i] for i in rows])
+    largest = logits[rows].topk(int(ks.max()), dim=-1).values
+    kth_largest = torch.full((logits.shape[0], 1), float("-inf"), dtype=logits.dtype)
+    kth_largest[rows] = largest.gather(1, (ks - 1).unsqueeze(1))
     return logits.masked_fill(logits < kth_largest, float("-inf"))
 
 
 def _apply_top_p(probs: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
-    # Keep the smallest set whose mass reaches top_p: drop a token if the mass before it already does.
-    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    sorted_probs = sorted_probs.masked_fill(mass_before >= top_ps.unsqueeze(1), 0.0)
-    return torch.zeros_like(probs).scatter_(1, order, sorted_probs)
+    """Keep the smallest set whose mass reaches top_p: drop a token if the mass before it already does.
+    Among the TOP_P_CANDIDATES most probable first: the same prefix of the descending order, so the same
+    sums, and every token past it has at least their mass before it; rows whose candidates do not reach
+    top_p sort their whole vocabulary."""
+    if bool((top_ps >= 1.0).any()):  # rows without a nucleus keep every token (sums can round past 1.0)
+        rows = (top_ps < 1.0).nonzero().flatten()
+        result = probs.clone()
+        if rows.numel():
+            result[rows] = _apply_top_p(probs[rows], top_ps[rows])
+        return result
+    candidates = min(TOP_P_CANDIDATES, probs.shape[-1])
+    top, order = probs.topk(candidates, dim=-1)
+    top_mass = top.cumsum(dim=-1)
+    short = (top_mass[:, -1] < top_ps).nonzero().flatten() if candidates < probs.shape[-1] else top_ps[:0].long()
+    result = torch.zeros_like(probs).scatter_(1, order, _nucleus(top, top_mass, top_ps))
+    if short.numel():
+        full, full_order = probs[short].sort(dim=-1, descending=True)
+        kept = _nucleus(full, full.cumsum(dim=-1), top_ps[short])
+        result[short] = torch.zeros_like(full).scatter_(1, full_order, kept)
+    return result
+
+
+def _nucleus(sorted_probs: torch.Tensor, mass: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
+    return sorted_probs.masked_fill(mass - sorted_probs >= top_ps.unsqueeze(1), 0.0)
 
 
 def _logprobs(
