@@ -275,7 +275,10 @@ def prefill_only(args: argparse.Namespace, workloads: dict) -> None:
              f"threads: {torch.get_num_threads()}; load average (1 / 5 / 15 min) per round: {'; '.join(loads)}. "
              "transformers bf16 on a CPU without avx512_bf16 / AMX runs its matmuls emulated: a ratio against it "
              "is no measure of kvserve's speed, read the fp32 one beside it.")
-    write_result("kernels_prefill", "Prefill beside transformers fp32 and bf16, paired rounds", table, notes)
+    name = "kernels_prefill" if args.out == "kernels" else f"{args.out}_prefill"  # e.g. kernels_amx_prefill
+    title = "Prefill beside transformers fp32 and bf16, paired rounds"
+    title += "" if name == "kernels_prefill" else f" ({name})"
+    write_result(name, title, table, notes)
     print(table + "\n" + notes)
 
 

@@ -19,6 +19,7 @@ ORDER = [
     "server_load", "serve_sweep", "side_channel", "dashboard", "soak", "router", "router_2w",
     "router_2w_amx", "eviction", "structured",
     "tiers", "kernels", "kernels_avx2", "kernels_amx", "configs", "configs_amx", "amx", "amx_exact", "kernels_prefill",
+    "kernels_amx_prefill",
     "membw",
     "kernels_decode", "decode_step",
     "decode_step_batch",
@@ -42,6 +43,7 @@ SCRIPTS = {
     "kernels_amx": ("kernels", ["--quick", "--out", "kernels_amx"]),  # on a CPU with AMX and native bf16
     "configs_amx": ("configs", ["--out", "configs_amx"]),  # on a CPU with AMX and native bf16
     "amx_exact": ("amx", ["--exact"]),  # on a CPU with AMX-BF16
+    "kernels_amx_prefill": ("kernels", ["--prefill-only", "--out", "kernels_amx"]),  # on a CPU with AMX
     "qgemm_avx2": ("qgemm", ["--rows", "32,64,128,256,512,1024", "--rounds", "3", "--out", "qgemm_avx2"]),
     "decode_step_batch": ("decode_step", ["--rows", "8,32,64"]),
     "decode_attention": ("decode_attention", ["--write"]),
@@ -90,7 +92,12 @@ int8, against 64 / 69; 16 requests sharing a 1,900-token prefix 7.6 s against 14
 tokens against kvserve's 860 / 737 exact and 1,791 / 998 int8, and batch 32 at 239 tok/s (kvserve int8 312,
 exact 193: 3x not met). The int8 path's AMX tiles help its Q8_0 matmuls only (section "The int8 path on AMX
 tiles"); `--dtype bfloat16` with quantized weights now computes in fp32 there too (it decoded 4.4x slower
-through torch's bf16: section "Every configuration ... (configs_amx)").
+through torch's bf16: section "Every configuration ... (configs_amx)"). Since 2026-12-02 the exact path's
+wide GEMM runs on AMX-BF16 tiles there, still exact to the dequantized weights (each activation split into
+three bf16 parts): prefill 1.40x / 1.24x at 512 / 2,048 tokens against the same build without them (section
+"The exact path's wide GEMM on AMX-BF16 tiles"); paired with transformers (section "Prefill beside
+transformers ... (kernels_amx_prefill)"): kvserve exact 1,401 / 797 tok/s, int8 2,030 / 1,219, transformers
+fp32 901 / 635, **transformers bf16 2,695 / 2,586: still ahead of both on prefill**.
 Sections measured on another machine (the AMD EPYC rows, the AMX Xeon rows) or under load (most of the second round's,
 marked in each) are not comparable across sections.
 
