@@ -41,6 +41,27 @@ def _native_isas() -> list[str]:
 
 
 ISAS = _native_isas()
+
+
+def avx512_with(feature: str) -> bool:
+    """Whether the AVX-512 kernels run here on a CPU with `feature` (e.g. "amx_int8"): the AMX test modules'
+    skip condition."""
+    from kvserve.kernels.ops import Kernels
+
+    kernels = Kernels.create("native")
+    return kernels.native is not None and feature in kernels.native.features and "avx512" in ISAS
+
+
+def on_then_off(switch, call, restore=None):
+    """(`call()` with `switch(True)`, then with `switch(False)`), then `restore()` (default: `switch(True)`):
+    the AMX tests compare each tile kernel with the one it replaces in one process."""
+    assert switch(True)
+    try:
+        tiles = call()
+        switch(False)
+        return tiles, call()
+    finally:
+        (restore or (lambda: switch(True)))()
 # One param per ISA, or one skipped param (no compiler / no AVX2): shared by the kernel test modules.
 ISA_PARAMS = ISAS or [pytest.param("none", marks=pytest.mark.skip(reason="native kernels unavailable"))]
 

@@ -17,20 +17,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import ISAS
+from conftest import avx512_with, on_then_off
 from kvserve.kernels.native import AMX_ENV
 from kvserve.kernels.ops import Kernels
 from kvserve.kernels.quant import BLOCK_QTYPES
 from test_kernels import random_quant
 from test_kernels_int8 import activations
 
-
-def _has_amx() -> bool:
-    kernels = Kernels.create("native")
-    return kernels.native is not None and "amx_int8" in kernels.native.features and "avx512" in ISAS
-
-
-pytestmark = pytest.mark.skipif(not _has_amx(), reason="this CPU has no AMX-INT8 (or no AVX-512 build)")
+pytestmark = pytest.mark.skipif(not avx512_with("amx_int8"), reason="this CPU has no AMX-INT8 (or no AVX-512 build)")
 SETTINGS = settings(max_examples=40, deadline=None)
 
 
@@ -45,13 +39,7 @@ def int8() -> Iterator[Kernels]:
 def both(kernels: Kernels, call) -> tuple[torch.Tensor, torch.Tensor]:
     """`call()` with the tiles on for every weight type (Q4 too, where the engine keeps VNNI), then off
     (restored to the default: Q8_0 only)."""
-    assert kernels.native.set_amx(True, every_type=True)
-    try:
-        tiles = call()
-        kernels.native.set_amx(False)
-        return tiles, call()
-    finally:
-        kernels.native.set_amx(True)
+    return on_then_off(lambda on: kernels.native.set_amx(on, every_type=on), call, lambda: kernels.native.set_amx(True))
 
 
 @SETTINGS

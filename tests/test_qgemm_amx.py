@@ -17,20 +17,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import ISAS
+from conftest import avx512_with, on_then_off
 from kvserve.kernels import reference
 from kvserve.kernels.native import AMX_ENV
 from kvserve.kernels.ops import Kernels
 from kvserve.kernels.quant import QTYPES
 from test_kernels import random_quant
 
-
-def _has_amx_bf16() -> bool:
-    kernels = Kernels.create("native")
-    return kernels.native is not None and "amx_bf16" in kernels.native.features and "avx512" in ISAS
-
-
-pytestmark = pytest.mark.skipif(not _has_amx_bf16(), reason="this CPU has no AMX-BF16 (or no AVX-512 build)")
+pytestmark = pytest.mark.skipif(not avx512_with("amx_bf16"), reason="this CPU has no AMX-BF16 (or no AVX-512 build)")
 SETTINGS = settings(max_examples=40, deadline=None)
 
 
@@ -44,13 +38,7 @@ def exact() -> Iterator[Kernels]:
 
 def both(kernels: Kernels, call) -> tuple[torch.Tensor, torch.Tensor]:
     """`call()` with the exact tiles on, then off (restored on)."""
-    assert kernels.native.set_amx_exact(True)
-    try:
-        tiles = call()
-        kernels.native.set_amx_exact(False)
-        return tiles, call()
-    finally:
-        kernels.native.set_amx_exact(True)
+    return on_then_off(kernels.native.set_amx_exact, call)
 
 
 @SETTINGS
