@@ -94,10 +94,10 @@ exact 193: 3x not met). The int8 path's AMX tiles help its Q8_0 matmuls only (se
 tiles"); `--dtype bfloat16` with quantized weights now computes in fp32 there too (it decoded 4.4x slower
 through torch's bf16: section "Every configuration ... (configs_amx)"). Since 2026-12-02 the exact path's
 wide GEMM runs on AMX-BF16 tiles there, still exact to the dequantized weights (each activation split into
-three bf16 parts): prefill 1.40x / 1.24x at 512 / 2,048 tokens against the same build without them (section
+three bf16 parts): prefill 1.53x / 1.16x at 512 / 2,048 tokens against the same build without them (section
 "The exact path's wide GEMM on AMX-BF16 tiles"); paired with transformers (section "Prefill beside
-transformers ... (kernels_amx_prefill)"): kvserve exact 1,401 / 797 tok/s, int8 2,030 / 1,219, transformers
-fp32 901 / 635, **transformers bf16 2,695 / 2,586: still ahead of both on prefill**.
+transformers ... (kernels_amx_prefill)"): kvserve exact 1,658 / 1,085 tok/s, int8 2,173 / 1,455, transformers
+fp32 979 / 803, **transformers bf16 2,874 / 2,783: still ahead of both on prefill**.
 Sections measured on another machine (the AMD EPYC rows, the AMX Xeon rows) or under load (most of the second round's,
 marked in each) are not comparable across sections.
 

@@ -11,16 +11,18 @@
 // integer (Q4: 0..15 or -8..7, 4 bits; Q8_0: 8 bits) -- so it too is the sum of two (Q4) or three (Q8_0)
 // bf16 pieces; bf16 rows are one piece. Then x * (d q) is the sum of 3 x pieces products, each exact, and
 // the tile sums them over the whole k in float32: no per-block epilogue (the block scales are inside the
-// pieces). Q4_1's + m adds sum_b m_b * sum(x over block b), in float32 once per output. What differs from
-// qgemm.h is only rounding: the order of the float32 sums, and for Q4_1 that d * q + m is not rounded to
-// float32 before it multiplies (qgemm.h's panel rounds it).
+// pieces). Q4_1's + m is sum_b m_b * sum(x over block b): one more tile block per 32 blocks, the m's (fp16,
+// two exact pieces) against the block sums (float32, three splits). What differs from qgemm.h is only
+// rounding: the order of the float32 sums, and for Q4_1 that d * q + m is not rounded to float32 before it
+// multiplies (qgemm.h's panel rounds it).
 //
 // Measured on a Sapphire-Rapids-class Xeon: TDPBF16PS 5.2 ns, a tile store 4.8 ns, a load 2.5; the tile loop
 // alone runs at ~1.4 T bf16 multiply-adds per second per core, which 3 x P products make ~230 G exact ones
 // for Q4. A first version (q as bf16, d and m applied per block from a stored tile, as qmatmul_amx.h does)
-// reached 1.3-1.9x qgemm.h's rate; this one 1.2-2x for Q4, 2-3x for bf16 rows (unpacking the pieces per task
-// and Q4_1's m term are what is left beside the products). Tried, no faster: 256-row tasks; k slices with
-// the products kept in memory between them (so the A tiles of a slice stay in L1).
+// reached 1.3-1.9x qgemm.h's rate; this one 1.3-1.7x for Q4 from 64 rows, 2-3x for bf16 rows (unpacking the
+// pieces per task is what is left beside the products; Q4_1's m term, first an FMA loop per output after the
+// tiles, cost ~20% until it became a tile block). Tried, no faster: 256-row tasks; k slices with the products
+// kept in memory between them (so the A tiles of a slice stay in L1).
 //
 // Layout (the weights are A, so their GGUF rows unpack without a transpose): A (tmm5) is one piece of one
 // block of 16 weight rows, 32 bf16 = 64 bytes a row, unpacked per task; B (tmm2..4) is one split of one block
@@ -46,29 +48,46 @@ static inline bool amx_exact_pays(int qt, int64_t rows) {
 #if KV_HAS_AMX
 #include "amx_split.h"
 
-// x's rows [16 g, 16 g + 16) (rows past `rows` zero) as B tiles: block b, split s at xb + (b * 3 + s) KiB;
-// and, for Q4_1, every block's float32 sum per row (sums[b * 16 + r]).
+// Tile blocks of k: its nb blocks, and for Q4_1 ceil(nb / 32) more that carry sum_b m_b * sum(x over block b)
+// as one more product (A: the blocks' m, B: the activations' block sums).
+template <int QT>
+static inline int64_t ga_blocks(int64_t nb) { return nb + (QT == QT_Q4_1 ? (nb + 31) / 32 : 0); }
+
+// 16 x 32 floats (row r at src + r * stride) as their three bf16 splits in AMX's B layout, at dst + s KiB.
+static inline void ga_pack_b(const float* src, int64_t stride, uint8_t* dst) {
+    __m512i part[3][GA_ROWS];
+    for (int64_t r = 0; r < GA_ROWS; ++r) {
+        __m512 lo[3], hi[3];
+        ga_split(_mm512_loadu_ps(src + r * stride), lo);
+        ga_split(_mm512_loadu_ps(src + r * stride + 16), hi);
+        for (int s = 0; s < 3; ++s) part[s][r] = ga_bf16_pair(lo[s], hi[s]);
+    }
+    for (int s = 0; s < 3; ++s) {
+        ga_transpose16(part[s]);
+        for (int t = 0; t < 16; ++t) _mm512_store_si512(dst + s * 1024 + t * 64, part[s][t]);
+    }
+}
+
+// x's rows [16 g, 16 g + 16) (rows past `rows` zero) as B tiles: tile block b, split s at xb + (b * 3 + s)
+// KiB. Q4_1's extra blocks hold each row's block sums (float32), through `sums` (16 x nbp, zero padded).
+template <int QT>
 static inline void ga_pack_rows(const float* x, int64_t g, int64_t rows, int64_t k, uint8_t* xb, float* sums) {
-    const int64_t nb = k / QK;
+    const int64_t nb = k / QK, nbp = (ga_blocks<QT>(nb) - nb) * 32;
+    alignas(64) float block[GA_ROWS][QK];
     for (int64_t b = 0; b < nb; ++b) {
-        __m512i part[3][GA_ROWS];
         for (int64_t r = 0; r < GA_ROWS; ++r) {
             const int64_t row = g * GA_ROWS + r;
-            __m512 v[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-            if (row < rows) {
-                v[0] = _mm512_loadu_ps(x + row * k + b * QK);
-                v[1] = _mm512_loadu_ps(x + row * k + b * QK + 16);
-            }
-            if (sums != nullptr) sums[b * 16 + r] = _mm512_reduce_add_ps(_mm512_add_ps(v[0], v[1]));
-            __m512 lo[3], hi[3];
-            ga_split(v[0], lo);
-            ga_split(v[1], hi);
-            for (int s = 0; s < 3; ++s) part[s][r] = ga_bf16_pair(lo[s], hi[s]);
+            for (int64_t i = 0; i < QK; i += 16)
+                _mm512_store_ps(block[r] + i, row < rows ? _mm512_loadu_ps(x + row * k + b * QK + i) : _mm512_setzero_ps());
+            if (QT == QT_Q4_1)
+                sums[r * nbp + b] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_load_ps(block[r]), _mm512_load_ps(block[r] + 16)));
         }
-        for (int s = 0; s < 3; ++s) {
-            ga_transpose16(part[s]);
-            for (int t = 0; t < 16; ++t) _mm512_store_si512(xb + (b * 3 + s) * 1024 + t * 64, part[s][t]);
-        }
+        ga_pack_b(block[0], QK, xb + b * 3 * 1024);
+    }
+    if (QT == QT_Q4_1) {
+        for (int64_t r = 0; r < GA_ROWS; ++r)
+            for (int64_t b = nb; b < nbp; ++b) sums[r * nbp + b] = 0.0f;
+        for (int64_t e = 0; e < nbp / 32; ++e) ga_pack_b(sums + e * 32, nbp, xb + (nb + e) * 3 * 1024);
     }
 }
 
@@ -108,15 +127,16 @@ static inline void ga_block_pieces(const uint8_t* blk, const float* half, __m512
     }
 }
 
-// Weight rows [n0, n0 + 16) (rows past n are zero): each block's pieces as A tiles of 1 KiB (block b, piece
-// p at (b * P + p) KiB), and Q4_1's m as float32 (m[b * 16 + c]).
+// Weight rows [n0, n0 + 16) (rows past n are zero): each block's pieces as A tiles of 1 KiB (tile block b,
+// piece p at (b * P + p) KiB). Q4_1's extra blocks hold the rows' m (fp16: 11 significant bits, so hi + mid is
+// exact), gathered through `m` (16 x nbp).
 template <int QT>
 static inline void ga_unpack_tile(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n, int64_t nb,
                                   uint8_t* at, float* m) {
     constexpr int64_t BB = block_bytes(QT);
     constexpr int P = ga_pieces<QT>();
     const float* half = kv_half_table();
-    const int64_t live = n - n0 < GA_COLS ? n - n0 : GA_COLS;
+    const int64_t live = n - n0 < GA_COLS ? n - n0 : GA_COLS, nbp = (ga_blocks<QT>(nb) - nb) * 32;
     for (int64_t b = 0; b < nb; ++b)
         for (int64_t c = 0; c < GA_COLS; ++c) {
             __m512i piece[P];
@@ -126,13 +146,24 @@ static inline void ga_unpack_tile(const uint8_t* w, int64_t row_bytes, int64_t n
                 if (QT == QT_Q4_1) {
                     uint16_t h;
                     __builtin_memcpy(&h, blk + 2, 2);
-                    m[b * 16 + c] = half[h];
+                    m[c * nbp + b] = half[h];
                 }
             } else {
                 for (int p = 0; p < P; ++p) piece[p] = _mm512_setzero_si512();
-                if (QT == QT_Q4_1) m[b * 16 + c] = 0.0f;
+                if (QT == QT_Q4_1) m[c * nbp + b] = 0.0f;
             }
             for (int p = 0; p < P; ++p) _mm512_store_si512(at + (b * P + p) * 1024 + c * 64, piece[p]);
+        }
+    if (QT == QT_Q4_1)
+        for (int64_t c = 0; c < GA_COLS; ++c) {
+            for (int64_t b = nb; b < nbp; ++b) m[c * nbp + b] = 0.0f;
+            for (int64_t e = 0; e < nbp / 32; ++e) {
+                __m512 lo[3], hi[3];
+                ga_split(_mm512_loadu_ps(m + c * nbp + e * 32), lo);
+                ga_split(_mm512_loadu_ps(m + c * nbp + e * 32 + 16), hi);
+                for (int p = 0; p < P; ++p)
+                    _mm512_store_si512(at + ((nb + e) * P + p) * 1024 + c * 64, ga_bf16_pair(lo[p], hi[p]));
+            }
         }
 }
 
@@ -151,23 +182,22 @@ static inline void ga_accumulate(int64_t t) {
     else GA_DP3(7);
 }
 
-// 16 activation rows (their B tiles xb) x the task's column tiles [0, nt), every block and piece, into acc (nt
-// tiles of 16 weight rows x 16 activation rows); Q4_1's m * sum(x) is added after.
+// 16 activation rows (their B tiles xb) x the task's column tiles [0, nt), every tile block (nbt) and piece,
+// into acc (nt tiles of 16 weight rows x 16 activation rows).
 template <int QT>
-static inline void ga_tile_rows(const uint8_t* xb, int64_t nb, int64_t nt, const uint8_t* at, const float* m,
-                                const float* sums, float* acc) {
+static inline void ga_tile_rows(const uint8_t* xb, int64_t nbt, int64_t nt, const uint8_t* at, float* acc) {
     constexpr int P = ga_pieces<QT>();
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(6);
     _tile_zero(7);
-    for (int64_t b = 0; b < nb; ++b) {
+    for (int64_t b = 0; b < nbt; ++b) {
         _tile_loadd(2, xb + (b * 3) * 1024, 64);
         _tile_loadd(3, xb + (b * 3 + 1) * 1024, 64);
         _tile_loadd(4, xb + (b * 3 + 2) * 1024, 64);
         for (int64_t t = 0; t < nt; ++t)
             for (int p = 0; p < P; ++p) {
-                _tile_loadd(5, at + ((t * nb + b) * P + p) * 1024, 64);
+                _tile_loadd(5, at + ((t * nbt + b) * P + p) * 1024, 64);
                 ga_accumulate(t);
             }
     }
@@ -175,14 +205,6 @@ static inline void ga_tile_rows(const uint8_t* xb, int64_t nb, int64_t nt, const
     if (nt > 1) _tile_stored(1, acc + 256, 64);
     if (nt > 2) _tile_stored(6, acc + 512, 64);
     if (nt > 3) _tile_stored(7, acc + 768, 64);
-    if (QT == QT_Q4_1)
-        for (int64_t t = 0; t < nt; ++t)
-            for (int c = 0; c < GA_COLS; ++c) {
-                const float* mc = m + t * nb * 16 + c;
-                __m512 v = _mm512_load_ps(acc + t * 256 + c * 16);
-                for (int64_t b = 0; b < nb; ++b) v = _mm512_fmadd_ps(_mm512_set1_ps(mc[b * 16]), _mm512_load_ps(sums + b * 16), v);
-                _mm512_store_ps(acc + t * 256 + c * 16, v);
-            }
 }
 
 // acc (nt tiles of 16 weight rows x 16 activation rows) into y, transposed: the rows that exist, the columns
@@ -207,30 +229,29 @@ static void qgemm_amx_t(const float* x, int64_t rows, int64_t k, const uint8_t* 
     const int64_t nb = k / QK, groups = (rows + GA_ROWS - 1) / GA_ROWS;
     const int64_t ntiles = (n + GA_COLS - 1) / GA_COLS, nchunks = (ntiles + GA_CHUNK - 1) / GA_CHUNK;
     const int64_t per_super = GA_SUPER / GA_ROWS, nsuper = (groups + per_super - 1) / per_super;
-    const int64_t group_bytes = nb * 3 * 1024;
+    const int64_t nbt = ga_blocks<QT>(nb), nbp = (nbt - nb) * 32, group_bytes = nbt * 3 * 1024;
     ScratchScope scope;  // scratch.h
     uint8_t* xb = scope.take<uint8_t>(groups * group_bytes);
-    float* sums = QT == QT_Q4_1 ? scope.take<float>(groups * nb * 16) : nullptr;
 #pragma omp parallel num_threads(kv_threads())
     {
         ScratchScope own;  // this thread's
-        uint8_t* at = own.take<uint8_t>(GA_CHUNK * nb * P * 1024);
-        float* m = own.take<float>(GA_CHUNK * nb * 16);
+        uint8_t* at = own.take<uint8_t>(GA_CHUNK * nbt * P * 1024);
+        float* sums = QT == QT_Q4_1 ? own.take<float>(GA_ROWS * nbp) : nullptr;
+        float* m = QT == QT_Q4_1 ? own.take<float>(GA_COLS * nbp) : nullptr;
         float* acc = own.take<float>(GA_CHUNK * 256);
         static const AmxBf16TileConfig config;
         _tile_loadconfig(&config);
 #pragma omp for schedule(static)
-        for (int64_t g = 0; g < groups; ++g)
-            ga_pack_rows(x, g, rows, k, xb + g * group_bytes, sums != nullptr ? sums + g * nb * 16 : nullptr);
+        for (int64_t g = 0; g < groups; ++g) ga_pack_rows<QT>(x, g, rows, k, xb + g * group_bytes, sums);
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < nsuper * nchunks; ++task) {
             const int64_t s = task / nchunks, ch = task % nchunks;
             const int64_t t0 = ch * GA_CHUNK, nt = t0 + GA_CHUNK < ntiles ? GA_CHUNK : ntiles - t0;
             for (int64_t t = 0; t < nt; ++t)
-                ga_unpack_tile<QT>(w, row_bytes, (t0 + t) * GA_COLS, n, nb, at + t * nb * P * 1024, m + t * nb * 16);
+                ga_unpack_tile<QT>(w, row_bytes, (t0 + t) * GA_COLS, n, nb, at + t * nbt * P * 1024, m);
             const int64_t g1 = (s + 1) * per_super < groups ? (s + 1) * per_super : groups;
             for (int64_t g = s * per_super; g < g1; ++g) {
-                ga_tile_rows<QT>(xb + g * group_bytes, nb, nt, at, m, sums != nullptr ? sums + g * nb * 16 : nullptr, acc);
+                ga_tile_rows<QT>(xb + g * group_bytes, nbt, nt, at, acc);
                 ga_store(acc, nt, t0 * GA_COLS, n, rows - g * GA_ROWS, y + g * GA_ROWS * ystride, ystride);
             }
         }
