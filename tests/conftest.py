@@ -41,6 +41,8 @@ def _native_isas() -> list[str]:
 
 
 ISAS = _native_isas()
+# One param per ISA, or one skipped param (no compiler / no AVX2): shared by the kernel test modules.
+ISA_PARAMS = ISAS or [pytest.param("none", marks=pytest.mark.skip(reason="native kernels unavailable"))]
 
 
 def avx512_with(feature: str) -> bool:
@@ -62,8 +64,6 @@ def on_then_off(switch, call, restore=None):
         return tiles, call()
     finally:
         (restore or (lambda: switch(True)))()
-# One param per ISA, or one skipped param (no compiler / no AVX2): shared by the kernel test modules.
-ISA_PARAMS = ISAS or [pytest.param("none", marks=pytest.mark.skip(reason="native kernels unavailable"))]
 
 
 @pytest.fixture(scope="module", params=ISA_PARAMS)

@@ -2,11 +2,11 @@
 
 Random rows draw by inverting the row's cumulative distribution (float64) at one uniform number from the
 request's own torch.Generator, so a seeded request gets the same tokens whatever else shares its batch.
-Measured on the CPU here (2026-12-02): the exponential race this replaced (argmax of p / Exp(1) noise, a
-noise value per vocabulary entry) took 6.4 ms a row for a 49k vocabulary, the inversion 0.1 ms; a server
-step with ten sampling rows spent more on noise than on the model. Top-k takes the k-th largest logit from
-`topk`, and top-p looks for the nucleus among the TOP_P_CANDIDATES most probable tokens first (exact
-whenever they hold the mass; else the full sort), instead of sorting the whole vocabulary (3 ms a row).
+Measured on the CPU here (2026-12-02, idle): the exponential race this replaced (argmax of p / Exp(1) noise,
+a noise value per vocabulary entry) took ~1 ms a row for a 49k vocabulary, the inversion 0.07 ms. Top-k takes
+the k-th largest logit from `topk`, and top-p looks for the nucleus among the TOP_P_CANDIDATES most probable
+tokens first (exact whenever they hold the mass; else the full sort), instead of sorting the whole vocabulary
+(~1.5 ms a row). A 16-row decode step with top_p 0.95 went 81.5 -> 37.5 ms.
 """
 
 from __future__ import annotations
@@ -90,9 +90,9 @@ def _apply_top_p(probs: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
     candidates = min(TOP_P_CANDIDATES, probs.shape[-1])
     top, order = probs.topk(candidates, dim=-1)
     top_mass = top.cumsum(dim=-1)
-    short = (top_mass[:, -1] < top_ps).nonzero().flatten() if candidates < probs.shape[-1] else top_ps[:0].long()
+    short = (top_mass[:, -1] < top_ps).nonzero().flatten() if candidates < probs.shape[-1] else []
     result = torch.zeros_like(probs).scatter_(1, order, _nucleus(top, top_mass, top_ps))
-    if short.numel():
+    if len(short):
         full, full_order = probs[short].sort(dim=-1, descending=True)
         kept = _nucleus(full, full.cumsum(dim=-1), top_ps[short])
         result[short] = torch.zeros_like(full).scatter_(1, full_order, kept)
