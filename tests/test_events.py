@@ -1,6 +1,7 @@
 """KV events: vLLM's wire format (round trip, the array form, bad input), and a real ZMQ publisher
 feeding a subscriber on loopback: in-order delivery, replay of what a late subscriber missed,
-gap → resync, and a restarted publisher (sequence back to 0) → the worker's index is rebuilt."""
+gap → resync, a restarted publisher (sequence back to 0, or a new epoch on the replay socket) → the
+worker's index is rebuilt, and the periodic catch-up that finds what the live feed lost."""
 
 from __future__ import annotations
 
@@ -129,6 +130,100 @@ async def _gap_without_replay() -> None:
     assert handler.resets == 1 and index.num_blocks("w0") == 1
     await stream.deliver(6, b"garbage")  # unreadable: also a reset
     assert handler.resets == 2 and index.num_blocks("w0") == 0 and stream.stats.last_seq == 6
+
+
+def stored(tokens: list[int], namespace: tuple = ("alice", "")) -> BlockStored:
+    return BlockStored(block_hashes(tokens, 4, namespace, "sha256"), None, list(tokens), 4)
+
+
+def test_a_restart_whose_numbers_passed_the_old_ones_is_seen_by_its_epoch():
+    asyncio.run(_restart_seen_by_epoch())
+
+
+async def _restart_seen_by_epoch() -> None:
+    pub_endpoint, replay_endpoint = endpoints()
+    publisher = KVEventPublisher(pub_endpoint, replay_endpoint)
+    old, new = list(range(100, 108)), list(range(200, 216))
+    index = BlockIndex()
+    handler = WorkerEvents(index, "w0")
+    stream = EventStream(pub_endpoint, handler, replay_endpoint)  # fed by hand: catch_up() only
+    try:
+        publisher.publish([AllBlocksCleared()])
+        publisher.publish([stored(old)])
+        await wait_until(lambda: publisher.num_published == 2)
+        await stream.catch_up()
+        assert stream.stats.last_seq == 1 and index.num_blocks("w0") == 2
+        # The worker restarts and publishes more batches than the old process did before this stream hears
+        # of it: the numbers never go back, so only the replay's epoch shows the restart.
+        publisher.close()
+        publisher = await rebind(pub_endpoint, replay_endpoint)
+        for chunk in (new[:4], new[4:8], new[8:12], new[12:]):
+            publisher.publish([stored(chunk)])
+        await wait_until(lambda: publisher.num_published == 4)
+        await stream.catch_up()
+        assert handler.resets == 1 and stream.stats.last_seq == 3
+        assert index.num_blocks("w0") == 4  # the new process's four blocks, none of the old one's
+        assert not any(index.holds("w0", h) for h in block_hashes(old, 4, ("alice", ""), "sha256"))
+        index.check_invariants()
+    finally:
+        publisher.close()
+
+
+def test_a_periodic_catch_up_fills_a_lost_tail_and_skips_its_live_copies():
+    asyncio.run(_tail_catch_up())
+
+
+async def _tail_catch_up() -> None:
+    pub_endpoint, replay_endpoint = endpoints()
+    publisher = KVEventPublisher(pub_endpoint, replay_endpoint)
+    tokens = list(range(300, 316))
+    index = BlockIndex()
+    handler = WorkerEvents(index, "w0")
+    stream = EventStream(pub_endpoint, handler, replay_endpoint)  # fed by hand
+    try:
+        publisher.publish([stored(tokens[:4])])
+        await wait_until(lambda: publisher.num_published == 1)
+        await stream.catch_up()
+        publisher.publish([stored(tokens[4:8])])
+        publisher.publish([stored(tokens[8:12])])
+        await wait_until(lambda: publisher.num_published == 3)
+        await stream.catch_up()  # what the live feed did not bring (yet)
+        assert stream.stats.last_seq == 2 and index.num_blocks("w0") == 3
+        for seq in (1, 2):  # the live copies arrive after all: already applied, not a restart
+            await stream.deliver(seq, encode_batch(KVEventBatch(ts=0.0, events=[stored(tokens[:4])])))
+        await stream.deliver(3, encode_batch(KVEventBatch(ts=0.0, events=[stored(tokens[12:])])))
+        assert handler.resets == 0 and stream.stats.last_seq == 3 and index.num_blocks("w0") == 4
+    finally:
+        publisher.close()
+
+
+def test_batches_lost_while_the_sub_socket_reconnects_arrive_by_the_periodic_resync():
+    asyncio.run(_slow_joiner())
+
+
+async def _slow_joiner() -> None:
+    """The router's failure of old: a restarted worker's first batch, published before the SUB socket
+    had reconnected, was lost, and with nothing after it the index never learnt of it."""
+    pub_endpoint, replay_endpoint = endpoints()
+    publisher = KVEventPublisher(pub_endpoint, replay_endpoint)
+    old, new = list(range(400, 404)), list(range(500, 508))
+    index = BlockIndex()
+    handler = WorkerEvents(index, "w0")
+    stream = EventStream(pub_endpoint, handler, replay_endpoint, resync_interval=0.2)
+    task = asyncio.create_task(stream.run())
+    try:
+        await asyncio.sleep(0.3)  # let the SUB connect
+        publisher.publish([stored(old)])
+        await wait_until(lambda: index.num_blocks("w0") == 1)
+        publisher.close()
+        publisher = await rebind(pub_endpoint, replay_endpoint)
+        publisher.publish([stored(new)])  # at once: the SUB has most likely not reconnected yet
+        await wait_until(lambda: index.num_blocks("w0") == 2 and handler.resets >= 1, timeout=5.0)
+        assert all(index.holds("w0", h) for h in block_hashes(new, 4, ("alice", ""), "sha256"))
+        assert not any(index.holds("w0", h) for h in block_hashes(old, 4, ("alice", ""), "sha256"))
+    finally:
+        task.cancel()
+        publisher.close()
 
 
 def test_publisher_reports_a_busy_endpoint():

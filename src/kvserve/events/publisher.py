@@ -3,7 +3,10 @@
 Each batch goes out as three frames: topic, an 8-byte big-endian sequence number (0, 1, 2, ... per
 process), and the msgpack payload. A bounded buffer of recent batches serves replay requests on an
 optional ROUTER socket: a client sends the first sequence number it is missing (8 bytes) and gets
-every buffered batch from there as (seq, payload), then (-1, b"") to end.
+every buffered batch from there as (seq, payload), then (-1, epoch) to end. The epoch (8 random bytes
+per publisher, where vLLM's end marker has an empty payload that its consumers ignore) tells a
+subscriber that the process behind an endpoint changed, which sequence numbers alone cannot: a new
+process's numbers may already have passed the old one's last.
 
 `publish` may be called from any thread (the engine's); a background thread owns the sockets
 (ZMQ sockets are not thread-safe) and never blocks the caller: a full queue drops the batch, and
@@ -13,6 +16,7 @@ subscribers see the gap in the sequence numbers and resynchronise.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -40,6 +44,7 @@ class KVEventPublisher:
         self._queue: queue.Queue[KVEventBatch | None] = queue.Queue(maxsize=max_queue)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._next_seq = 0
+        self.epoch = os.urandom(8)  # this process's stream: sent with every replay's end marker
         self.num_dropped = 0
         self._ready = threading.Event()
         self._error: BaseException | None = None
@@ -116,4 +121,4 @@ class KVEventPublisher:
         for seq, payload in list(self._buffer):
             if seq >= start:
                 replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
-        replay.send_multipart((client, b"", END_SEQ, b""))
+        replay.send_multipart((client, b"", END_SEQ, self.epoch))

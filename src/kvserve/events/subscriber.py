@@ -1,20 +1,25 @@
 """Subscribe to one worker's KV events and deliver them in order, or say that history was lost.
 
 On connect the stream asks the replay socket for everything the publisher still buffers (its
-history, when it started recently), then follows the live feed. Sequence numbers drive resynchronisation:
+history, when it started recently), then follows the live feed. Sequence numbers and the publisher's
+epoch (sent with each replay's end marker) drive resynchronisation:
 - the first batch received is not seq 0 (joined late), or a later one skips ahead (dropped batches):
   ask the replay socket for the missing ones; if it cannot fill the gap, `reset` -- the consumer
   forgets the worker's blocks (an index that under-claims only costs a cache hit; one that
   over-claims steers requests to a cache that is not there);
-- a sequence number at or below the last one: the worker restarted (its cache is empty) -- `reset`,
-  then continue from the new stream.
+- a sequence number at or below the last one, or a replay under another epoch: the worker restarted
+  (its cache is empty) -- `reset`, then apply the new process's history and follow it;
+- every `resync_interval` seconds the stream asks the replay socket what came after its last batch.
+  A SUB socket that reconnects to a restarted worker misses what the new process published before
+  the reconnect completed (ZMQ's slow joiner), and when nothing follows, no gap ever shows: without
+  this check those batches, and the restart itself, would stay unseen.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import zmq
@@ -24,6 +29,7 @@ from kvserve.events.format import KVEventBatch, decode_batch
 
 logger = logging.getLogger("kvserve.events")
 REPLAY_TIMEOUT_S = 2.0
+RESYNC_INTERVAL_S = 1.0
 
 
 class EventHandler(Protocol):
@@ -40,41 +46,68 @@ class StreamStats:
     last_seq: int | None = None
 
 
+@dataclass(slots=True)
+class Replay:
+    """One answer of the replay socket: the publisher's epoch and the buffered batches by sequence number."""
+
+    epoch: bytes
+    batches: dict[int, bytes] = field(default_factory=dict)
+
+
 class EventStream:
     """One SUB socket on `endpoint`; `run()` until cancelled."""
 
     def __init__(self, endpoint: str, handler: EventHandler, replay_endpoint: str | None = None,
-                 context: zmq.asyncio.Context | None = None) -> None:
+                 context: zmq.asyncio.Context | None = None, resync_interval: float = RESYNC_INTERVAL_S) -> None:
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
         self.handler = handler
         self.stats = StreamStats()
         self._context = context or zmq.asyncio.Context.instance()
+        self.resync_interval = resync_interval
         self._replayed: tuple[int, int] | None = None  # live copies of these may still be queued: skip them
+        self._epoch: bytes | None = None  # the publisher process the applied batches came from, once known
 
     async def run(self) -> None:
         sub = self._context.socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.connect(self.endpoint)
+        loop = asyncio.get_running_loop()
         try:
             await self.catch_up()
+            next_check = loop.time() + self.resync_interval
             while True:
-                frames = await sub.recv_multipart()
-                if len(frames) != 3:
-                    logger.warning("kv events from %s: expected 3 frames, got %d", self.endpoint, len(frames))
-                    continue
-                await self.deliver(int.from_bytes(frames[1], "big", signed=True), frames[2])
+                wait_ms = max(0.0, next_check - loop.time()) * 1000
+                if await sub.poll(timeout=wait_ms, flags=zmq.POLLIN):
+                    await self._receive(sub)
+                if loop.time() >= next_check:
+                    await self.catch_up()
+                    next_check = loop.time() + self.resync_interval
         finally:
             sub.close(linger=0)
 
+    async def _receive(self, sub: zmq.asyncio.Socket) -> None:
+        frames = await sub.recv_multipart()
+        if len(frames) != 3:
+            logger.warning("kv events from %s: expected 3 frames, got %d", self.endpoint, len(frames))
+            return
+        await self.deliver(int.from_bytes(frames[1], "big", signed=True), frames[2])
+
     async def catch_up(self) -> None:
-        """Apply what the publisher still buffers after the last applied batch (on connect: its history)."""
+        """Apply what the publisher still buffers after the last applied batch (on connect: its history;
+        after a restart: the new process's history, once the old one's blocks are forgotten)."""
         start = 0 if self.stats.last_seq is None else self.stats.last_seq + 1
-        received = await self._fetch(start)
+        replay = await self._fetch_current(start)
+        if replay is None:
+            return
+        start = 0 if self.stats.last_seq is None else start
+        received = replay.batches
         if not received:
             return
         first = min(received)
         if first != start:
+            if self.stats.last_seq is not None:
+                self._reset(f"batches {start}..{first - 1} were missed and are no longer buffered")
             logger.info("kv events from %s: history before batch %d is gone; the index starts there",
                         self.endpoint, first)
         seq = first
@@ -82,7 +115,9 @@ class EventStream:
             self._apply(seq, received[seq])
             seq += 1
         self.stats.replayed += seq - first
-        self._replayed = (first, seq - 1)
+        # Live copies of an earlier catch-up's batches may still be queued behind these: skip them all.
+        low = first if self._replayed is None else min(self._replayed[0], first)
+        self._replayed = (low, seq - 1)
 
     async def deliver(self, seq: int, payload: bytes) -> None:
         """Apply batch `seq`, first recovering whatever came before it that was missed."""
@@ -92,7 +127,7 @@ class EventStream:
                 return  # the live copy of a batch already applied from the replay
             self._replayed = None
         if last is not None and seq <= last:
-            self._reset(f"sequence went back from {last} to {seq}: the worker restarted")
+            self._restart(f"sequence went back from {last} to {seq}: the worker restarted")
             last = None
         expected = 0 if last is None else last + 1
         if seq > expected and not await self._replay(expected, seq):
@@ -115,17 +150,44 @@ class EventStream:
         self.stats.resets += 1
         self.handler.reset(reason)
 
+    def _restart(self, reason: str) -> None:
+        """The publisher is a new process: forget the old one's blocks and where its stream was."""
+        self._reset(reason)
+        self.stats.last_seq = None
+        self._replayed = None
+        self._epoch = None
+
     async def _replay(self, start: int, stop: int) -> bool:
-        """Apply batches start..stop-1 from the replay socket; True when all of them came back."""
-        received = await self._fetch(start)
-        if received is None or any(seq not in received for seq in range(start, stop)):
+        """Apply batches start..stop-1 from the replay socket (from 0 if the publisher restarted); True
+        when all of them came back."""
+        replay = await self._fetch_current(start)
+        if replay is None:
+            return False
+        start = 0 if self.stats.last_seq is None else start
+        received = replay.batches
+        if any(seq not in received for seq in range(start, stop)):
             return False
         for seq in range(start, stop):
             self._apply(seq, received[seq])
         self.stats.replayed += stop - start
         return True
 
-    async def _fetch(self, start: int) -> dict[int, bytes] | None:
+    async def _fetch_current(self, start: int) -> Replay | None:
+        """`_fetch(start)`, or, when the answer comes from another publisher process than the batches
+        applied so far, `_restart` and the new process's whole buffered history."""
+        replay = await self._fetch(start)
+        if replay is None:
+            return None
+        if self._epoch is not None and replay.epoch != self._epoch:
+            self._restart("the replay socket answers for a new process: the worker restarted")
+            if start != 0:
+                replay = await self._fetch(0)
+                if replay is None:
+                    return None
+        self._epoch = replay.epoch
+        return replay
+
+    async def _fetch(self, start: int) -> Replay | None:
         """Every batch from `start` the publisher still buffers; None without a replay socket or on failure."""
         if self.replay_endpoint is None:
             return None
@@ -138,7 +200,7 @@ class EventStream:
                 frames = await asyncio.wait_for(dealer.recv_multipart(), REPLAY_TIMEOUT_S)
                 seq = int.from_bytes(frames[1], "big", signed=True)
                 if seq < 0:
-                    return received
+                    return Replay(frames[2], received)
                 if seq >= start:
                     received[seq] = frames[2]
         except (TimeoutError, IndexError, zmq.ZMQError) as err:

@@ -10,6 +10,7 @@ import signal
 import threading
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
@@ -138,7 +139,10 @@ def run_server(
     limits = limits or ServerLimits(max_num_seqs=config.max_num_seqs)
     publisher = (KVEventPublisher(kv_events_endpoint, kv_events_replay_endpoint)
                  if kv_events_endpoint else None)
-    with _graceful_signals() as signals, _closing(publisher):
+    adapters: dict[str, LoRAAdapter] = {}
+    offload: list[Any] = []  # the engine's remote tier policy, for a prefill worker's role (or None)
+
+    def build() -> LLMEngine:  # on the engine's thread, which then steps it (AsyncEngine.spawn says why)
         llm_engine = LLMEngine(config)
         if publisher is not None:
             publisher.publish([AllBlocksCleared()])
@@ -146,12 +150,16 @@ def run_server(
         _attach_step_trace(llm_engine)
         if request_log:
             llm_engine.finish_listeners.append(RequestLog(request_log, config.block_size, config.prefix_hash))
-        adapters = {name: llm_engine.load_lora(name, path) for name, path in options.lora_modules}
-        engine = AsyncEngine(llm_engine)
+        adapters.update((name, llm_engine.load_lora(name, path)) for name, path in options.lora_modules)
+        offload.append(remote_offload(llm_engine))
+        return llm_engine
+
+    with _graceful_signals() as signals, _closing(publisher):
+        engine = AsyncEngine.spawn(build)
         try:
             _override_chat_template(engine, options.chat_template)
             show = dashboard_enabled(options.dashboard, host, api_keys is not None)
-            role = RoleInfo(options.role, options.prefill_flush_timeout, remote_offload(llm_engine))
+            role = RoleInfo(options.role, options.prefill_flush_timeout, offload[0])
             replica = ReplicaInfo(prefix_hash=config.prefix_hash, kv_events=publisher, role=role)
             app = build_app(engine, engine.info.model_name, api_keys, max_queue, options, limits, dashboard=show,
                             replica=replica, lora_adapters=adapters)

@@ -1,6 +1,7 @@
 """AsyncEngine: one `LLMEngine` stepped by a dedicated thread, streamed to asyncio callers.
 
-The engine is not thread-safe, so exactly one thread (the engine thread) ever calls it. Everything
+The engine is not thread-safe, so exactly one thread (the engine thread) ever calls it; `spawn` also
+builds it there, so one thread runs all of its OpenMP work (see `spawn`). Everything
 else talks to that thread through an inbox of commands (submit, abort, call) that it drains before
 each step; results travel back through per-request `asyncio.Queue`s fed with
 `loop.call_soon_threadsafe`, so the event loop stays free while the engine computes. When there is
@@ -101,6 +102,32 @@ class AsyncEngine:
         self._stop_mode: str | None = None  # None | "drain" | "abort"
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
+
+    @classmethod
+    def spawn(cls, build: Callable[[], LLMEngine], name: str = "kvserve-engine") -> AsyncEngine:
+        """Build the engine with `build()` on a new thread and step it there; returns once it is built
+        (re-raising what `build` raised).
+
+        Why not `AsyncEngine(engine)`: OpenMP (torch's libgomp, shared by the native kernels) keeps its
+        workers spinning between parallel regions only while the threads it manages number no more than
+        the CPUs. A model loaded on one thread and stepped on another gives libgomp two teams, and on a
+        small machine (2 cores) that tips it over: from then on every region's workers sleep between
+        regions and each region pays their wake-up (a 7-row decode step 37 ms instead of 18). One thread
+        for all of the engine's parallel work keeps one team."""
+        built: Future = Future()
+
+        def run() -> None:
+            try:
+                engine = cls(build())
+            except BaseException as exc:  # noqa: BLE001 - the caller re-raises it
+                built.set_exception(exc)
+                return
+            engine._thread = threading.current_thread()  # this thread steps it: start() has nothing to do
+            built.set_result(engine)
+            engine._run()
+
+        threading.Thread(target=run, name=name, daemon=True).start()
+        return built.result()
 
     # --- lifecycle -----------------------------------------------------------------------------------
 

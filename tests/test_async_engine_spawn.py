@@ -1,0 +1,67 @@
+"""AsyncEngine.spawn: the engine is built on the thread that steps it (so one thread runs all of its OpenMP
+work: see `AsyncEngine.spawn`), serves like an engine built elsewhere, and a failed build reaches the caller."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from kvserve.config import EngineConfig
+from kvserve.engine.engine import LLMEngine
+from kvserve.engine.params import SamplingParams
+from kvserve.serving.async_engine import AsyncEngine
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+PROMPT = [5, 9, 14, 3, 27, 8, 11]
+
+
+def build_on_record(model_dir, threads: list[threading.Thread]):
+    def build() -> LLMEngine:
+        threads.append(threading.current_thread())
+        return LLMEngine(EngineConfig(model=str(model_dir), num_blocks=64), progress=False)
+
+    return build
+
+
+async def tokens_of(engine: AsyncEngine, request_id: str) -> list[int]:
+    final = None
+    async for output in engine.generate(list(PROMPT), GREEDY, request_id):
+        final = output
+    return list(final.token_ids)
+
+
+def test_spawn_builds_and_steps_on_one_thread_with_the_same_tokens(tiny_model_dir):
+    built_on: list[threading.Thread] = []
+    spawned = AsyncEngine.spawn(build_on_record(tiny_model_dir, built_on))
+    elsewhere = AsyncEngine(LLMEngine(EngineConfig(model=str(tiny_model_dir), num_blocks=64), progress=False))
+    elsewhere.start()
+    try:
+        assert spawned.is_alive and built_on[0] is not threading.main_thread()
+
+        async def run() -> tuple[threading.Thread, list[int], list[int]]:
+            stepping = await spawned.call(lambda _: threading.current_thread())
+            return stepping, await tokens_of(spawned, "a"), await tokens_of(elsewhere, "b")
+
+        stepping, ours, theirs = asyncio.run(run())
+        assert stepping is built_on[0]
+        assert ours == theirs and len(ours) == GREEDY.max_tokens
+        spawned.start()  # already stepping on its own thread: nothing to start
+    finally:
+        spawned.shutdown()
+        elsewhere.shutdown()
+    assert not spawned.is_alive and not built_on[0].is_alive()
+
+
+def test_spawn_reraises_a_failed_build_and_leaves_no_thread():
+    before = set(threading.enumerate())
+
+    def build() -> LLMEngine:
+        raise ValueError("no such model: nowhere")
+
+    with pytest.raises(ValueError, match="no such model"):
+        AsyncEngine.spawn(build, name="kvserve-engine-test")
+    for thread in set(threading.enumerate()) - before:
+        thread.join(5)
+        assert not thread.is_alive(), thread.name
