@@ -559,6 +559,18 @@ def test_router_and_cluster_commands_parse():
         build_parser().parse_args(["router", "--policy", "kv_events"])  # --worker is required
 
 
+def test_cluster_workers_share_the_cores_unless_told(monkeypatch):
+    from kvserve.cli import build_parser, engine_config_from_args
+    from kvserve.router.cli import shared_cores
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda _: set(range(8)))
+    engine = engine_config_from_args(build_parser().parse_args(["cluster", "--replicas", "3"]))
+    assert shared_cores(engine, 3).num_threads == 2
+    assert shared_cores(engine, 16).num_threads == 1
+    told = engine_config_from_args(build_parser().parse_args(["cluster", "--num-threads", "4"]))
+    assert shared_cores(told, 3).num_threads == 4
+
+
 @pytest.mark.parametrize(("open_metrics", "anonymous"), [(False, 401), (True, 200)])
 def test_router_metrics_need_an_admin_key_unless_opened(tmp_path, open_metrics, anonymous):
     from fastapi.testclient import TestClient

@@ -8,8 +8,11 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
 from collections.abc import Callable
 
+from kvserve.config import EngineConfig
 from kvserve.router import config as defaults
 from kvserve.router.config import POLICY_NAMES, RouterConfig
 
@@ -31,7 +34,8 @@ def add_cluster_parser(
 ) -> argparse.ArgumentParser:
     parser = commands.add_parser("cluster", help="start N workers on this machine and a router in front",
                                  formatter_class=formatter)
-    parser.add_argument("--replicas", type=int, default=2, help="workers to start")
+    parser.add_argument("--replicas", type=int, default=2,
+                        help="workers to start; without --num-threads each gets its share of the cores")
     parser.add_argument("--worker-host", default="127.0.0.1", help="address the workers bind")
     _add_common_flags(parser, port=8000)
     add_engine_flags(parser)
@@ -93,8 +97,17 @@ def run_cluster(args: argparse.Namespace) -> int:
     from kvserve.router.cluster import Cluster
     from kvserve.router.serve import run_router as serve
 
-    engine = engine_config_from_args(args)
+    engine = shared_cores(engine_config_from_args(args), args.replicas)
     with Cluster.start(engine, args.replicas, args.worker_host, args.api_keys,
                        kv_events=args.policy == "kv_events") as cluster:
         serve(router_config(args, cluster.urls))
     return 0
+
+
+def shared_cores(engine: EngineConfig, replicas: int) -> EngineConfig:
+    """Without `--num-threads`, each of the replicas gets its share of this machine's cores: N workers of
+    all the cores each would run N x cores spinning OpenMP threads on them."""
+    if engine.num_threads is not None:
+        return engine
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return dataclasses.replace(engine, num_threads=max(1, cores // max(1, replicas)))

@@ -25,6 +25,7 @@ from kvserve.events.engine_hook import attach_kv_events
 from kvserve.events.format import AllBlocksCleared
 from kvserve.events.publisher import KVEventPublisher
 from kvserve.lora.adapter import LoRAAdapter
+from kvserve.openmp import serial_thread
 from kvserve.replay.request_log import RequestLog
 from kvserve.server import admin_routes, extra_routes, lora_routes, openai_routes
 from kvserve.server.auth import ApiKeys, add_operator_keys, load_api_keys
@@ -65,11 +66,14 @@ def build_app(
     metrics = ServerMetrics(async_engine.stats, names[0], async_engine.info.max_model_len)
     stats_logger = StatsLogger(metrics.totals, async_engine.stats, logger)
     limits = limits or ServerLimits()
-    workers = ThreadPoolExecutor(limits.input_workers, thread_name_prefix="kvserve-inputs")
+    workers = ThreadPoolExecutor(limits.input_workers, thread_name_prefix="kvserve-inputs", initializer=serial_thread)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         async_engine.start()
+        # asyncio.to_thread's threads (dashboard, heap trims, hand-offs) stay off OpenMP too (openmp.py).
+        asyncio.get_running_loop().set_default_executor(
+            ThreadPoolExecutor(thread_name_prefix="kvserve-aux", initializer=serial_thread))
         try:
             heap_log = bool(os.environ.get("KVSERVE_HEAP_LOG"))  # one heap-statistics line per trim
             async with periodic_stats(stats_logger, options.stats_log_interval), periodic_trim(log=heap_log):
@@ -156,6 +160,7 @@ def run_server(
 
     with _graceful_signals() as signals, _closing(publisher):
         engine = AsyncEngine.spawn(build)
+        serial_thread()  # this thread runs the event loop: its torch ops must not start a second OpenMP team
         try:
             _override_chat_template(engine, options.chat_template)
             show = dashboard_enabled(options.dashboard, host, api_keys is not None)

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvserve.openmp import serial_thread
 from kvserve.tiers.codec import BlockCodec, BlockFormatError
 from kvserve.tiers.disk import DiskStore
 from kvserve.tiers.host import HostStore
@@ -88,7 +89,9 @@ class OffloadPolicy:
         self._remote_writer = BackgroundWriter(remote, max_queued_blocks) if remote is not None else None
         if host is not None and disk is not None:  # else nothing takes the evicted bytes: no copies
             host.on_evict = self._host_evicted
-        self._loader = ThreadPoolExecutor(max_workers=load_workers, thread_name_prefix="kv-load")
+        # Loads promote blocks into host RAM (large tensor copies): on these threads, without OpenMP (openmp.py).
+        self._loader = ThreadPoolExecutor(max_workers=load_workers, thread_name_prefix="kv-load",
+                                          initializer=serial_thread)
         self._counters = _Counters()
 
     @property

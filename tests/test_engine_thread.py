@@ -1,5 +1,7 @@
-"""AsyncEngine.spawn: the engine is built on the thread that steps it (so one thread runs all of its OpenMP
-work: see `AsyncEngine.spawn`), serves like an engine built elsewhere, and a failed build reaches the caller."""
+"""One thread for the engine's OpenMP work (kvserve/openmp.py): `AsyncEngine.spawn` builds the engine on the
+thread that steps it, serves like an engine built elsewhere, and hands a failed build to the caller;
+`serial_thread` keeps a helper thread's torch ops on that thread (the tiers' loaders, the server's pools)
+and leaves every other thread's count alone."""
 
 from __future__ import annotations
 
@@ -7,11 +9,17 @@ import asyncio
 import threading
 
 import pytest
+import torch
 
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import LLMEngine
 from kvserve.engine.params import SamplingParams
+from kvserve.openmp import serial_thread
 from kvserve.serving.async_engine import AsyncEngine
+from kvserve.tiers.codec import BlockCodec
+from kvserve.tiers.host import HostStore
+from kvserve.tiers.offload import OffloadPolicy
+from kvserve.tiers.store import model_fingerprint
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 PROMPT = [5, 9, 14, 3, 27, 8, 11]
@@ -65,3 +73,26 @@ def test_spawn_reraises_a_failed_build_and_leaves_no_thread():
     for thread in set(threading.enumerate()) - before:
         thread.join(5)
         assert not thread.is_alive(), thread.name
+
+
+def in_thread(fn):
+    result: list = []
+    thread = threading.Thread(target=lambda: result.append(fn()))
+    thread.start()
+    thread.join()
+    return result[0]
+
+
+def test_serial_thread_runs_that_threads_ops_alone_and_no_one_elses():
+    before = torch.get_num_threads()
+    assert in_thread(lambda: (serial_thread(), torch.get_num_threads())) == (True, 1)
+    assert torch.get_num_threads() == before  # the caller's (and the engine's) count is untouched
+    if before > 1:
+        assert in_thread(torch.get_num_threads) == before  # a thread that did not ask keeps torch's count
+
+
+def test_tier_loads_run_on_serial_threads():
+    codec = BlockCodec.for_pool(torch.zeros(2, 2, 4, 4, 2, 8))
+    policy = OffloadPolicy(codec, model_fingerprint(kv_dtype="float32", block_size=4, config={}),
+                           host=HostStore(4 * codec.payload_bytes))
+    assert policy._loader.submit(torch.get_num_threads).result() == 1
