@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import statistics
@@ -190,6 +191,7 @@ def main() -> int:
         args.capacity, args.control, args.duration, args.warmup, args.rss_every = 20.0, 45.0, 60.0, 20.0, 10.0
         args.no_write = True
 
+    gc.freeze()  # the clients' imports out of every full collection: its pauses would count in their TTFTs
     print(f"starting server with {args.model} ...", file=sys.stderr)
     server_args = ["--model", args.model, "--kv-cache-memory", args.kv_cache_memory]
     server_args += ["--weights", args.weights] if args.weights else []

@@ -33,7 +33,7 @@ from kvserve.server.dashboard import dashboard_enabled
 from kvserve.server.dashboard import install as install_dashboard
 from kvserve.server.errors import install_error_handlers
 from kvserve.server.frontdoor import guarded_protocol
-from kvserve.server.heap import fix_mmap_threshold, periodic_trim
+from kvserve.server.heap import fix_mmap_threshold, freeze_startup_objects, periodic_trim
 from kvserve.server.limits import ServerLimits
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.options import DEFAULT_MAX_QUEUE, GRACEFUL_SHUTDOWN_S, ServerOptions
@@ -180,6 +180,7 @@ def run_server(
                 timeout_keep_alive=limits.keep_alive_s,
             ))
             engine.set_death_callback(server.engine_died)
+            freeze_startup_objects()
             signals.serving = True
             server.run()
         finally:

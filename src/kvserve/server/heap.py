@@ -119,6 +119,19 @@ def fix_mmap_threshold(threshold: int | None = None) -> bool:
     return pin_mmap_threshold(threshold)
 
 
+def freeze_startup_objects() -> int:
+    """Move every object alive now (the model's, the tokenizer's, the app's) out of the cyclic collector's
+    reach, as vLLM's engine core does after start-up; returns how many were frozen.
+
+    Why: a full collection walks every tracked object, and a loaded server tracks ~200k that live as long
+    as it does: `gc.collect(2)` took 55 ms on this machine, a pause of the thread that triggers it (with
+    the GIL, so the engine's Python too) whenever the request traffic's garbage set one off; frozen, 0.1
+    ms. Objects created later are collected as before."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
 class PythonHeapDiff:
     """KVSERVE_TRACEMALLOC=N (frames): the Python allocations that grew most since the first trim, logged
     at each trim (investigation only: tracing costs speed). Tells Python-object growth from native."""

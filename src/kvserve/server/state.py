@@ -78,22 +78,28 @@ def server_state(request: Request) -> ServerState:
     return request.app.state.server
 
 
-def principal(request: Request) -> Principal:
-    """Dependency: the caller's principal (401 without a valid key when keys are configured)."""
-    try:
-        return authenticate(request.headers.get("authorization"), server_state(request).api_keys)
-    except AuthError as err:
-        raise ApiError(err.status, str(err), code="invalid_api_key", type_="authentication_error") from err
+async def principal(request: Request) -> Principal:
+    """Dependency: the caller's principal (401 without a valid key when keys are configured). Async, as
+    is `admin`: FastAPI runs a plain `def` dependency on its thread pool, a thread hop (and a thread) per
+    request for a header lookup."""
+    return _principal(request)
 
 
-def admin(request: Request) -> Principal:
+async def admin(request: Request) -> Principal:
     """Dependency: an admin principal (403 for a tenant key)."""
-    caller = principal(request)
+    caller = _principal(request)
     try:
         require_admin(caller)
     except AuthError as err:
         raise ApiError(err.status, str(err), code="forbidden", type_="permission_error") from err
     return caller
+
+
+def _principal(request: Request) -> Principal:
+    try:
+        return authenticate(request.headers.get("authorization"), server_state(request).api_keys)
+    except AuthError as err:
+        raise ApiError(err.status, str(err), code="invalid_api_key", type_="authentication_error") from err
 
 
 async def parse_body(request: Request, model: type[ModelT]) -> ModelT:
