@@ -132,12 +132,23 @@ def server(chat_model_dir: Path) -> Iterator[ServerProcess]:
 def metric_value(url: str, name: str, headers: dict | None = None, default: float | None = None) -> float:
     """One sample of /metrics, e.g. `kvserve_kv_cache_blocks{state="used"}` (`default` if absent).
     The `model_name` label every series carries is left out of `name`."""
+    return metric_values(url, [name], headers, default)[name]
+
+
+def metric_values(url: str, names: list[str], headers: dict | None = None,
+                  default: float | None = None) -> dict[str, float]:
+    """Samples from one /metrics page: one engine snapshot, so they agree with each other (three fetches
+    could straddle a step that moves blocks between states)."""
     text = without_model_label(httpx.get(f"{url}/metrics", headers=headers, timeout=10).text)
-    match = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.MULTILINE)
-    if match is None and default is not None:
-        return default
-    assert match, f"{name} missing from /metrics"
-    return float(match.group(1))
+    values = {}
+    for name in names:
+        match = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.MULTILINE)
+        if match is None and default is not None:
+            values[name] = default
+            continue
+        assert match, f"{name} missing from /metrics"
+        values[name] = float(match.group(1))
+    return values
 
 
 def without_model_label(text: str) -> str:
@@ -150,10 +161,11 @@ def wait_until_drained(url: str, headers: dict | None = None, timeout: float = 1
     """Poll /metrics until no block is referenced and nothing runs or waits; return the block counts."""
     deadline = time.monotonic() + timeout
     while True:
-        counts = {state: metric_value(url, f'kvserve_kv_cache_blocks{{state="{state}"}}', headers)
-                  for state in ("free", "cached", "used")}
-        busy = sum(metric_value(url, name, headers)
-                   for name in ("kvserve_num_requests_running", "kvserve_num_requests_waiting"))
+        states = {state: f'kvserve_kv_cache_blocks{{state="{state}"}}' for state in ("free", "cached", "used")}
+        busy_names = ["kvserve_num_requests_running", "kvserve_num_requests_waiting"]
+        values = metric_values(url, [*states.values(), *busy_names], headers)
+        counts = {state: values[name] for state, name in states.items()}
+        busy = sum(values[name] for name in busy_names)
         if counts["used"] == 0 and busy == 0:
             return counts
         assert time.monotonic() < deadline, f"pool not drained: {counts}, busy={busy}"
