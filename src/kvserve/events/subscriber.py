@@ -81,7 +81,7 @@ class EventStream:
                 if await sub.poll(timeout=wait_ms, flags=zmq.POLLIN):
                     await self._receive(sub)
                 if loop.time() >= next_check:
-                    await self.catch_up()
+                    await self.catch_up(periodic=True)
                     next_check = loop.time() + self.resync_interval
         finally:
             sub.close(linger=0)
@@ -93,11 +93,12 @@ class EventStream:
             return
         await self.deliver(int.from_bytes(frames[1], "big", signed=True), frames[2])
 
-    async def catch_up(self) -> None:
+    async def catch_up(self, periodic: bool = False) -> None:
         """Apply what the publisher still buffers after the last applied batch (on connect: its history;
-        after a restart: the new process's history, once the old one's blocks are forgotten)."""
+        after a restart: the new process's history, once the old one's blocks are forgotten). `periodic`:
+        a failed fetch is logged at debug level only (a worker that is down would log every interval)."""
         start = 0 if self.stats.last_seq is None else self.stats.last_seq + 1
-        replay = await self._fetch_current(start)
+        replay = await self._fetch_current(start, quiet=periodic)
         if replay is None:
             return
         start = 0 if self.stats.last_seq is None else start
@@ -172,22 +173,22 @@ class EventStream:
         self.stats.replayed += stop - start
         return True
 
-    async def _fetch_current(self, start: int) -> Replay | None:
+    async def _fetch_current(self, start: int, quiet: bool = False) -> Replay | None:
         """`_fetch(start)`, or, when the answer comes from another publisher process than the batches
         applied so far, `_restart` and the new process's whole buffered history."""
-        replay = await self._fetch(start)
+        replay = await self._fetch(start, quiet)
         if replay is None:
             return None
         if self._epoch is not None and replay.epoch != self._epoch:
             self._restart("the replay socket answers for a new process: the worker restarted")
             if start != 0:
-                replay = await self._fetch(0)
+                replay = await self._fetch(0, quiet)
                 if replay is None:
                     return None
         self._epoch = replay.epoch
         return replay
 
-    async def _fetch(self, start: int) -> Replay | None:
+    async def _fetch(self, start: int, quiet: bool = False) -> Replay | None:
         """Every batch from `start` the publisher still buffers; None without a replay socket or on failure."""
         if self.replay_endpoint is None:
             return None
@@ -204,7 +205,8 @@ class EventStream:
                 if seq >= start:
                     received[seq] = frames[2]
         except (TimeoutError, IndexError, zmq.ZMQError) as err:
-            logger.warning("kv events: replay from %s failed: %s", self.replay_endpoint, err)
+            logger.log(logging.DEBUG if quiet else logging.WARNING, "kv events: replay from %s failed: %s",
+                       self.replay_endpoint, err)
             return None
         finally:
             dealer.close(linger=0)
