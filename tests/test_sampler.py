@@ -1,7 +1,7 @@
 """The sampler's random draws and filters (engine/sampler.py) against their definitions: the inverse-CDF
 draw follows the distribution and never picks a token of zero probability; the top-k and top-p filters
 equal the full-sort rules they replace (top-p's candidate path and its fallback, ties, rows that need no
-filter); a seeded draw depends only on its generator."""
+filter); a seeded draw depends only on its generator; greedy rows take the first maximal token."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvserve.engine import sampler
+from kvserve.engine.params import SamplingParams
 
 
 def _sorted_top_p(probs: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
@@ -86,3 +87,21 @@ def test_draw_of_a_single_token():
     one_hot = torch.zeros(100)
     one_hot[42] = 3.0
     assert {sampler.draw(one_hot, torch.Generator().manual_seed(s)) for s in range(50)} == {42}
+
+
+class _Greedy:
+    """What `sample` reads of a greedy request with no processors and no log-probs."""
+
+    params = SamplingParams(temperature=0.0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 24), vocab=st.sampled_from([5, 300, 49152]), levels=st.integers(1, 4),
+       seed=st.integers(0, 2**16))
+def test_greedy_picks_the_first_maximal_token(rows, vocab, levels, seed):
+    """Greedy rows take max's index (faster than argmax on CPU): the first maximal token, ties included."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randint(0, levels, (rows, vocab), generator=gen).float()  # few values: many ties
+    greedy = sampler.sample(logits, [_Greedy() for _ in range(rows)])[0]
+    first = [int(torch.nonzero(row == row.max())[0]) for row in logits]
+    assert greedy == first
