@@ -72,6 +72,17 @@ async def rebind(endpoint: str, replay_endpoint: str) -> KVEventPublisher:
     raise TimeoutError(f"{endpoint} stayed busy")
 
 
+def wired(**stream_args) -> tuple[str, str, KVEventPublisher, BlockIndex, WorkerEvents, EventStream]:
+    """A publisher on fresh loopback endpoints and a stream for worker "w0" over them (not running: a test
+    starts `run()` or feeds it by hand)."""
+    pub_endpoint, replay_endpoint = endpoints()
+    publisher = KVEventPublisher(pub_endpoint, replay_endpoint)
+    index = BlockIndex()
+    handler = WorkerEvents(index, "w0")
+    return pub_endpoint, replay_endpoint, publisher, index, handler, EventStream(pub_endpoint, handler,
+                                                                                 replay_endpoint, **stream_args)
+
+
 def test_publisher_to_index_with_replay_and_restart():
     asyncio.run(_publisher_to_index())
 
@@ -141,12 +152,8 @@ def test_a_restart_whose_numbers_passed_the_old_ones_is_seen_by_its_epoch():
 
 
 async def _restart_seen_by_epoch() -> None:
-    pub_endpoint, replay_endpoint = endpoints()
-    publisher = KVEventPublisher(pub_endpoint, replay_endpoint)
+    pub_endpoint, replay_endpoint, publisher, index, handler, stream = wired()  # fed by hand: catch_up() only
     old, new = list(range(100, 108)), list(range(200, 216))
-    index = BlockIndex()
-    handler = WorkerEvents(index, "w0")
-    stream = EventStream(pub_endpoint, handler, replay_endpoint)  # fed by hand: catch_up() only
     try:
         publisher.publish([AllBlocksCleared()])
         publisher.publish([stored(old)])
@@ -174,12 +181,8 @@ def test_a_periodic_catch_up_fills_a_lost_tail_and_skips_its_live_copies():
 
 
 async def _tail_catch_up() -> None:
-    pub_endpoint, replay_endpoint = endpoints()
-    publisher = KVEventPublisher(pub_endpoint, replay_endpoint)
+    _, _, publisher, index, handler, stream = wired()  # fed by hand
     tokens = list(range(300, 316))
-    index = BlockIndex()
-    handler = WorkerEvents(index, "w0")
-    stream = EventStream(pub_endpoint, handler, replay_endpoint)  # fed by hand
     try:
         publisher.publish([stored(tokens[:4])])
         await wait_until(lambda: publisher.num_published == 1)
@@ -204,12 +207,8 @@ def test_batches_lost_while_the_sub_socket_reconnects_arrive_by_the_periodic_res
 async def _slow_joiner() -> None:
     """The router's failure of old: a restarted worker's first batch, published before the SUB socket
     had reconnected, was lost, and with nothing after it the index never learnt of it."""
-    pub_endpoint, replay_endpoint = endpoints()
-    publisher = KVEventPublisher(pub_endpoint, replay_endpoint)
+    pub_endpoint, replay_endpoint, publisher, index, handler, stream = wired(resync_interval=0.2)
     old, new = list(range(400, 404)), list(range(500, 508))
-    index = BlockIndex()
-    handler = WorkerEvents(index, "w0")
-    stream = EventStream(pub_endpoint, handler, replay_endpoint, resync_interval=0.2)
     task = asyncio.create_task(stream.run())
     try:
         await asyncio.sleep(0.3)  # let the SUB connect
