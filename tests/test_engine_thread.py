@@ -96,3 +96,16 @@ def test_tier_loads_run_on_serial_threads():
     policy = OffloadPolicy(codec, model_fingerprint(kv_dtype="float32", block_size=4, config={}),
                            host=HostStore(4 * codec.payload_bytes))
     assert policy._loader.submit(torch.get_num_threads).result() == 1
+
+
+def test_an_engine_built_on_another_thread_is_named_in_the_log(tiny_model_dir, caplog):
+    built_here = AsyncEngine(LLMEngine(EngineConfig(model=str(tiny_model_dir), num_blocks=64), progress=False))
+    spawned = AsyncEngine.spawn(build_on_record(tiny_model_dir, []))
+    with caplog.at_level("WARNING", logger="kvserve.serving.async_engine"):
+        built_here.start()
+        asyncio.run(tokens_of(built_here, "x"))
+        asyncio.run(tokens_of(spawned, "y"))
+    built_here.shutdown()
+    spawned.shutdown()
+    warned = [r for r in caplog.records if "built on another thread" in r.getMessage()]
+    assert len(warned) == (1 if torch.get_num_threads() > 1 else 0)

@@ -39,6 +39,11 @@ def finish_reasons(chunks) -> list[str]:
 # --- basic shapes ---------------------------------------------------------------------------------------
 
 
+def test_the_server_steps_its_engine_on_the_thread_that_built_it(server, client):  # noqa: F811
+    client.completions.create(model=MODEL, prompt="Hello", max_tokens=2)
+    assert "built on another thread" not in server.log_path.read_text()  # AsyncEngine.spawn (openmp.py)
+
+
 def test_models_and_health(server, client):  # noqa: F811
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}

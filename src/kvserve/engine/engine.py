@@ -16,6 +16,7 @@ import itertools
 import logging
 import os
 import random
+import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -65,6 +66,7 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, progress: bool = True) -> None:
         self.config = config
+        self.built_on_thread = threading.get_ident()  # AsyncEngine warns when another thread steps it
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         loaded = load_model(config.model, progress=progress, weights=config.weights)
