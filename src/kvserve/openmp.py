@@ -14,11 +14,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 
 import torch
-
-logger = logging.getLogger(__name__)
 
 
 @functools.cache
