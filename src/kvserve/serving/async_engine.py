@@ -15,12 +15,11 @@ no work the engine thread sleeps on a condition variable instead of spinning.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -31,6 +30,7 @@ from kvserve.engine.params import BeamSearchParams, SamplingParams
 from kvserve.engine.request import RequestOutput
 from kvserve.lora.adapter import LoRAAdapter
 from kvserve.prefix.namespace import Namespace
+from kvserve.serving.crossing import call_soon, put_all, settle, snapshot
 from kvserve.serving.streams import EngineDeadError, RequestFailedError, RequestGroup
 
 __all__ = ["AsyncEngine", "EngineDeadError", "EngineInfo", "RequestFailedError", "RequestGroup", "RequestSpec"]
@@ -297,9 +297,9 @@ class AsyncEngine:
             try:
                 result = command.run()
             except Exception as exc:  # noqa: BLE001 - a bad request is the caller's error, not ours
-                _settle(command.future, error=exc)
+                settle(command.future, error=exc)
             else:
-                _settle(command.future, result=result)
+                settle(command.future, result=result)
         return sum(command.num_submissions for command in commands)
 
     def _refresh_stats(self, num_admitted: int = 0) -> None:
@@ -334,11 +334,11 @@ class AsyncEngine:
             sink = self._sinks.pop(request_id) if output.finished else self._sinks.get(request_id)
             if sink is None:
                 continue
-            item = (sink.index, _snapshot(output)) if output.error is None else (
+            item = (sink.index, snapshot(output)) if output.error is None else (
                 RequestFailedError(output.error, request_id))
             batches.setdefault(sink.loop, []).append((sink.queue, item))
         for loop, batch in batches.items():
-            _call_soon(loop, _put_all, batch)
+            call_soon(loop, put_all, batch)
 
     def _abort_everything(self) -> None:
         """At shutdown: abort whatever is still queued or running so every stream ends."""
@@ -358,7 +358,7 @@ class AsyncEngine:
             batches.setdefault(sink.loop, []).append((sink.queue, error))
         self._sinks.clear()
         for loop, batch in batches.items():
-            _call_soon(loop, _put_all, batch)
+            call_soon(loop, put_all, batch)
 
     def _fail_commands(self, error: BaseException) -> None:
         with self._cond:
@@ -366,7 +366,7 @@ class AsyncEngine:
             self._inbox.clear()
             self._num_unadmitted = 0
         for command in commands:
-            _settle(command.future, error=error)
+            settle(command.future, error=error)
 
 
 def _warn_if_built_elsewhere(engine: LLMEngine) -> None:
@@ -376,33 +376,3 @@ def _warn_if_built_elsewhere(engine: LLMEngine) -> None:
         logger.warning("the engine was built on another thread than the one stepping it: OpenMP then runs two "
                        "thread teams, which can make every step slower on a small machine (build it with "
                        "AsyncEngine.spawn)")
-
-
-def _snapshot(output: RequestOutput) -> RequestOutput:
-    """A copy safe to read on another thread: the engine keeps appending to logprobs and metrics."""
-    logprobs = list(output.logprobs) if output.logprobs is not None else None
-    return dataclasses.replace(output, logprobs=logprobs, metrics=dataclasses.replace(output.metrics))
-
-
-def _put_all(batch: list[tuple[asyncio.Queue, object]]) -> None:
-    for queue, item in batch:
-        queue.put_nowait(item)
-
-
-def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> None:
-    try:
-        loop.call_soon_threadsafe(fn, *args)
-    except RuntimeError:
-        pass  # that event loop is closed: its callers are gone
-
-
-def _settle(future: Future | None, result: object = None, error: BaseException | None = None) -> None:
-    if future is None or future.done():
-        return
-    try:
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)
-    except InvalidStateError:
-        pass  # cancelled by its caller in the meantime
