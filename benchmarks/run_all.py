@@ -16,7 +16,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 ORDER = [
     "throughput", "memory_efficiency", "prefix_cache", "prefix_lookup", "parallel_memory",
-    "server_load", "serve_sweep", "side_channel", "dashboard", "soak", "router", "router_2w",
+    "server_load", "server_steps", "serve_sweep", "side_channel", "dashboard", "soak", "router", "router_2w",
     "router_2w_amx", "eviction", "structured",
     "tiers", "kernels", "kernels_avx2", "kernels_amx", "configs", "configs_amx", "amx", "amx_exact", "kernels_prefill",
     "kernels_amx_prefill",
