@@ -101,11 +101,27 @@ def test_tier_loads_run_on_serial_threads():
 def test_an_engine_built_on_another_thread_is_named_in_the_log(tiny_model_dir, caplog):
     built_here = AsyncEngine(LLMEngine(EngineConfig(model=str(tiny_model_dir), num_blocks=64), progress=False))
     spawned = AsyncEngine.spawn(build_on_record(tiny_model_dir, []))
-    with caplog.at_level("WARNING", logger="kvserve.serving.async_engine"):
+    with caplog.at_level("WARNING", logger="kvserve.engine.step_threads"):
         built_here.start()
         asyncio.run(tokens_of(built_here, "x"))
         asyncio.run(tokens_of(spawned, "y"))
     built_here.shutdown()
     spawned.shutdown()
+    warned = [r for r in caplog.records if "built on another thread" in r.getMessage()]
+    assert len(warned) == (1 if torch.get_num_threads() > 1 else 0)
+
+
+def test_each_new_stepping_thread_is_named_once(tiny_model_dir, caplog):
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), num_blocks=64), progress=False)
+
+    def steps(tag: str) -> None:
+        engine.add(engine.make_request(list(PROMPT), GREEDY, request_id=tag))
+        while engine.has_unfinished_requests():
+            engine.step()
+
+    with caplog.at_level("WARNING", logger="kvserve.engine.step_threads"):
+        steps("main")  # the thread that built it: nothing to say
+        in_thread(lambda: (steps("other-1"), steps("other-2")))  # one warning for that thread
+        steps("main-again")  # back on the builder: nothing
     warned = [r for r in caplog.records if "built on another thread" in r.getMessage()]
     assert len(warned) == (1 if torch.get_num_threads() > 1 else 0)

@@ -16,7 +16,6 @@ import itertools
 import logging
 import os
 import random
-import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -44,6 +43,7 @@ from kvserve.engine.setup import (
 )
 from kvserve.engine.stats import engine_stats
 from kvserve.engine.step_cost import make_auto_row_cap
+from kvserve.engine.step_threads import StepThreads
 from kvserve.engine.structured import GrammarCompiler
 from kvserve.engine.tokens import append_sampled_token
 from kvserve.engine.validation import check_fits, encode_prompt, validate_prompt_ids, validate_token_params
@@ -66,7 +66,7 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, progress: bool = True) -> None:
         self.config = config
-        self.built_on_thread = threading.get_ident()  # AsyncEngine warns when another thread steps it
+        self._threads = StepThreads()  # warns when a thread other than this one steps it (openmp.py)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         loaded = load_model(config.model, progress=progress, weights=config.weights)
@@ -222,6 +222,7 @@ class LLMEngine:
         A request whose work raises is aborted with an error output (engine/failures.py); an exception
         outside any request's work (scheduling, block copies, invariant checks) propagates: the engine
         loop cannot go on."""
+        self._threads.check()
         started = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         outputs = self._run(scheduler_output) if scheduler_output.scheduled else []

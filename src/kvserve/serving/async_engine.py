@@ -23,8 +23,6 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import torch
-
 from kvserve.engine.engine import LLMEngine
 from kvserve.engine.params import BeamSearchParams, SamplingParams
 from kvserve.engine.request import RequestOutput
@@ -247,7 +245,6 @@ class AsyncEngine:
     # --- the engine thread ---------------------------------------------------------------------------
 
     def _run(self) -> None:
-        _warn_if_built_elsewhere(self._engine)
         try:
             while self._run_once():
                 pass
@@ -367,12 +364,3 @@ class AsyncEngine:
             self._num_unadmitted = 0
         for command in commands:
             settle(command.future, error=error)
-
-
-def _warn_if_built_elsewhere(engine: LLMEngine) -> None:
-    """Say once, on the engine thread, when the engine was built on another thread with OpenMP on."""
-    built_on = getattr(engine, "built_on_thread", None)
-    if built_on is not None and built_on != threading.get_ident() and torch.get_num_threads() > 1:
-        logger.warning("the engine was built on another thread than the one stepping it: OpenMP then runs two "
-                       "thread teams, which can make every step slower on a small machine (build it with "
-                       "AsyncEngine.spawn)")
