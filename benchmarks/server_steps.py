@@ -22,8 +22,8 @@ import os
 import statistics
 import sys
 import tempfile
-import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -81,11 +81,9 @@ def offline_steps(engine: LLMEngine, n: int, tokens: int, tag: str) -> float:
 
 
 def on_thread(fn):
-    result: list = []
-    thread = threading.Thread(target=lambda: result.append(fn()))
-    thread.start()
-    thread.join()
-    return result[0]
+    """fn() on a new thread (each call its own, ended before this returns)."""
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(fn).result()
 
 
 def main() -> int:
