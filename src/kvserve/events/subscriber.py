@@ -48,8 +48,10 @@ class StreamStats:
 
 @dataclass(slots=True)
 class Replay:
-    """One answer of the replay socket: the publisher's epoch and the buffered batches by sequence number."""
+    """One answer of the replay socket: the publisher's epoch and the buffered batches by sequence number
+    from `start` (the first one asked for)."""
 
+    start: int
     epoch: bytes
     batches: dict[int, bytes] = field(default_factory=dict)
 
@@ -101,8 +103,7 @@ class EventStream:
         replay = await self._fetch_current(start, quiet=periodic)
         if replay is None:
             return
-        start = 0 if self.stats.last_seq is None else start
-        received = replay.batches
+        start, received = replay.start, replay.batches
         if not received:
             return
         first = min(received)
@@ -164,8 +165,7 @@ class EventStream:
         replay = await self._fetch_current(start)
         if replay is None:
             return False
-        start = 0 if self.stats.last_seq is None else start
-        received = replay.batches
+        start, received = replay.start, replay.batches
         if any(seq not in received for seq in range(start, stop)):
             return False
         for seq in range(start, stop):
@@ -201,7 +201,7 @@ class EventStream:
                 frames = await asyncio.wait_for(dealer.recv_multipart(), REPLAY_TIMEOUT_S)
                 seq = int.from_bytes(frames[1], "big", signed=True)
                 if seq < 0:
-                    return Replay(frames[2], received)
+                    return Replay(start, frames[2], received)
                 if seq >= start:
                     received[seq] = frames[2]
         except (TimeoutError, IndexError, zmq.ZMQError) as err:
