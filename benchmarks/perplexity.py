@@ -49,6 +49,7 @@ KVSERVE_VARIANTS = {
     "kvserve dense fp32": {"weights": "dense"},
     "kvserve native Q4_1, fp32 activations": {"weights": "native"},
     "kvserve native Q4_1, int8 activations": {"weights": "native", "activation_quant": "int8"},
+    "kvserve native Q4_1, bf16 KV cache": {"weights": "native", "kv_cache_dtype": "bfloat16"},
 }
 Logits = Callable[[list[int]], np.ndarray]  # a chunk's token ids -> float32 logits [len(chunk), vocab]
 
@@ -160,8 +161,9 @@ def main() -> None:
 
     runners: dict[str, Callable[[], Logits]] = {}
     for name, variant in KVSERVE_VARIANTS.items():
-        if "activation_quant" in variant and "activation_quant" not in EngineConfig.field_names():
-            notes.append(f"{name}: skipped, this kvserve has no `activation_quant` setting.")
+        missing = [field for field in variant if field not in EngineConfig.field_names()]
+        if missing:
+            notes.append(f"{name}: skipped, this kvserve has no `{missing[0]}` setting.")
             continue
         runners[name] = lambda variant=variant: kvserve_logits(variant)
     runners["transformers fp32"] = transformers_logits

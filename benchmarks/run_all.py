@@ -25,7 +25,8 @@ ORDER = [
     "decode_step_batch",
     "decode_attention", "decode_step_mixed_2t",
     "decode_step_mixed_1t", "decode_step_mixed_1t_cached1024", "qgemm", "qgemm_avx2", "qgemm_end_to_end",
-    "llama_cpp_peers", "int8", "int8_packed", "perplexity", "step_profile", "shared_prefix", "vmm", "disagg", "lora",
+    "llama_cpp_peers", "int8", "int8_packed", "perplexity", "kv_dtype", "step_profile", "shared_prefix", "vmm",
+    "disagg", "lora",
     "fairness", "scheduler_overhead", "step_rows_native",
 ]
 # Sections written by another script's mode: (script, its arguments).

@@ -86,12 +86,13 @@ def quantized_tiny_llama(tiny_model_dir, kernels: Kernels) -> LlamaModel:
     return LlamaModel(config, weights, torch.float32, kernels=kernels)
 
 
-def run_steps(model: LlamaModel, prompts: list[list[int]], block_size: int, steps: int) -> list[torch.Tensor]:
+def run_steps(model: LlamaModel, prompts: list[list[int]], block_size: int, steps: int,
+              pool_dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
     """Prompt i prefills in step i beside the decodes of prompts before it (mixed steps), then all decode
     together greedily; the logits of every step."""
     config = model.config
     pool = KVPool(KVPoolShape(config.num_layers, 64, block_size, config.num_kv_heads, config.head_dim),
-                  torch.float32, "cpu")
+                  pool_dtype, "cpu")
     runner = ModelRunner(model, pool)
     blocks = torch.randperm(64, generator=torch.Generator().manual_seed(block_size)).tolist()
     requests = []
@@ -137,6 +138,28 @@ def test_layer_loop_matches_python_loop(kernels, tiny_model_dir, block_size, mon
         assert torch.equal(ours.argmax(-1), reference_logits.argmax(-1))
 
 
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_layer_loop_with_a_bf16_pool(kernels, tiny_model_dir, block_size, monkeypatch):
+    """A bf16 KV pool (--kv-cache-dtype bfloat16) through the C layer loop: the same logits as the Python
+    loop on the same kernels (decode rows and short prefills run the same kernels in the same order; the
+    rounding is the native write's in both), and close to the torch twin's."""
+    model = quantized_tiny_llama(tiny_model_dir, kernels)
+    calls = []
+    original = LayerLoop.forward
+    monkeypatch.setattr(LayerLoop, "forward", lambda self, *args: calls.append(1) or original(self, *args))
+    prompts = [[5, 9, 200, 31, 7], list(range(3, 12)), list(range(40, 60)), [11]]
+    native = run_steps(model, prompts, block_size, steps=4, pool_dtype=torch.bfloat16)
+    assert len(calls) == 8
+    model.layer_loop = None
+    python = run_steps(model, prompts, block_size, steps=4, pool_dtype=torch.bfloat16)
+    oracle = run_steps(quantized_tiny_llama(tiny_model_dir, Kernels.create("torch")), prompts, block_size, steps=4,
+                       pool_dtype=torch.bfloat16)
+    for ours, theirs, reference_logits in zip(native, python, oracle, strict=True):
+        scale = theirs.abs().max()
+        assert (ours - theirs).abs().max() <= 1e-4 * scale
+        assert (ours - reference_logits).abs().max() <= 1e-2 * scale
+
+
 def test_layer_loop_applies_only_where_it_can(kernels, tiny_model_dir):
     model = quantized_tiny_llama(tiny_model_dir, kernels)
     blocks = torch.zeros(1, 1, dtype=torch.float32)
@@ -147,7 +170,8 @@ def test_layer_loop_applies_only_where_it_can(kernels, tiny_model_dir):
     int8 = quantized_tiny_llama(tiny_model_dir, Kernels("native", kernels.native, activation_quant="int8"))
     assert int8.layer_loop.applies(MAX_STEP_ROWS, blocks, step)
     assert not int8.layer_loop.applies(MAX_STEP_ROWS + 1, blocks, step)
-    assert not loop.applies(4, blocks.bfloat16())
+    assert loop.applies(4, blocks.bfloat16())  # a bf16 KV cache (--kv-cache-dtype bfloat16)
+    assert not loop.applies(4, blocks.half())
     config, weights, _ = load_hf_dir(tiny_model_dir, progress=False)
     assert LlamaModel(config, weights, torch.float32, kernels=kernels).layer_loop is None  # dense weights
     assert LayerLoop.build(quantized_tiny_llama(tiny_model_dir, Kernels.create("torch"))) is None

@@ -10,6 +10,7 @@ from kvserve.config import (
     ACTIVATION_QUANTS,
     DTYPES,
     KERNEL_BACKENDS,
+    KV_CACHE_DTYPES,
     PREFIX_CACHE_KINDS,
     PREFIX_HASH_KINDS,
     SCHEDULE_POLICIES,
@@ -27,12 +28,15 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     group.add_argument("--model", default=defaults.model, help="registry name, .gguf file or HF directory")
     group.add_argument("--dtype", default=defaults.dtype, choices=DTYPES,
-                       help="weights and KV cache dtype; bfloat16 on a CPU without native bf16: bf16 weights, "
-                       "float32 arithmetic and KV cache")
+                       help="weights dtype (and the KV cache's with --kv-cache-dtype auto); bfloat16 on a CPU "
+                       "without native bf16: bf16 weights, float32 arithmetic and KV cache")
     group.add_argument("--device", default=defaults.device, help="cpu or cuda")
     group.add_argument("--block-size", type=int, default=defaults.block_size, help="tokens per KV block")
     group.add_argument("--kv-cache-memory", default=None,
                        help="KV pool size, e.g. 2GiB; None: a quarter of free RAM, at most 2 GiB")
+    group.add_argument("--kv-cache-dtype", default=defaults.kv_cache_dtype, choices=KV_CACHE_DTYPES,
+                       help="what the KV pool stores: auto (the model's dtype), float32, or bfloat16 (half the "
+                       "bytes: twice the cached tokens; attention reads the rounded keys and values)")
     group.add_argument("--num-blocks", type=int, default=None,
                        help="KV pool size in blocks (overrides --kv-cache-memory)")
     group.add_argument("--prefix-cache", default=defaults.prefix_cache, choices=PREFIX_CACHE_KINDS,

@@ -10,7 +10,7 @@ from kvserve.prefix.factory import PREFIX_CACHE_KINDS, PREFIX_HASH_KINDS
 from kvserve.prefix.policies import DEFAULT_EVICTION, ONLINE_POLICIES
 
 __all__ = [
-    "ACTIVATION_QUANTS", "DTYPES", "PREFIX_CACHE_KINDS", "PREFIX_HASH_KINDS",
+    "ACTIVATION_QUANTS", "DTYPES", "KV_CACHE_DTYPES", "PREFIX_CACHE_KINDS", "PREFIX_HASH_KINDS",
     "SCHEDULE_POLICIES", "EngineConfig", "parse_size",
 ]
 SCHEDULE_POLICIES = ("fcfs", "lpm")
@@ -18,6 +18,9 @@ DTYPES = ("float32", "bfloat16", "float16", "auto")  # auto: bf16 only where the
 KERNEL_BACKENDS = ("native", "torch")  # C++ kernels (falling back to torch if unavailable) or torch only
 WEIGHT_FORMATS = ("dense", "native")  # float32 weights, or a GGUF's quantized tensors kept as stored
 ACTIVATION_QUANTS = ("none", "int8")  # int8: quantized-weight matmuls take int8 activation blocks (Q8_1)
+# What the KV pool stores: auto = the model's dtype; bfloat16 halves the pool's bytes per token under float32
+# arithmetic (twice the cached tokens in the same memory; attention reads the rounded keys/values).
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 
 _SIZE_UNITS = {
     "": 1, "b": 1,
@@ -56,6 +59,7 @@ class EngineConfig:
     device: str = "cpu"
     block_size: int = 16
     kv_cache_memory: int | str | None = None
+    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
     num_blocks: int | None = None
     prefix_cache: str = "radix"
     prefix_hash: str = "sha256"
@@ -101,6 +105,10 @@ class EngineConfig:
             except ValueError as error:
                 raise ValueError(f"kv_cache_memory: {error}") from None
             _require(self.kv_cache_memory > 0, "kv_cache_memory must be positive")
+        _require(self.kv_cache_dtype in KV_CACHE_DTYPES,
+                 f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
+                 + (" (no fp8 KV cache on this engine: bfloat16 halves the pool)"
+                    if str(self.kv_cache_dtype).startswith("fp8") else ""))
         if self.num_blocks is not None:
             _require(self.num_blocks >= 1, f"num_blocks must be >= 1, got {self.num_blocks}")
         _require(

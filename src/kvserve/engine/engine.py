@@ -36,8 +36,8 @@ from kvserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutpu
 from kvserve.engine.setup import (
     check_activation_quant,
     eos_token_ids,
+    make_kv_pool,
     model_weights,
-    pool_shape,
     resolve_long_prefill_threshold,
     resolve_max_model_len,
 )
@@ -49,7 +49,6 @@ from kvserve.engine.tokens import append_sampled_token
 from kvserve.engine.validation import check_fits, encode_prompt, validate_prompt_ids, validate_token_params
 from kvserve.kernels.ops import Kernels
 from kvserve.kv.block_allocator import BlockAllocator
-from kvserve.kv.pool import KVPool
 from kvserve.lora.adapter import LoRAAdapter, LoRARequest
 from kvserve.lora.registry import LoRARegistry
 from kvserve.model.llama import LlamaModel
@@ -81,8 +80,7 @@ class LLMEngine:
         weights_path = loaded.path
         del loaded
         self.max_model_len = resolve_max_model_len(config, self.model_config)
-        self.kv_pool = KVPool(pool_shape(config, self.model_config, self.model.dtype), self.model.dtype,
-                              self.model.device)
+        self.kv_pool = make_kv_pool(config, self.model_config, self.model.dtype, self.model.device)
         allocator = BlockAllocator(self.kv_pool.num_blocks)
         prefix_cache = make_prefix_cache(
             config.prefix_cache, allocator, config.block_size, config.prefix_hash, config.eviction

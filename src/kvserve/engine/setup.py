@@ -10,7 +10,7 @@ from kvserve.config import EngineConfig, default_kv_cache_memory
 from kvserve.engine.limits import default_long_prefill_threshold
 from kvserve.kernels.ops import Kernels
 from kvserve.kernels.quant import BLOCK, BLOCK_QTYPES, QuantWeight, bf16_weight
-from kvserve.kv.pool import KVPoolShape, num_blocks_for_memory
+from kvserve.kv.pool import KVPool, KVPoolShape, num_blocks_for_memory
 from kvserve.model.config import ModelConfig
 from kvserve.model.tokenizer import Tokenizer
 
@@ -75,6 +75,20 @@ def resolve_long_prefill_threshold(config: EngineConfig, max_model_len: int) -> 
     if config.long_prefill_token_threshold is not None:
         return config.long_prefill_token_threshold
     return default_long_prefill_threshold(max_model_len)
+
+
+def kv_cache_dtype(config: EngineConfig, model_dtype: torch.dtype) -> torch.dtype:
+    """What the KV pool stores: `kv_cache_dtype`, or the model's dtype for auto. A bfloat16 pool under float32
+    arithmetic holds each key and value rounded to nearest even (half the bytes per token); every attention
+    path, native or torch, fresh or cached, reads those rounded values back, so a prefix-cache hit or a tier
+    load still never changes an output."""
+    return model_dtype if config.kv_cache_dtype == "auto" else getattr(torch, config.kv_cache_dtype)
+
+
+def make_kv_pool(config: EngineConfig, model_config: ModelConfig, model_dtype: torch.dtype,
+                 device: torch.device | str) -> KVPool:
+    dtype = kv_cache_dtype(config, model_dtype)
+    return KVPool(pool_shape(config, model_config, dtype), dtype, device)
 
 
 def pool_shape(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype) -> KVPoolShape:

@@ -20,9 +20,10 @@ from kvserve.kernels.scratch import bind_scratch, scratch_call
 ISA_CODES = {"avx2": 1, "avx512": 2}
 FEATURE_BITS = {"avx2": 1, "avx512": 2, "avx512_vnni": 4, "avx512_bf16": 8, "amx_bf16": 16, "amx_int8": 32}
 AMX_ENV = "KVSERVE_AMX"  # "0": never use AMX tiles (the tests compare both paths in one process)
-ABI_VERSION = 3  # 3: kv_pack_i8, the int8 path's packed weights
+ABI_VERSION = 4  # 4: the pool's element type on every pool call; 3: kv_pack_i8, the int8 path's packed weights
+KV_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # pool element types (csrc/simd.h KT, KVT_* codes)
 
-_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_P, _I, _F, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {
     "kv_abi_version": [],
     "kv_cpu_features": [],
@@ -33,16 +34,16 @@ _SIGNATURES = {
     "kv_pack_i8": [ctypes.c_int, ctypes.c_int, _P, _I, _I, _I, _P],
     "kv_quantize_i8": [ctypes.c_int, _P, _I, _I, _P, _P, _P],
     "kv_dequantize": [ctypes.c_int, ctypes.c_int, _P, _I, _I, _P, _I, _P],
-    "kv_paged_attention": [ctypes.c_int, _P, _I, _I, _I, _I, _P, _P, _I, _P, _I, _P, _F, _P],
-    "kv_rms_norm": [ctypes.c_int, _P, _P, _P, _I, _I, _F, _P],
-    "kv_rope_kv_write": [ctypes.c_int, _P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P],
-    "kv_swiglu": [ctypes.c_int, _P, _I, _I, _P],
-    "kv_layer_forward": [ctypes.c_int, _P, ctypes.c_int, _P, _I, _P, _P, _P, _I, _I, _P, _I, _P, _I, _P, _P, _P, _P,
+    "kv_paged_attention": [_C, _C, _P, _I, _I, _I, _I, _P, _P, _I, _P, _I, _P, _F, _P],
+    "kv_rms_norm": [_C, _P, _P, _P, _I, _I, _F, _P],
+    "kv_rope_kv_write": [_C, _C, _P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P],
+    "kv_swiglu": [_C, _P, _I, _I, _P],
+    "kv_layer_forward": [_C, _C, _P, _C, _P, _I, _P, _P, _P, _I, _I, _P, _I, _P, _I, _P, _P, _P, _P,
                          _P],
-    "kv_layer_forward_spans": [ctypes.c_int, _P, ctypes.c_int, _P, _I, _P, _P, _P, _I, _I, _P, _I, _P, _I, _P, _P, _P,
+    "kv_layer_forward_spans": [_C, _C, _P, _C, _P, _I, _P, _P, _P, _I, _I, _P, _I, _P, _I, _P, _P, _P,
                                _P, _I, _I, _P, _P, _P, _P, _I, _P],
-    "kv_cascade_attention": [ctypes.c_int, _P, _I, _I, _I, _I, _P, _P, _I, _P, _I, _P, _I, _P, _P, _P, _P, _F, _P],
-    "kv_prefill_attention": [ctypes.c_int, _P, _I, _I, _I, _P, _P, _I, _I, _P, _P, _P, _P, _I, _F, _P],
+    "kv_cascade_attention": [_C, _C, _P, _I, _I, _I, _I, _P, _P, _I, _P, _I, _P, _I, _P, _P, _P, _P, _F, _P],
+    "kv_prefill_attention": [_C, _C, _P, _I, _I, _I, _P, _P, _I, _I, _P, _P, _P, _P, _I, _F, _P],
 }
 # Optional too (older builds lack it): the int8 path's AMX tiles where they pay (1), for every packed weight
 # type (2: measurements, tests), off (0) or unchanged (-1); returns the mode, -1 where the CPU or the kernel
@@ -244,8 +245,8 @@ class NativeLibrary:
         block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
     ) -> torch.Tensor:
         """As `reference.paged_attention`; block_tables ``[T, max_blocks]`` or one shared ``[max_blocks]``."""
-        for tensor, name in ((queries, "queries"), (key_blocks, "key_blocks"), (value_blocks, "value_blocks")):
-            _check(tensor, torch.float32, name)
+        _check(queries, torch.float32, "queries")
+        kvt = _check_pool(key_blocks, value_blocks)
         _check(block_tables, torch.int64, "block_tables")
         _check(context_lens, torch.int64, "context_lens")
         num_rows, num_heads, head_dim = queries.shape
@@ -258,7 +259,7 @@ class NativeLibrary:
             raise ValueError("a context length is < 1 or exceeds its block table")
         out = torch.empty_like(queries)
         _ok(self.lib.kv_paged_attention(
-            self.code, queries.data_ptr(), num_rows, num_heads, num_kv_heads, head_dim,
+            self.code, kvt, queries.data_ptr(), num_rows, num_heads, num_kv_heads, head_dim,
             key_blocks.data_ptr(), value_blocks.data_ptr(), block_size, block_tables.data_ptr(), stride,
             context_lens.data_ptr(), scale, out.data_ptr(),
         ), "paged_attention")
@@ -269,8 +270,8 @@ class NativeLibrary:
         block_tables: torch.Tensor, context_lens: torch.Tensor, plan: CascadeTensors, scale: float,
     ) -> torch.Tensor:
         """As `reference.cascade_attention` (the plan's tensors checked against the rows and tables)."""
-        for tensor, name in ((queries, "queries"), (key_blocks, "key_blocks"), (value_blocks, "value_blocks")):
-            _check(tensor, torch.float32, name)
+        _check(queries, torch.float32, "queries")
+        kvt = _check_pool(key_blocks, value_blocks)
         for tensor, name in ((block_tables, "block_tables"), (context_lens, "context_lens"),
                              *((getattr(plan, n), n) for n in CASCADE_FIELDS)):
             _check(tensor, torch.int64, name)
@@ -279,7 +280,7 @@ class NativeLibrary:
         check_cascade_plan(plan, block_tables, context_lens, block_size, num_rows)
         out = torch.empty_like(queries)
         _ok(self.lib.kv_cascade_attention(
-            self.code, queries.data_ptr(), num_rows, num_heads, num_kv_heads, head_dim, key_blocks.data_ptr(),
+            self.code, kvt, queries.data_ptr(), num_rows, num_heads, num_kv_heads, head_dim, key_blocks.data_ptr(),
             value_blocks.data_ptr(), block_size, block_tables.data_ptr(), block_tables.shape[1],
             context_lens.data_ptr(), plan.group_shared_blocks.shape[0], plan.group_offsets.data_ptr(),
             plan.group_rows.data_ptr(), plan.group_shared_blocks.data_ptr(), plan.row_shared_blocks.data_ptr(),
@@ -296,8 +297,8 @@ class NativeLibrary:
         ``context - tokens + i``; ``block_tables [S, max_blocks]``. Writes the spans' rows of `out`
         (``[T, heads, D]``, a new tensor when None; other rows untouched) and returns it. Equals
         `paged_attention` with one row per token over its span's table up to summation order."""
-        for tensor, name in ((queries, "queries"), (key_blocks, "key_blocks"), (value_blocks, "value_blocks")):
-            _check(tensor, torch.float32, name)
+        _check(queries, torch.float32, "queries")
+        kvt = _check_pool(key_blocks, value_blocks)
         _check(spans, torch.int64, "spans")
         _check(block_tables, torch.int64, "block_tables")
         num_rows, num_heads, head_dim = queries.shape
@@ -316,7 +317,7 @@ class NativeLibrary:
                 raise ValueError("a span is empty, outside the query rows, or its context exceeds its block table")
         spans_t = spans.t().contiguous()  # [3, S]: starts, lengths, contexts
         _ok(self.lib.kv_prefill_attention(
-            self.code, queries.data_ptr(), num_heads, num_kv_heads, head_dim, key_blocks.data_ptr(),
+            self.code, kvt, queries.data_ptr(), num_heads, num_kv_heads, head_dim, key_blocks.data_ptr(),
             value_blocks.data_ptr(), block_size, spans.shape[0], spans_t[0].data_ptr(), spans_t[1].data_ptr(),
             spans_t[2].data_ptr(), block_tables.data_ptr(), block_tables.shape[1], scale, out.data_ptr(),
         ), "prefill_attention")
@@ -343,9 +344,9 @@ class NativeLibrary:
         sin: torch.Tensor, key_blocks: torch.Tensor, value_blocks: torch.Tensor, slots: torch.Tensor,
     ) -> torch.Tensor:
         """As `reference.rope_kv_write`: rotated queries ``[T, heads, D]``; keys/values written to the pool."""
-        for tensor, name in ((qkv, "qkv"), (cos, "cos"), (sin, "sin"), (key_blocks, "key_blocks"),
-                             (value_blocks, "value_blocks")):
+        for tensor, name in ((qkv, "qkv"), (cos, "cos"), (sin, "sin")):
             _check(tensor, torch.float32, name)
+        kvt = _check_pool(key_blocks, value_blocks)
         _check(positions, torch.int64, "positions")
         _check(slots, torch.int64, "slots")
         head_dim = cos.shape[1]
@@ -358,7 +359,7 @@ class NativeLibrary:
         _check_range(slots, rows, key_blocks.numel() // (num_kv_heads * head_dim), "slots")
         queries = torch.empty(rows, num_heads, head_dim, dtype=torch.float32)
         _ok(self.lib.kv_rope_kv_write(
-            self.code, qkv.data_ptr(), rows, num_heads, num_kv_heads, head_dim, positions.data_ptr(),
+            self.code, kvt, qkv.data_ptr(), rows, num_heads, num_kv_heads, head_dim, positions.data_ptr(),
             cos.data_ptr(), sin.data_ptr(), queries.data_ptr(), key_blocks.data_ptr(), value_blocks.data_ptr(),
             slots.data_ptr(),
         ), "rope_kv_write")
@@ -381,6 +382,13 @@ def _check_range(values: torch.Tensor, count: int, limit: int, name: str) -> Non
         raise ValueError(f"{name} out of range [0, {limit})")
 
 
+def _check_pool(key_blocks: torch.Tensor, value_blocks: torch.Tensor) -> int:
+    """The pool's element-type code (KV_DTYPE_CODES) once both halves are contiguous CPU tensors of it."""
+    for tensor, name in ((key_blocks, "key_blocks"), (value_blocks, "value_blocks")):
+        _check(tensor, key_blocks.dtype if key_blocks.dtype in KV_DTYPE_CODES else torch.float32, name)
+    return KV_DTYPE_CODES[key_blocks.dtype]
+
+
 def _check(tensor: torch.Tensor, dtype: torch.dtype, name: str) -> None:
     if tensor.dtype != dtype or tensor.device.type != "cpu" or not tensor.is_contiguous():
         raise ValueError(f"{name} must be a contiguous CPU {dtype} tensor, got {tensor.dtype} on {tensor.device}")
@@ -388,5 +396,5 @@ def _check(tensor: torch.Tensor, dtype: torch.dtype, name: str) -> None:
 
 def _ok(status: int, kernel: str) -> None:
     if status != 0:
-        reasons = {-1: "unsupported quantization type", -2: "unsupported shape", -3: "unknown ISA"}
+        reasons = {-1: "unsupported quantization type", -2: "unsupported shape", -3: "unknown ISA", -4: "KV dtype"}
         raise ValueError(f"native {kernel}: {reasons.get(status, f'error {status}')}")

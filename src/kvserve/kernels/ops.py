@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from kvserve.kernels import reference
 from kvserve.kernels.cascade_plan import CascadeTensors, check_cascade_plan
 from kvserve.kernels.i8pack import PACKED_BLOCK_BYTES, PackedI8Weight
-from kvserve.kernels.native import NativeLibrary, cpu_flags
+from kvserve.kernels.native import KV_DTYPE_CODES, NativeLibrary, cpu_flags
 from kvserve.kernels.quant import BLOCK_QTYPES, QuantWeight
 
 KERNEL_BACKENDS = ("native", "torch")
@@ -167,7 +167,7 @@ class Kernels:
     def supports_paged_attention(self, queries: torch.Tensor, key_blocks: torch.Tensor) -> bool:
         width = 16 if self.isa == "avx512" else 8
         return (
-            self.native is not None and queries.dtype == torch.float32 and key_blocks.dtype == torch.float32
+            self.native is not None and queries.dtype == torch.float32 and key_blocks.dtype in KV_DTYPE_CODES
             and queries.device.type == "cpu" and queries.shape[-1] % width == 0
         )
 
@@ -218,9 +218,9 @@ class Kernels:
     ) -> torch.Tensor:
         """RoPE on q and k of the fused projection ``qkv [T, (heads + 2 * kv_heads) * D]`` and the KV write
         into pool `slots`, in one call; returns the rotated queries ``[T, heads, D]``."""
-        if self.native is not None and all(
-            t.dtype == torch.float32 and t.device.type == "cpu" for t in (qkv, cos, key_blocks, value_blocks)
-        ):
+        if self.native is not None and key_blocks.dtype in KV_DTYPE_CODES and all(
+            t.dtype == torch.float32 and t.device.type == "cpu" for t in (qkv, cos)
+        ) and key_blocks.device.type == "cpu":
             return self.native.rope_kv_write(
                 qkv.contiguous(), num_heads, num_kv_heads, positions.contiguous(), cos, sin, key_blocks,
                 value_blocks, slots.contiguous(),

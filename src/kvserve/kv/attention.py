@@ -1,7 +1,7 @@
 """Paged attention over the KV pool.
 
 New keys/values are written into their pool slots, then every sequence attends over its block table.
-With native kernels (float32 pool), everything reads K/V in place through the block tables (no per-step
+With native kernels (a float32 or bf16 pool), everything reads K/V in place through the block tables (no per-step
 copy of the context): decodes one row each (or cascade groups, below), and every prefill chunk of the
 step -- fresh, or continuing after cached or earlier-chunked blocks -- in one call that tiles each
 chunk's queries against its keys (csrc/prefill.h: ~1.3x torch's flash attention per core, measured in
@@ -54,8 +54,8 @@ def write_kv(
 ) -> None:
     """Store this step's keys/values ``[num_tokens, kv_heads, head_dim]`` at their slots."""
     num_kv_heads, head_dim = keys.shape[1], keys.shape[2]
-    key_blocks.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, keys)
-    value_blocks.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, values)
+    key_blocks.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, keys.to(key_blocks.dtype))
+    value_blocks.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, values.to(value_blocks.dtype))
 
 
 def paged_attention(
@@ -72,8 +72,11 @@ def paged_attention(
     in_place = kernels is not None and kernels.supports_paged_attention(queries, key_blocks)
     if not kv_written:
         write_kv(key_blocks, value_blocks, keys, values, meta.slot_mapping)
-    elif keys is None and meta.prefills and not in_place:
-        keys, values = (blocks.view(-1, *blocks.shape[2:])[meta.slot_mapping] for blocks in (key_blocks, value_blocks))
+    if meta.prefills and not in_place and (keys is None or key_blocks.dtype != keys.dtype):
+        # Attention sees K/V as the pool holds them (a bf16 KV cache: rounded), fresh or cached alike, so a
+        # prefix-cache hit never changes an output.
+        keys, values = (blocks.view(-1, *blocks.shape[2:])[meta.slot_mapping].to(queries.dtype)
+                        for blocks in (key_blocks, value_blocks))
     num_tokens, num_heads, head_dim = queries.shape
     output = torch.empty(num_tokens, num_heads, head_dim, dtype=queries.dtype, device=queries.device)
     if meta.num_decodes and meta.decode_cascade is not None and kernels is not None:
@@ -128,8 +131,10 @@ def _decode_attention(
     num_seqs, num_heads, head_dim = queries.shape
     num_kv_heads = key_blocks.shape[2]
     # Gather each sequence's blocks into a padded [B, kv_heads, L, D] context; padding is masked.
-    context_keys = _gather_blocks(key_blocks, meta.decode_block_tables).view(num_seqs, -1, num_kv_heads, head_dim)
-    context_values = _gather_blocks(value_blocks, meta.decode_block_tables).view(
+    context_keys = _gather_blocks(key_blocks, meta.decode_block_tables, queries.dtype).view(
+        num_seqs, -1, num_kv_heads, head_dim
+    )
+    context_values = _gather_blocks(value_blocks, meta.decode_block_tables, queries.dtype).view(
         num_seqs, -1, num_kv_heads, head_dim
     )
     if queries.dtype != torch.float32:
@@ -173,8 +178,8 @@ def _prefill_attention(
         # Nothing before this chunk: attend to the fresh keys directly, plain causal mask.
         context_keys, context_values, mask, causal = keys, values, None, True
     else:
-        context_keys = _gather_blocks(key_blocks, span.block_table).view(-1, num_kv_heads, head_dim)
-        context_values = _gather_blocks(value_blocks, span.block_table).view(-1, num_kv_heads, head_dim)
+        context_keys = _gather_blocks(key_blocks, span.block_table, queries.dtype).view(-1, num_kv_heads, head_dim)
+        context_values = _gather_blocks(value_blocks, span.block_table, queries.dtype).view(-1, num_kv_heads, head_dim)
         context_keys, context_values = context_keys[: span.context_len], context_values[: span.context_len]
         query_pos = torch.arange(num_cached, span.context_len, device=queries.device)
         key_pos = torch.arange(span.context_len, device=queries.device)
@@ -191,6 +196,7 @@ def _prefill_attention(
     return out.squeeze(0).transpose(0, 1)
 
 
-def _gather_blocks(blocks: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
-    """Copy the listed blocks out of the pool (index_select: ~10x faster than advanced indexing on CPU)."""
-    return blocks.index_select(0, block_table.reshape(-1))
+def _gather_blocks(blocks: torch.Tensor, block_table: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Copy the listed blocks out of the pool (index_select: ~10x faster than advanced indexing on CPU), in the
+    queries' dtype (a bf16 KV cache under float32 activations is widened exactly)."""
+    return blocks.index_select(0, block_table.reshape(-1)).to(dtype)

@@ -10,12 +10,12 @@ csrc/prefill.h (query tiles against the pool's keys, fresh or after cached block
 `QGEMM_MAX_ROWS` rows a step's logits are bit-identical to the Python loop's; beyond, that loop's
 dequantize + torch GEMM differs from qgemm.h in summation order only.
 
-It applies to: native kernels, float32 on the CPU, every layer projection quantized (GGUF blocks), hidden
-and head sizes a multiple of the SIMD width, no LoRA in the step, and a step of at most `MAX_ROWS` tokens
-or, with the engine's metadata, of up to `EXACT_MAX_STEP_ROWS` rows (float32 activations; `MAX_STEP_ROWS`
-where glibc's mmap threshold is pinned, as a server does: kernels/malloc.py) or `MAX_STEP_ROWS` (int8):
-decodes, prefill chunks, any mix. From 5 rows its exact matmuls run the wide GEMM of
-csrc/qgemm.h; int8 activations run the int8 matmul at any row count. Prefill, 1 thread, CPU time, whole
+It applies to: native kernels, float32 on the CPU (a float32 or bf16 KV pool), every layer projection
+quantized (GGUF blocks), hidden and head sizes a multiple of the SIMD width, no LoRA in the step, and a step
+of at most `MAX_ROWS` tokens or, with the engine's metadata, of up to `EXACT_MAX_STEP_ROWS` rows (float32
+activations; `MAX_STEP_ROWS` where glibc's mmap threshold is pinned, as a server does: kernels/malloc.py)
+or `MAX_STEP_ROWS` (int8): decodes, prefill chunks, any mix. From 5 rows its exact matmuls run the wide GEMM
+of csrc/qgemm.h; int8 activations run the int8 matmul at any row count. Prefill, 1 thread, CPU time, whole
 request (benchmarks/results/kernels_prefill.md): exact 256-512 tokens 1.03-1.11x the Python loop, 1,024-2,048
 0.85x (torch's GEMM on dequantized weights is faster there, hence the exact bound); int8 512 tokens 1.07x,
 2,048 1.22x (the same int8 kernel; the Python loop's fresh per-layer buffers and ~15 calls per layer cost).
@@ -32,6 +32,7 @@ import torch
 from kvserve.kernels.cascade_plan import CASCADE_FIELDS, check_cascade_plan
 from kvserve.kernels.i8pack import PackedI8Weight
 from kvserve.kernels.malloc import mmap_threshold_pinned
+from kvserve.kernels.native import KV_DTYPE_CODES
 from kvserve.kernels.ops import NATIVE_QMATMUL_MAX_ROWS, Kernels
 from kvserve.kernels.quant import BF16, QuantWeight
 from kvserve.kv.attention import AttentionMetadata, native_spans
@@ -115,7 +116,7 @@ class LayerLoop:
         return cls(model, kernels)
 
     def applies(self, num_tokens: int, key_blocks: torch.Tensor, meta: AttentionMetadata | None = None) -> bool:
-        if key_blocks.dtype != torch.float32 or num_tokens <= 0:
+        if key_blocks.dtype not in KV_DTYPE_CODES or num_tokens <= 0:
             return False
         return num_tokens <= MAX_ROWS or (meta is not None and num_tokens <= self.max_step_rows)
 
@@ -141,7 +142,8 @@ class LayerLoop:
         _check_step(pool, positions, slots, tables, context_lens, model.rope_cos.shape[0], num_tokens)
         cascade = _cascade_arguments(meta, tables, context_lens, kv_pool.block_size, num_tokens)
         status = self.native.lib.kv_layer_forward(
-            self.native.code, ctypes.byref(self._model), self.act_quant, hidden.data_ptr(), num_tokens,
+            self.native.code, KV_DTYPE_CODES[pool.dtype], ctypes.byref(self._model), self.act_quant, hidden.data_ptr(),
+            num_tokens,
             positions.data_ptr(), slots.data_ptr(), pool.data_ptr(), layer_stride, kv_pool.block_size,
             tables.data_ptr(), tables.shape[1], context_lens.data_ptr(), *cascade, out.data_ptr(),
         )
@@ -169,7 +171,8 @@ class LayerLoop:
         cascade = _cascade_arguments(meta, tables, context_lens, block_size, num_decodes) if num_decodes else (
             0, None, None, None, None)
         status = self.native.lib.kv_layer_forward_spans(
-            self.native.code, ctypes.byref(self._model), self.act_quant, hidden.data_ptr(), num_tokens,
+            self.native.code, KV_DTYPE_CODES[pool.dtype], ctypes.byref(self._model), self.act_quant, hidden.data_ptr(),
+            num_tokens,
             positions.data_ptr(), slots.data_ptr(), pool.data_ptr(), layer_stride, block_size,
             tables.data_ptr(), tables.shape[1], context_lens.data_ptr(), *cascade, num_decodes, spans.shape[0],
             spans_t[0].data_ptr(), spans_t[1].data_ptr(), spans_t[2].data_ptr(), span_tables.data_ptr(),
@@ -205,8 +208,8 @@ def _check_step(
     `num_rows`: the rows of `tables` / `context_lens` (every token's, unless prefill spans cover the rest)."""
     num_tokens = num_rows if num_tokens is None else num_tokens
     num_blocks, block_size = pool.shape[2], pool.shape[3]
-    if not pool.is_contiguous() or pool.dtype != torch.float32:
-        raise ValueError("the KV pool must be a contiguous float32 tensor")
+    if not pool.is_contiguous() or pool.dtype not in KV_DTYPE_CODES:
+        raise ValueError(f"the KV pool must be a contiguous float32 or bfloat16 tensor, got {pool.dtype}")
     for values, name, count in ((positions, "positions", num_tokens), (slots, "slots", num_tokens),
                                 (context_lens, "context lens", num_rows)):
         if values.dtype != torch.int64 or values.shape != (count,):

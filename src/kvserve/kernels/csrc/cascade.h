@@ -32,8 +32,9 @@ static inline void merge_into(float& m, float& l, float* acc, float pm, float pl
     m = mnew;
 }
 
-static int cascade_attention(const float* q, int64_t T, int64_t H, int64_t KVH, int64_t D, const float* kpool,
-                             const float* vpool, int64_t bs, const int64_t* tables, int64_t table_stride,
+template <typename KT>
+static int cascade_attention(const float* q, int64_t T, int64_t H, int64_t KVH, int64_t D, const KT* kpool,
+                             const KT* vpool, int64_t bs, const int64_t* tables, int64_t table_stride,
                              const int64_t* ctx_lens, int64_t num_groups, const int64_t* group_offsets,
                              const int64_t* group_rows, const int64_t* group_shared_blocks,
                              const int64_t* row_shared_blocks, float scale, float* out) {

@@ -14,7 +14,8 @@
 // front to back once) when rows number at least twice the threads, one KV head otherwise (a single row
 // still runs on every thread). Scratch: each thread takes its own from its arena (scratch.h), once per call.
 //
-// C entry (kernels.cpp: kv_paged_attention): q [T, H, D]; K/V pools [blocks, bs, KVH, D]; row t attends to
+// C entry (kernels.cpp: kv_paged_attention): q [T, H, D]; K/V pools [blocks, bs, KVH, D] of KT (simd.h: float32
+// or bf16, widened as loaded); row t attends to
 // the first ctx_lens[t] tokens of the table at tables + t * table_stride (stride 0: every row shares one
 // table, as a prefill chunk's rows); out [T, H, D]. cascade.h runs each row's own blocks, and small
 // groups' shared blocks, on da_attend.
@@ -72,37 +73,38 @@ static inline V da_keep_first(V x, int64_t n, float fill) {
 // W scores of one query (D = DV * W floats at q, pre-scaled) against the keys at krow[i] + off: per key one
 // chain of DV FMAs (the query held in registers), then the transpose-reduce. DV fixed: the W partial vectors
 // stay in registers.
-template <int DV>
-static inline V da_scores_fixed(const float* q, const float* const* krow, int64_t off) {
+template <int DV, typename KT>
+static inline V da_scores_fixed(const float* q, const KT* const* krow, int64_t off) {
     V qv[DV], part[W];
     for (int e = 0; e < DV; ++e) qv[e] = vload(q + e * W);
 #pragma GCC unroll 16
     for (int i = 0; i < W; ++i) {
-        const float* k = krow[i] + off;
-        V a = vmul(qv[0], vload(k));
-        for (int e = 1; e < DV; ++e) a = vfma(qv[e], vload(k + e * W), a);
+        const KT* k = krow[i] + off;
+        V a = vmul(qv[0], kvload(k));
+        for (int e = 1; e < DV; ++e) a = vfma(qv[e], kvload(k + e * W), a);
         part[i] = a;
     }
     return da_transpose_sum(part);
 }
 
-static inline V da_scores(const float* q, int64_t DV, const float* const* krow, int64_t off) {
+template <typename KT>
+static inline V da_scores(const float* q, int64_t DV, const KT* const* krow, int64_t off) {
     if (DV == 4) return da_scores_fixed<4>(q, krow, off);
     if (DV == 8) return da_scores_fixed<8>(q, krow, off);
     if (DV == 2) return da_scores_fixed<2>(q, krow, off);
     V part[W];
     for (int i = 0; i < W; ++i) {
-        const float* k = krow[i] + off;
-        V a = vmul(vload(q), vload(k));
-        for (int64_t e = 1; e < DV; ++e) a = vfma(vload(q + e * W), vload(k + e * W), a);
+        const KT* k = krow[i] + off;
+        V a = vmul(vload(q), kvload(k));
+        for (int64_t e = 1; e < DV; ++e) a = vfma(vload(q + e * W), kvload(k + e * W), a);
         part[i] = a;
     }
     return da_transpose_sum(part);
 }
 
 // acc[r, vectors c0..c0+C) += sum_i p[r * pstride + i] * V[vrow[i] + off] for R queries and the W keys.
-template <int R, int C>
-static inline void da_values_tile(const float* p, int64_t pstride, const float* const* vrow, int64_t off,
+template <int R, int C, typename KT>
+static inline void da_values_tile(const float* p, int64_t pstride, const KT* const* vrow, int64_t off,
                                   int64_t c0, float* acc, int64_t D) {
     V a[R][C];
     for (int r = 0; r < R; ++r)
@@ -110,7 +112,7 @@ static inline void da_values_tile(const float* p, int64_t pstride, const float* 
 #pragma GCC unroll 16
     for (int i = 0; i < W; ++i) {
         V v[C];
-        for (int c = 0; c < C; ++c) v[c] = vload(vrow[i] + off + (c0 + c) * W);
+        for (int c = 0; c < C; ++c) v[c] = kvload(vrow[i] + off + (c0 + c) * W);
         for (int r = 0; r < R; ++r) {
             const V pr = vset1(p[r * pstride + i]);
             for (int c = 0; c < C; ++c) a[r][c] = vfma(pr, v[c], a[r][c]);
@@ -120,8 +122,8 @@ static inline void da_values_tile(const float* p, int64_t pstride, const float* 
         for (int c = 0; c < C; ++c) vstore(acc + r * D + (c0 + c) * W, a[r][c]);
 }
 
-template <int R>
-static inline void da_values_rows(const float* p, int64_t pstride, const float* const* vrow, int64_t off,
+template <int R, typename KT>
+static inline void da_values_rows(const float* p, int64_t pstride, const KT* const* vrow, int64_t off,
                                   float* acc, int64_t D) {
     const int64_t DV = D / W;
     int64_t c = 0;
@@ -153,8 +155,9 @@ static void da_load_queries(DecodeScratch w, const float* src, int64_t M, int64_
 
 // Pool rows (K at krow, V at vrow: slot * kstride) of the n tokens from position k0 of the table, padded to W
 // with the last one (its probability is set to 0).
-static inline void da_rows(const int64_t* table, int64_t bs, int64_t kstride, const float* kpool, const float* vpool,
-                           int64_t k0, int64_t n, const float** krow, const float** vrow) {
+template <typename KT>
+static inline void da_rows(const int64_t* table, int64_t bs, int64_t kstride, const KT* kpool, const KT* vpool,
+                           int64_t k0, int64_t n, const KT** krow, const KT** vrow) {
     int64_t blk = k0 / bs, in_blk = k0 % bs;
     for (int64_t i = 0; i < n; ++i) {
         const int64_t slot = table[blk] * bs + in_blk;
@@ -165,12 +168,14 @@ static inline void da_rows(const int64_t* table, int64_t bs, int64_t kstride, co
     for (int64_t i = n; i < W; ++i) { krow[i] = krow[n - 1]; vrow[i] = vrow[n - 1]; }
 }
 
-// Prefetches floats [off, off + len) of the W pool rows (one line per 64 bytes): the next tile's, while
+// Prefetches elements [off, off + len) of the W pool rows (one line per 64 bytes): the next tile's, while
 // this one computes (a tile's rows sit in up to W different blocks, which the hardware prefetchers do not
 // follow across).
-static inline void da_prefetch(const float* const* rows, int64_t off, int64_t len) {
+template <typename KT>
+static inline void da_prefetch(const KT* const* rows, int64_t off, int64_t len) {
+    constexpr int64_t line = 64 / sizeof(KT);
     for (int i = 0; i < W; ++i)
-        for (int64_t e = 0; e < len; e += 16) __builtin_prefetch(rows[i] + off + e, 0, 3);
+        for (int64_t e = 0; e < len; e += line) __builtin_prefetch(rows[i] + off + e, 0, 3);
 }
 
 // The M queries in w.qs (query m belongs to KV head g0 + m / G) attend to tokens [tok0, tok1) of the
@@ -178,19 +183,20 @@ static inline void da_prefetch(const float* const* rows, int64_t off, int64_t le
 // exponentials and unnormalised output in w (no tokens: max -inf, sum 0, output 0). Two passes: every
 // score first (K streamed once, maxima as vectors), then exponentials, then P x V (V streamed once) --
 // no per-tile rescaling or horizontal max.
+template <typename KT>
 static void da_attend(DecodeScratch w, int64_t M, int64_t G, int64_t g0, int64_t D, int64_t KVH,
-                      const float* kpool, const float* vpool, int64_t bs, const int64_t* table, int64_t tok0,
+                      const KT* kpool, const KT* vpool, int64_t bs, const int64_t* table, int64_t tok0,
                       int64_t tok1) {
     const int64_t DV = D / W, kstride = KVH * D, len = tok1 - tok0, padded = (len + W - 1) / W * W;
     const int64_t ks = w.keys, span = M / G * D, off0 = g0 * D;  // the task's heads: floats [off0, off0 + span)
-    const float* rows[2][2][W];  // [tile parity][K, V][key]
+    const KT* rows[2][2][W];  // [tile parity][K, V][key]
     for (int64_t e = 0; e < M * D; ++e) w.acc[e] = 0.0f;
     for (int64_t m = 0; m < M; ++m) { w.mx[m] = -__builtin_inff(); w.sum[m] = 0.0f; }
     if (len <= 0) return;
     const int64_t last = padded - W, tail = len - last;  // the last tile's offset and its keys
     da_rows(table, bs, kstride, kpool, vpool, tok0, last ? W : tail, rows[0][0], rows[0][1]);
     for (int64_t k = 0, b = 0; k < padded; k += W, b ^= 1) {
-        const float* const* krow = rows[b][0];
+        const KT* const* krow = rows[b][0];
         if (k < last) {
             da_rows(table, bs, kstride, kpool, vpool, tok0 + k + W, k + W == last ? tail : W, rows[b ^ 1][0],
                     rows[b ^ 1][1]);
@@ -220,7 +226,7 @@ static void da_attend(DecodeScratch w, int64_t M, int64_t G, int64_t g0, int64_t
     }
     da_rows(table, bs, kstride, kpool, vpool, tok0, last ? W : tail, rows[0][0], rows[0][1]);
     for (int64_t k = 0, b = 0; k < padded; k += W, b ^= 1) {
-        const float* const* vrow = rows[b][1];
+        const KT* const* vrow = rows[b][1];
         if (k < last) {
             da_rows(table, bs, kstride, kpool, vpool, tok0 + k + W, k + W == last ? tail : W, rows[b ^ 1][0],
                     rows[b ^ 1][1]);
@@ -242,8 +248,9 @@ static void da_attend(DecodeScratch w, int64_t M, int64_t G, int64_t g0, int64_t
     }
 }
 
-static int paged_attention(const float* q, int64_t T, int64_t H, int64_t KVH, int64_t D, const float* kpool,
-                           const float* vpool, int64_t bs, const int64_t* tables, int64_t table_stride,
+template <typename KT>
+static int paged_attention(const float* q, int64_t T, int64_t H, int64_t KVH, int64_t D, const KT* kpool,
+                           const KT* vpool, int64_t bs, const int64_t* tables, int64_t table_stride,
                            const int64_t* ctx_lens, float scale, float* out) {
     if (D % W != 0 || H % KVH != 0) return -2;
     const int64_t G = H / KVH;

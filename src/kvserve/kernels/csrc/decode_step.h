@@ -94,7 +94,7 @@ struct DecodeStep {
     int64_t T;
     const int64_t* positions;
     const int64_t* slots;
-    float* pool;
+    void* pool;  // KT elements (decode_forward's)
     int64_t layer_stride;
     float* normed;
     float* delta;
@@ -170,6 +170,7 @@ struct DecodeStep {
 
 // Region "before attention of layer l": norm (residual += delta when given), qkv, RoPE + KV write.
 // Phases: 3 of ph.
+template <typename KT>
 static void decode_pre_attention(const DecodeStep& s, Phase* ph, int tid, int64_t l, float* residual,
                                  const float* delta) {
     const LayerModel& m = s.m;
@@ -180,8 +181,8 @@ static void decode_pre_attention(const DecodeStep& s, Phase* ph, int tid, int64_
     s.norm_phase(ph[0], tid, residual, delta, w.input_norm, s.normed, s.act_quant != 0,
                  s.lane_weights(w.qkv, w.qkv.rows, 0, tid, team));
     s.matmul_phase(ph[1], tid, s.normed, E, w.qkv, s.qkv);
-    float* kpool = s.pool + l * s.layer_stride;
-    float* vpool = kpool + s.layer_stride / 2;
+    KT* kpool = static_cast<KT*>(s.pool) + l * s.layer_stride;
+    KT* vpool = kpool + s.layer_stride / 2;
     phase_run(ph[2], tid, [&](int64_t t) {
         rope_kv_write(s.qkv + t * width, 1, H, KVH, D, s.positions + t, m.rope_cos, m.rope_sin, s.q + t * H * D,
                       kpool, vpool, s.slots + t);
@@ -222,8 +223,9 @@ static bool decode_matrix_ok(const LayerMatrix& w, int64_t k, int act_quant) {
            w.row_bytes == k / QK * block_bytes(static_cast<int>(w.qtype)) && w.row_bytes <= (int64_t(1) << 26);
 }
 
+template <typename KT>
 static int decode_forward(const LayerModel& m, int act_quant, float* hidden, int64_t T, const int64_t* positions,
-                          const int64_t* slots, float* pool, int64_t layer_stride, int64_t bs, const int64_t* tables,
+                          const int64_t* slots, KT* pool, int64_t layer_stride, int64_t bs, const int64_t* tables,
                           int64_t table_stride, const int64_t* ctx_lens, int64_t num_groups,
                           const int64_t* group_offsets, const int64_t* group_rows,
                           const int64_t* group_shared_blocks, const int64_t* row_shared_blocks, float* out) {
@@ -282,8 +284,8 @@ static int decode_forward(const LayerModel& m, int act_quant, float* hidden, int
     int64_t max_ctx = 1;
     for (int64_t t = 0; t < T; ++t) max_ctx = ctx_lens[t] > max_ctx ? ctx_lens[t] : max_ctx;
     auto attention = [&](DecodeScratch& w, int64_t l, int64_t i) {
-        float* kpool = pool + l * layer_stride;
-        float* vpool = kpool + layer_stride / 2;
+        KT* kpool = pool + l * layer_stride;
+        KT* vpool = kpool + layer_stride / 2;
         if (cascade) {
             const int rc = cascade_attention(s.q, T, H, KVH, D, kpool, vpool, bs, tables, table_stride, ctx_lens,
                                              num_groups, group_offsets, group_rows, group_shared_blocks,
@@ -309,7 +311,7 @@ static int decode_forward(const LayerModel& m, int act_quant, float* hidden, int
         float* oth = other;
         for (int64_t l = 0; l < L; ++l) {
             Phase* p = ph + l * per_layer;
-            decode_pre_attention(s, p, tid, l, res, l ? s.delta : nullptr);
+            decode_pre_attention<KT>(s, p, tid, l, res, l ? s.delta : nullptr);
             const LayerMatrix& o = m.layers[l].o;
             phase_run(p[3], tid, [&](int64_t i) { attention(scratch_attn, l, i); },
                       s.lane_weights(o, o.rows, 0, tid, team));

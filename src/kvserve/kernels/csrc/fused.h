@@ -11,27 +11,38 @@ static inline V vsub(V a, V b) { return _mm256_sub_ps(a, b); }
 static inline V vdiv(V a, V b) { return _mm256_div_ps(a, b); }
 #endif
 
-// One head's rotate-half RoPE: out[i] = x[i]*cos[i] - x[i+h]*sin[i]; out[i+h] = x[i+h]*cos[i+h] + x[i]*sin[i+h].
-static inline void rope_head(const float* x, const float* cos, const float* sin, int64_t D, float* out) {
+// One head's rotate-half RoPE: out[i] = x[i]*cos[i] - x[i+h]*sin[i]; out[i+h] = x[i+h]*cos[i+h] + x[i]*sin[i+h],
+// stored as OT (a query: float; a key: the pool's element type, rounded by kvstore).
+template <typename OT>
+static inline void rope_head(const float* x, const float* cos, const float* sin, int64_t D, OT* out) {
     const int64_t half = D / 2;
     int64_t i = 0;
     for (; i + W <= half; i += W) {
         const V lo = vload(x + i), hi = vload(x + half + i);
-        vstore(out + i, vsub(vmul(lo, vload(cos + i)), vmul(hi, vload(sin + i))));
-        vstore(out + half + i, vadd(vmul(hi, vload(cos + half + i)), vmul(lo, vload(sin + half + i))));
+        kvstore(out + i, vsub(vmul(lo, vload(cos + i)), vmul(hi, vload(sin + i))));
+        kvstore(out + half + i, vadd(vmul(hi, vload(cos + half + i)), vmul(lo, vload(sin + half + i))));
     }
     for (; i < half; ++i) {
         const float lo = x[i], hi = x[half + i];
-        out[i] = lo * cos[i] - hi * sin[i];
-        out[half + i] = hi * cos[half + i] + lo * sin[half + i];
+        kvstore1(out + i, lo * cos[i] - hi * sin[i]);
+        kvstore1(out + half + i, hi * cos[half + i] + lo * sin[half + i]);
     }
+}
+
+// n floats into the pool as KT (float: a copy; bf16: rounded to nearest even).
+static inline void kv_copy(const float* src, int64_t n, float* dst) { __builtin_memcpy(dst, src, n * sizeof(float)); }
+static inline void kv_copy(const float* src, int64_t n, bf16_t* dst) {
+    int64_t i = 0;
+    for (; i + W <= n; i += W) kvstore(dst + i, vload(src + i));
+    for (; i < n; ++i) kvstore1(dst + i, src[i]);
 }
 
 // qkv rows [T, (H + 2*KVH) * D] (q heads, then k heads, then v heads, as the fused projection writes them):
 // rotated queries go to q_out [T, H*D]; rotated keys and the values go to pool slot slots[t] of kpool / vpool
-// (each slot KVH*D floats). cos/sin tables are [max_pos, D]; positions[t] picks the row.
+// (each slot KVH*D elements of KT). cos/sin tables are [max_pos, D]; positions[t] picks the row.
+template <typename KT>
 static int rope_kv_write(const float* qkv, int64_t T, int64_t H, int64_t KVH, int64_t D, const int64_t* positions,
-                         const float* cos_table, const float* sin_table, float* q_out, float* kpool, float* vpool,
+                         const float* cos_table, const float* sin_table, float* q_out, KT* kpool, KT* vpool,
                          const int64_t* slots) {
     if (D % 2 != 0) return -2;
     const int64_t width = (H + 2 * KVH) * D;
@@ -40,10 +51,10 @@ static int rope_kv_write(const float* qkv, int64_t T, int64_t H, int64_t KVH, in
         const float* cos = cos_table + positions[t] * D;
         const float* sin = sin_table + positions[t] * D;
         for (int64_t h = 0; h < H; ++h) rope_head(row + h * D, cos, sin, D, q_out + (t * H + h) * D);
-        float* kdst = kpool + slots[t] * KVH * D;
-        float* vdst = vpool + slots[t] * KVH * D;
+        KT* kdst = kpool + slots[t] * KVH * D;
+        KT* vdst = vpool + slots[t] * KVH * D;
         for (int64_t h = 0; h < KVH; ++h) rope_head(row + (H + h) * D, cos, sin, D, kdst + h * D);
-        __builtin_memcpy(vdst, row + (H + KVH) * D, KVH * D * sizeof(float));
+        kv_copy(row + (H + KVH) * D, KVH * D, vdst);
     }
     return 0;
 }

@@ -116,9 +116,20 @@ static bool amx_permitted() {
 }
 enum : int { F_AVX2 = 1, F_AVX512 = 2, F_VNNI = 4, F_BF16 = 8, F_AMX = 16, F_AMX_INT8 = 32 };
 
+// The KV pool's element type, for every call that reads or writes the pool (simd.h's KT).
+enum : int { KVT_F32 = 0, KVT_BF16 = 1 };
+
+// Runs fn(KT{}) for the pool's element type: fn is a generic lambda that dispatches on the ISA.
+template <typename F>
+static int with_kv_type(int kvt, F fn) {
+    if (kvt == KVT_F32) return fn(float{});
+    if (kvt == KVT_BF16) return fn(uint16_t{});
+    return -4;
+}
+
 extern "C" {
 
-int kv_abi_version() { return 3; }  // 3: kv_pack_i8 and QT_I8_PACKED
+int kv_abi_version() { return 4; }  // 4: the pool's element type (kvt) on every pool call; 3: kv_pack_i8
 
 void kv_set_num_threads(int n) { g_threads = n; }
 
@@ -203,29 +214,41 @@ int kv_dequantize(int isa, int qt, const uint8_t* w, int64_t row_bytes, int64_t 
     KV_DISPATCH(dequantize(qt, w, row_bytes, k, ids, nrows, out));
 }
 
-int kv_paged_attention(int isa, const float* q, int64_t T, int64_t H, int64_t KVH, int64_t D, const float* kpool,
-                       const float* vpool, int64_t bs, const int64_t* tables, int64_t table_stride,
+int kv_paged_attention(int isa, int kvt, const float* q, int64_t T, int64_t H, int64_t KVH, int64_t D,
+                       const void* kpool, const void* vpool, int64_t bs, const int64_t* tables, int64_t table_stride,
                        const int64_t* ctx_lens, float scale, float* out) {
-    KV_DISPATCH(paged_attention(q, T, H, KVH, D, kpool, vpool, bs, tables, table_stride, ctx_lens, scale, out));
+    return with_kv_type(kvt, [&](auto tag) {
+        using KT = decltype(tag);
+        const KT *k = static_cast<const KT*>(kpool), *v = static_cast<const KT*>(vpool);
+        KV_DISPATCH(paged_attention(q, T, H, KVH, D, k, v, bs, tables, table_stride, ctx_lens, scale, out));
+    });
 }
 
 // Shared-prefix (cascade) decode attention: see cascade.h for the arguments.
-int kv_cascade_attention(int isa, const float* q, int64_t T, int64_t H, int64_t KVH, int64_t D, const float* kpool,
-                         const float* vpool, int64_t bs, const int64_t* tables, int64_t table_stride,
+int kv_cascade_attention(int isa, int kvt, const float* q, int64_t T, int64_t H, int64_t KVH, int64_t D,
+                         const void* kpool, const void* vpool, int64_t bs, const int64_t* tables, int64_t table_stride,
                          const int64_t* ctx_lens, int64_t num_groups, const int64_t* group_offsets,
                          const int64_t* group_rows, const int64_t* group_shared_blocks,
                          const int64_t* row_shared_blocks, float scale, float* out) {
-    KV_DISPATCH(cascade_attention(q, T, H, KVH, D, kpool, vpool, bs, tables, table_stride, ctx_lens, num_groups,
-                                  group_offsets, group_rows, group_shared_blocks, row_shared_blocks, scale, out));
+    return with_kv_type(kvt, [&](auto tag) {
+        using KT = decltype(tag);
+        const KT *k = static_cast<const KT*>(kpool), *v = static_cast<const KT*>(vpool);
+        KV_DISPATCH(cascade_attention(q, T, H, KVH, D, k, v, bs, tables, table_stride, ctx_lens, num_groups,
+                                      group_offsets, group_rows, group_shared_blocks, row_shared_blocks, scale, out));
+    });
 }
 
 // Prefill chunks attending causally through the pool, query tiles against shared key rows: see prefill.h.
-int kv_prefill_attention(int isa, const float* q, int64_t H, int64_t KVH, int64_t D, const float* kpool,
-                         const float* vpool, int64_t bs, int64_t num_spans, const int64_t* span_start,
+int kv_prefill_attention(int isa, int kvt, const float* q, int64_t H, int64_t KVH, int64_t D, const void* kpool,
+                         const void* vpool, int64_t bs, int64_t num_spans, const int64_t* span_start,
                          const int64_t* span_len, const int64_t* span_ctx, const int64_t* tables,
                          int64_t table_stride, float scale, float* out) {
-    KV_DISPATCH(prefill_attention(q, H, KVH, D, kpool, vpool, bs, num_spans, span_start, span_len, span_ctx, tables,
-                                  table_stride, scale, out));
+    return with_kv_type(kvt, [&](auto tag) {
+        using KT = decltype(tag);
+        const KT *k = static_cast<const KT*>(kpool), *v = static_cast<const KT*>(vpool);
+        KV_DISPATCH(prefill_attention(q, H, KVH, D, k, v, bs, num_spans, span_start, span_len, span_ctx, tables,
+                                      table_stride, scale, out));
+    });
 }
 
 int kv_rms_norm(int isa, float* x, const float* residual, const float* weight, int64_t rows, int64_t n, float eps,
@@ -233,54 +256,64 @@ int kv_rms_norm(int isa, float* x, const float* residual, const float* weight, i
     KV_DISPATCH(rms_norm(x, residual, weight, rows, n, eps, y));
 }
 
-int kv_rope_kv_write(int isa, const float* qkv, int64_t T, int64_t H, int64_t KVH, int64_t D, const int64_t* positions,
-                     const float* cos_table, const float* sin_table, float* q_out, float* kpool, float* vpool,
-                     const int64_t* slots) {
-    KV_DISPATCH(rope_kv_write(qkv, T, H, KVH, D, positions, cos_table, sin_table, q_out, kpool, vpool, slots));
+int kv_rope_kv_write(int isa, int kvt, const float* qkv, int64_t T, int64_t H, int64_t KVH, int64_t D,
+                     const int64_t* positions, const float* cos_table, const float* sin_table, float* q_out,
+                     void* kpool, void* vpool, const int64_t* slots) {
+    return with_kv_type(kvt, [&](auto tag) {
+        using KT = decltype(tag);
+        KT *k = static_cast<KT*>(kpool), *v = static_cast<KT*>(vpool);
+        KV_DISPATCH(rope_kv_write(qkv, T, H, KVH, D, positions, cos_table, sin_table, q_out, k, v, slots));
+    });
 }
 
 int kv_swiglu(int isa, const float* gate_up, int64_t T, int64_t I, float* out) {
     KV_DISPATCH(swiglu(gate_up, T, I, out));
 }
 
-int kv_layer_forward(int isa, const void* model, int act_quant, float* hidden, int64_t T, const int64_t* positions,
-                     const int64_t* slots, float* pool, int64_t layer_stride, int64_t bs, const int64_t* tables,
-                     int64_t table_stride, const int64_t* ctx_lens, int64_t num_groups,
+int kv_layer_forward(int isa, int kvt, const void* model, int act_quant, float* hidden, int64_t T,
+                     const int64_t* positions, const int64_t* slots, void* pool, int64_t layer_stride, int64_t bs,
+                     const int64_t* tables, int64_t table_stride, const int64_t* ctx_lens, int64_t num_groups,
                      const int64_t* group_offsets, const int64_t* group_rows, const int64_t* group_shared_blocks,
                      const int64_t* row_shared_blocks, float* out) {
-    KV_DISPATCH(layer_forward(model, act_quant, hidden, T, positions, slots, pool, layer_stride, bs, tables,
-                              table_stride, ctx_lens, num_groups, group_offsets, group_rows, group_shared_blocks,
-                              row_shared_blocks, out));
+    return with_kv_type(kvt, [&](auto tag) {
+        using KT = decltype(tag);
+        KT* p = static_cast<KT*>(pool);
+        KV_DISPATCH(layer_forward(model, act_quant, hidden, T, positions, slots, p, layer_stride, bs, tables,
+                                  table_stride, ctx_lens, num_groups, group_offsets, group_rows, group_shared_blocks,
+                                  row_shared_blocks, out));
+    });
 }
 
 // As kv_layer_forward, with prefill spans (layer.h's LayerSpans): rows [0, num_decodes) attend through
 // tables / ctx_lens (cascade groups among them as kv_layer_forward's), the spans' rows through
 // prefill_attention (prefill.h's arguments).
-int kv_layer_forward_spans(int isa, const void* model, int act_quant, float* hidden, int64_t T,
-                           const int64_t* positions, const int64_t* slots, float* pool, int64_t layer_stride,
+int kv_layer_forward_spans(int isa, int kvt, const void* model, int act_quant, float* hidden, int64_t T,
+                           const int64_t* positions, const int64_t* slots, void* pool, int64_t layer_stride,
                            int64_t bs, const int64_t* tables, int64_t table_stride, const int64_t* ctx_lens,
                            int64_t num_groups, const int64_t* group_offsets, const int64_t* group_rows,
                            const int64_t* group_shared_blocks, const int64_t* row_shared_blocks,
                            int64_t num_decodes, int64_t num_spans, const int64_t* span_start, const int64_t* span_len,
                            const int64_t* span_ctx, const int64_t* span_tables, int64_t span_table_stride,
                            float* out) {
-    if (isa == ISA_AVX512) {
-        const isa_avx512::LayerSpans spans{num_decodes, num_spans, span_start, span_len, span_ctx, span_tables,
-                                           span_table_stride};
-        return isa_avx512::layer_forward_spans(model, act_quant, hidden, T, positions, slots, pool, layer_stride, bs,
-                                               tables, table_stride, ctx_lens, num_groups, group_offsets, group_rows,
-                                               group_shared_blocks, row_shared_blocks,
-                                               spans, out);
-    }
-    if (isa == ISA_AVX2) {
-        const isa_avx2::LayerSpans spans{num_decodes, num_spans, span_start, span_len, span_ctx, span_tables,
-                                         span_table_stride};
-        return isa_avx2::layer_forward_spans(model, act_quant, hidden, T, positions, slots, pool, layer_stride, bs,
-                                             tables, table_stride, ctx_lens, num_groups, group_offsets, group_rows,
-                                               group_shared_blocks, row_shared_blocks,
-                                             spans, out);
-    }
-    return -3;
+    return with_kv_type(kvt, [&](auto tag) {
+        using KT = decltype(tag);
+        KT* p = static_cast<KT*>(pool);
+        if (isa == ISA_AVX512) {
+            const isa_avx512::LayerSpans spans{num_decodes, num_spans, span_start, span_len, span_ctx, span_tables,
+                                               span_table_stride};
+            return isa_avx512::layer_forward_spans(model, act_quant, hidden, T, positions, slots, p, layer_stride,
+                                                   bs, tables, table_stride, ctx_lens, num_groups, group_offsets,
+                                                   group_rows, group_shared_blocks, row_shared_blocks, spans, out);
+        }
+        if (isa == ISA_AVX2) {
+            const isa_avx2::LayerSpans spans{num_decodes, num_spans, span_start, span_len, span_ctx, span_tables,
+                                             span_table_stride};
+            return isa_avx2::layer_forward_spans(model, act_quant, hidden, T, positions, slots, p, layer_stride, bs,
+                                                 tables, table_stride, ctx_lens, num_groups, group_offsets,
+                                                 group_rows, group_shared_blocks, row_shared_blocks, spans, out);
+        }
+        return -3;
+    });
 }
 
 }  // extern "C"

@@ -48,7 +48,8 @@ static inline int layer_qmatmul(int act_quant, const float* x, int64_t rows, int
 #include "decode_step.h"
 
 // hidden [T, hidden]: the token embeddings in, scratch afterwards; out [T, hidden]: the final-normed states.
-// pool: the KV pool tensor [L, 2, num_blocks, bs, KVH, D]; layer_stride = 2 * num_blocks * bs * KVH * D.
+// pool: the KV pool tensor [L, 2, num_blocks, bs, KVH, D] of KT (float32 or bf16, simd.h); layer_stride =
+// 2 * num_blocks * bs * KVH * D elements.
 // Row t attends to the first ctx_lens[t] tokens of the table at tables + t * table_stride. num_groups > 0:
 // decode rows sharing leading blocks, as cascade.h's arguments -- attention runs as cascade_attention.
 // Prefill spans (prefill.h's arguments; num_spans 0: none): with spans, only the first `num_decodes` rows
@@ -60,8 +61,9 @@ struct LayerSpans {
     int64_t table_stride;
 };
 
+template <typename KT>
 static int layer_forward_spans(const void* desc, int act_quant, float* hidden, int64_t T, const int64_t* positions,
-                               const int64_t* slots, float* pool, int64_t layer_stride, int64_t bs,
+                               const int64_t* slots, KT* pool, int64_t layer_stride, int64_t bs,
                                const int64_t* tables, int64_t table_stride, const int64_t* ctx_lens,
                                int64_t num_groups, const int64_t* group_offsets, const int64_t* group_rows,
                                const int64_t* group_shared_blocks, const int64_t* row_shared_blocks,
@@ -89,8 +91,8 @@ static int layer_forward_spans(const void* desc, int act_quant, float* hidden, i
     int rc = 0;
     for (int64_t l = 0; l < m.num_layers && rc == 0; ++l) {
         const LayerWeightsDesc& w = m.layers[l];
-        float* kpool = pool + l * layer_stride;
-        float* vpool = kpool + layer_stride / 2;
+        KT* kpool = pool + l * layer_stride;
+        KT* vpool = kpool + layer_stride / 2;
         rc |= rms_norm(residual, l ? delta : nullptr, w.input_norm, T, E, eps, normed);  // residual += delta
         rc |= layer_qmatmul(act_quant, normed, T, E, w.qkv, qkv);
         rc |= rope_kv_write(qkv, T, H, KVH, D, positions, m.rope_cos, m.rope_sin, q, kpool, vpool, slots);
@@ -116,8 +118,9 @@ static int layer_forward_spans(const void* desc, int act_quant, float* hidden, i
     return rc;
 }
 
+template <typename KT>
 static int layer_forward(const void* desc, int act_quant, float* hidden, int64_t T, const int64_t* positions,
-                         const int64_t* slots, float* pool, int64_t layer_stride, int64_t bs, const int64_t* tables,
+                         const int64_t* slots, KT* pool, int64_t layer_stride, int64_t bs, const int64_t* tables,
                          int64_t table_stride, const int64_t* ctx_lens, int64_t num_groups,
                          const int64_t* group_offsets, const int64_t* group_rows,
                          const int64_t* group_shared_blocks, const int64_t* row_shared_blocks, float* out) {

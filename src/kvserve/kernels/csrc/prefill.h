@@ -27,8 +27,8 @@ constexpr int PF_KR = 2, PF_QV = 4, PF_VR = 2, PF_VC = 4;  // 16 ymm registers
 #endif
 
 // s[r * Mp + lanes of c] = K row r . queries (qt [D, Mp], vector columns mv..mv+QV) for KR keys.
-template <int KR, int QV>
-static inline void pf_scores_tile(const float* const* krow, const float* qt, int64_t Mp, int64_t D, int64_t mv,
+template <int KR, int QV, typename KT>
+static inline void pf_scores_tile(const KT* const* krow, const float* qt, int64_t Mp, int64_t D, int64_t mv,
                                   float* s) {
     V a[KR][QV];
     for (int r = 0; r < KR; ++r)
@@ -37,7 +37,7 @@ static inline void pf_scores_tile(const float* const* krow, const float* qt, int
         V qv[QV];
         for (int c = 0; c < QV; ++c) qv[c] = vload(qt + d * Mp + (mv + c) * W);
         for (int r = 0; r < KR; ++r) {
-            const V kb = vset1(krow[r][d]);
+            const V kb = vset1(kvscalar(krow[r] + d));
             for (int c = 0; c < QV; ++c) a[r][c] = vfma(kb, qv[c], a[r][c]);
         }
     }
@@ -45,8 +45,8 @@ static inline void pf_scores_tile(const float* const* krow, const float* qt, int
         for (int c = 0; c < QV; ++c) vstore(s + r * Mp + (mv + c) * W, a[r][c]);
 }
 
-template <int KR>
-static inline void pf_scores_keys(const float* const* krow, const float* qt, int64_t Mp, int64_t D, float* s) {
+template <int KR, typename KT>
+static inline void pf_scores_keys(const KT* const* krow, const float* qt, int64_t Mp, int64_t D, float* s) {
     const int64_t MV = Mp / W;
     int64_t mv = 0;
     for (; mv + PF_QV <= MV; mv += PF_QV) pf_scores_tile<KR, PF_QV>(krow, qt, Mp, D, mv, s);
@@ -56,8 +56,8 @@ static inline void pf_scores_keys(const float* const* krow, const float* qt, int
 }
 
 // acc[m, vectors c0..c0+C) = acc * corr[m] + sum_i p[i, m] * V[i] for R query rows starting at m.
-template <int R, int C>
-static inline void pf_values_tile(const float* p, int64_t Mp, const float* const* vrow, int64_t n, int64_t m,
+template <int R, int C, typename KT>
+static inline void pf_values_tile(const float* p, int64_t Mp, const KT* const* vrow, int64_t n, int64_t m,
                                   int64_t c0, const float* corr, float* acc, int64_t D) {
     V a[R][C];
     for (int r = 0; r < R; ++r) {
@@ -66,7 +66,7 @@ static inline void pf_values_tile(const float* p, int64_t Mp, const float* const
     }
     for (int64_t i = 0; i < n; ++i) {
         V v[C];
-        for (int c = 0; c < C; ++c) v[c] = vload(vrow[i] + (c0 + c) * W);
+        for (int c = 0; c < C; ++c) v[c] = kvload(vrow[i] + (c0 + c) * W);
         for (int r = 0; r < R; ++r) {
             const V pr = vset1(p[i * Mp + m + r]);
             for (int c = 0; c < C; ++c) a[r][c] = vfma(pr, v[c], a[r][c]);
@@ -84,17 +84,13 @@ struct PrefillScratch {
     float* mx;    // [Mp] running maxima
     float* sum;   // [Mp] running sums
     float* corr;  // [Mp]
-    const float** krow;  // [KEY_STEP]
-    const float** vrow;  // [KEY_STEP]
 };
 
 // Taken from `scope` (scratch.h: the calling thread's arena), valid until it ends.
 static PrefillScratch pf_scratch_new(ScratchScope& scope, int64_t Mp, int64_t D) {
     float* buf = scope.take<float>(D * Mp + PREFILL_KEY_STEP * Mp + Mp * D + 3 * Mp);
-    const float** rows = scope.take<const float*>(2 * PREFILL_KEY_STEP);
     float* mx = buf + D * Mp + PREFILL_KEY_STEP * Mp + Mp * D;
-    return PrefillScratch{buf, buf + D * Mp, buf + D * Mp + PREFILL_KEY_STEP * Mp, mx, mx + Mp, mx + 2 * Mp, rows,
-                          rows + PREFILL_KEY_STEP};
+    return PrefillScratch{buf, buf + D * Mp, buf + D * Mp + PREFILL_KEY_STEP * Mp, mx, mx + Mp, mx + 2 * Mp};
 }
 
 // Zeroes the padded query lanes [M, Mp) and resets the online-softmax state of all Mp lanes.
@@ -114,20 +110,23 @@ static inline void pf_put_query(PrefillScratch w, int64_t Mp, int64_t D, int64_t
 // g. Causal when first >= 0: lane m is the query of token m / G at position first + m / G and sees keys up
 // to it (so k0_begin must be 0, and key 0 is seen by all); first < 0: every lane sees every key. Each lane
 // must see at least one key in the first step (its max is then finite).
-static void pf_attend(PrefillScratch w, int64_t Mp, int64_t D, int64_t G, const float* kpool, const float* vpool,
+template <typename KT>
+static void pf_attend(PrefillScratch w, int64_t Mp, int64_t D, int64_t G, const KT* kpool, const KT* vpool,
                       int64_t KVH, int64_t g, int64_t bs, const int64_t* table, int64_t k0_begin, int64_t end,
                       int64_t first) {
     const int64_t MV = Mp / W, DV = D / W;
+    const KT* krow[PREFILL_KEY_STEP];
+    const KT* vrow[PREFILL_KEY_STEP];
     for (int64_t k0 = k0_begin; k0 < end; k0 += PREFILL_KEY_STEP) {
         const int64_t n = end - k0 < PREFILL_KEY_STEP ? end - k0 : PREFILL_KEY_STEP;
         for (int64_t i = 0; i < n; ++i) {
             const int64_t slot = table[(k0 + i) / bs] * bs + (k0 + i) % bs;
-            w.krow[i] = kpool + (slot * KVH + g) * D;
-            w.vrow[i] = vpool + (slot * KVH + g) * D;
+            krow[i] = kpool + (slot * KVH + g) * D;
+            vrow[i] = vpool + (slot * KVH + g) * D;
         }
         int64_t i = 0;
-        for (; i + PF_KR <= n; i += PF_KR) pf_scores_keys<PF_KR>(w.krow + i, w.qt, Mp, D, w.s + i * Mp);
-        for (; i < n; ++i) pf_scores_keys<1>(w.krow + i, w.qt, Mp, D, w.s + i * Mp);
+        for (; i + PF_KR <= n; i += PF_KR) pf_scores_keys<PF_KR>(krow + i, w.qt, Mp, D, w.s + i * Mp);
+        for (; i < n; ++i) pf_scores_keys<1>(krow + i, w.qt, Mp, D, w.s + i * Mp);
         // Causal mask: key k0 + r is hidden from the tile's tokens before it, i.e. lanes m < (k0 + r - first) * G.
         const bool masked = first >= 0 && k0 + n - 1 > first;
         if (masked)
@@ -153,15 +152,16 @@ static void pf_attend(PrefillScratch w, int64_t Mp, int64_t D, int64_t G, const 
         for (int64_t m = 0; m < Mp; m += PF_VR) {
             int64_t c0 = 0;
             for (; c0 + PF_VC <= DV; c0 += PF_VC)
-                pf_values_tile<PF_VR, PF_VC>(w.s, Mp, w.vrow, n, m, c0, w.corr, w.acc, D);
-            for (; c0 < DV; ++c0) pf_values_tile<PF_VR, 1>(w.s, Mp, w.vrow, n, m, c0, w.corr, w.acc, D);
+                pf_values_tile<PF_VR, PF_VC>(w.s, Mp, vrow, n, m, c0, w.corr, w.acc, D);
+            for (; c0 < DV; ++c0) pf_values_tile<PF_VR, 1>(w.s, Mp, vrow, n, m, c0, w.corr, w.acc, D);
         }
     }
 }
 
 // One task: tokens [row0, row0 + nq) of a span at positions first..first+nq-1, KV head g, keys 0..first+nq-1.
-static void prefill_tile(const float* q, int64_t H, int64_t KVH, int64_t D, int64_t G, const float* kpool,
-                         const float* vpool, int64_t bs, const int64_t* table, int64_t row0, int64_t nq,
+template <typename KT>
+static void prefill_tile(const float* q, int64_t H, int64_t KVH, int64_t D, int64_t G, const KT* kpool,
+                         const KT* vpool, int64_t bs, const int64_t* table, int64_t row0, int64_t nq,
                          int64_t first, int64_t g, float scale, PrefillScratch w, float* out) {
     const int64_t M = nq * G, Mp = (M + W - 1) / W * W, DV = D / W;
     pf_begin(w, M, Mp, D);
@@ -175,8 +175,9 @@ static void prefill_tile(const float* q, int64_t H, int64_t KVH, int64_t D, int6
     }
 }
 
-static int prefill_attention(const float* q, int64_t H, int64_t KVH, int64_t D, const float* kpool,
-                             const float* vpool, int64_t bs, int64_t num_spans, const int64_t* span_start,
+template <typename KT>
+static int prefill_attention(const float* q, int64_t H, int64_t KVH, int64_t D, const KT* kpool,
+                             const KT* vpool, int64_t bs, int64_t num_spans, const int64_t* span_start,
                              const int64_t* span_len, const int64_t* span_ctx, const int64_t* tables,
                              int64_t table_stride, float scale, float* out) {
     if (D % W != 0 || H % KVH != 0) return -2;

@@ -120,3 +120,53 @@ static inline float half_to_float(const uint8_t* p) {
     __builtin_memcpy(&h, p, 2);
     return _cvtsh_ss(h);
 }
+
+// KV pool elements: float32, or bf16 (`--kv-cache-dtype bfloat16`: the top half of a float32, half the bytes).
+// Every kernel that reads or writes the pool is a template over the element type KT. Loads widen bf16
+// exactly (a shift); stores round to nearest even, as torch's `.to(torch.bfloat16)` does (NaN -> 0x7FC0, as
+// c10::BFloat16), so the torch twin's pool holds the same bits and attention reads the same values.
+typedef uint16_t bf16_t;
+static inline V kvload(const float* p) { return vload(p); }
+static inline void kvstore(float* p, V v) { vstore(p, v); }
+static inline float kvscalar(const float* p) { return *p; }
+static inline void kvstore1(float* p, float x) { *p = x; }
+static inline float kvscalar(const bf16_t* p) {
+    const uint32_t bits = static_cast<uint32_t>(*p) << 16;
+    float x;
+    __builtin_memcpy(&x, &bits, 4);
+    return x;
+}
+static inline void kvstore1(bf16_t* p, float x) {
+    uint32_t bits;
+    __builtin_memcpy(&bits, &x, 4);
+    *p = x != x ? static_cast<bf16_t>(0x7FC0) : static_cast<bf16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+#if KV_AVX512
+static inline V kvload(const bf16_t* p) {
+    const __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
+}
+static inline void kvstore(bf16_t* p, V v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+}
+#else
+static inline V kvload(const bf16_t* p) {
+    const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
+}
+static inline void kvstore(bf16_t* p, V v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+    // 32 -> 16 bits (values fit, so unsigned saturation keeps them): packus works per 128-bit lane, then the
+    // two lanes' low halves are gathered into the low 128 bits.
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
+#endif
