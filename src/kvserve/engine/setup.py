@@ -80,8 +80,8 @@ def resolve_long_prefill_threshold(config: EngineConfig, max_model_len: int) -> 
 def kv_cache_dtype(config: EngineConfig, model_dtype: torch.dtype) -> torch.dtype:
     """What the KV pool stores: `kv_cache_dtype`, or the model's dtype for auto. A bfloat16 pool under float32
     arithmetic holds each key and value rounded to nearest even (half the bytes per token); every attention
-    path, native or torch, fresh or cached, reads those rounded values back, so a prefix-cache hit or a tier
-    load still never changes an output."""
+    path, native or torch, reads those rounded values back, fresh or cached alike, and a tier load returns the
+    same bits."""
     return model_dtype if config.kv_cache_dtype == "auto" else getattr(torch, config.kv_cache_dtype)
 
 
