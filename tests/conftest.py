@@ -89,10 +89,11 @@ def tiny_hf_model(tiny_model_dir: Path):
 
 
 @torch.inference_mode()
-def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    """Greedy continuation by a plain forward loop (EOS ignored, explicit all-ones attention mask)."""
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, cache=None) -> list[int]:
+    """Greedy continuation by a plain forward loop (EOS ignored, explicit all-ones attention mask); `cache`: a
+    fresh transformers cache to run it through (None: the model's default)."""
     input_ids = torch.tensor([prompt_ids])
-    past = None
+    past = cache
     generated: list[int] = []
     for _ in range(max_new_tokens):
         mask = torch.ones(1, len(prompt_ids) + len(generated), dtype=torch.long)

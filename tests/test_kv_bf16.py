@@ -16,7 +16,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from conftest import assert_pool_drained, random_prompts
+from conftest import assert_pool_drained, hf_greedy, random_prompts
 from kvserve import LLM, SamplingParams
 from kvserve.config import EngineConfig
 from kvserve.kernels import reference
@@ -34,17 +34,8 @@ class BF16Cache(DynamicCache):
         return super().update(*rounded, layer_idx, *args, **kwargs)
 
 
-@torch.inference_mode()
 def hf_greedy_bf16_cache(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    """As conftest's hf_greedy, through a BF16Cache."""
-    input_ids, past, generated = torch.tensor([prompt_ids]), BF16Cache(), []
-    for _ in range(max_new_tokens):
-        mask = torch.ones(1, len(prompt_ids) + len(generated), dtype=torch.long)
-        out = model(input_ids=input_ids, attention_mask=mask, past_key_values=past, use_cache=True)
-        past = out.past_key_values
-        generated.append(int(out.logits[0, -1].argmax()))
-        input_ids = torch.tensor([[generated[-1]]])
-    return generated
+    return hf_greedy(model, prompt_ids, max_new_tokens, cache=BF16Cache())
 
 
 @pytest.fixture(scope="module")
@@ -67,8 +58,6 @@ def make_llm(model_dir, **engine_args) -> LLM:
 
 def test_oracle_tells_bf16_from_float32(tiny_hf_model, prompts, reference_bf16):
     """The rounding matters on this model (else the tests below could not tell a bf16 cache from fp32)."""
-    from conftest import hf_greedy
-
     pairs = zip(prompts, reference_bf16, strict=True)
     assert any(hf_greedy(tiny_hf_model, p, MAX_NEW) != expected for p, expected in pairs)
 
