@@ -35,15 +35,21 @@ def test_full_queue_answers_429_and_recovers(small_server):
     client = openai.OpenAI(base_url=small_server.base_url, api_key="x", max_retries=0, timeout=60)
     params = {key: value for key, value in LONG.items() if key != "ignore_eos"}
     running = client.completions.create(stream=True, extra_body={"ignore_eos": True}, **params)
-    next(iter(running))  # holds the only sequence slot
-    queued = client.completions.create(stream=True, extra_body={"ignore_eos": True}, **params)  # waits
-    assert metric_value(small_server.url, "kvserve_num_requests_waiting") == 1
-    with pytest.raises(openai.RateLimitError) as info:
-        client.completions.create(model=MODEL, prompt="one too many", max_tokens=1)
-    assert info.value.status_code == 429 and info.value.body["code"] == "queue_full"
-    running.close()  # frees the slot: the queued request runs
-    assert next(iter(queued)).choices[0].text is not None
-    queued.close()
+    queued = None
+    try:
+        next(iter(running))  # holds the only sequence slot
+        queued = client.completions.create(stream=True, extra_body={"ignore_eos": True}, **params)  # waits
+        # Counted as waiting from the moment its headers arrive, not only after the engine's next step.
+        assert metric_value(small_server.url, "kvserve_num_requests_waiting") == 1
+        with pytest.raises(openai.RateLimitError) as info:
+            client.completions.create(model=MODEL, prompt="one too many", max_tokens=1)
+        assert info.value.status_code == 429 and info.value.body["code"] == "queue_full"
+        running.close()  # frees the slot: the queued request runs
+        assert next(iter(queued)).choices[0].text is not None
+    finally:  # a failure here must not leave the slot taken for the SIGTERM test
+        running.close()
+        if queued is not None:
+            queued.close()
     wait_until_drained(small_server.url)
     assert client.completions.create(model=MODEL, prompt="room again", max_tokens=1).choices
 

@@ -215,14 +215,18 @@ class AsyncEngine:
     # --- thread-safe snapshots -----------------------------------------------------------------------
 
     def stats(self) -> dict[str, float | int]:
-        """The engine's `stats()` as of the last step or command (a copy; never blocks)."""
-        return dict(self._stats)
+        """The engine's `stats()` as of the last step or command (a copy; never blocks), with
+        `num_waiting` counting accepted submissions too: a caller holding its response headers sees
+        its request waiting even while the step that will publish the scheduler's count still runs."""
+        with self._cond:
+            stats = dict(self._stats)
+            stats["num_waiting"] = int(stats["num_waiting"]) + self._num_unadmitted
+        return stats
 
     @property
     def num_waiting(self) -> int:
         """Requests queued but not running: the scheduler's waiting queue plus unprocessed submissions."""
-        with self._cond:
-            return int(self._stats["num_waiting"]) + self._num_unadmitted
+        return int(self.stats()["num_waiting"])
 
     @property
     def num_running(self) -> int:
