@@ -18,7 +18,7 @@ ORDER = [
     "throughput", "memory_efficiency", "prefix_cache", "prefix_lookup", "parallel_memory",
     "server_load", "server_steps", "serve_sweep", "side_channel", "dashboard", "soak", "router", "router_2w",
     "router_2w_amx", "eviction", "structured",
-    "tiers", "kernels", "kernels_avx2", "kernels_amx", "configs", "configs_amx", "amx", "amx_exact", "kernels_prefill",
+    "tiers", "kernels", "kernels_avx2", "kernels_zen4", "kernels_amx", "configs", "configs_amx", "amx", "amx_exact", "kernels_prefill",
     "kernels_amx_prefill",
     "membw",
     "kernels_decode", "decode_step",
@@ -41,6 +41,7 @@ SCRIPTS = {
     "int8_packed": ("int8_packed", ["--before", "d7500bc"]),  # the int8 kernels before the packed layout
     "kernels_decode": ("kernels", ["--decode-only", "5"]),
     "kernels_avx2": ("kernels", ["--quick", "--skip-hf-bf16", "--out", "kernels_avx2"]),  # on an AVX2-only CPU
+    "kernels_zen4": ("kernels", ["--quick", "--out", "kernels_zen4"]),  # on a Zen 4: AVX-512 + BF16, no AMX
     "kernels_amx": ("kernels", ["--quick", "--out", "kernels_amx"]),  # on a CPU with AMX and native bf16
     "configs_amx": ("configs", ["--out", "configs_amx"]),  # on a CPU with AMX and native bf16
     "amx_exact": ("amx", ["--exact"]),  # on a CPU with AMX-BF16
