@@ -90,8 +90,9 @@ class StepProbe:
         for layer in model.layers:
             for w in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
                 x, y = torch.randn(1, w.in_features), torch.empty(1, w.out_features)
-                self.calls.append((x, y, (self.native.code, w.qtype, x.data_ptr(), 1, w.in_features,
-                                          w.data.data_ptr(), w.out_features, w.row_bytes, y.data_ptr(),
+                matrix = layer_loop._matrix(w)  # the layer loop's view: int8 weights are packed (their own qtype code)
+                self.calls.append((x, y, (self.native.code, matrix.qtype, x.data_ptr(), 1, w.in_features,
+                                          matrix.data, w.out_features, matrix.row_bytes, y.data_ptr(),
                                           w.out_features)))
 
     def _matmuls(self, calls: list) -> None:

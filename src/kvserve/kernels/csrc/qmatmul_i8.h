@@ -51,17 +51,20 @@ static inline void quantize_row_block(const float* x, int8_t* q, float* d, float
     const int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
 #else
     const __m256 vid = _mm256_set1_ps(id), hi = _mm256_set1_ps(127.0f), lo = _mm256_set1_ps(-127.0f);
-    alignas(32) int32_t iq[QK];
+    __m256i iq[4];
     for (int i = 0; i < 4; ++i) {
         const __m256 v = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * i), vid), MODE);
-        _mm256_store_si256(reinterpret_cast<__m256i*>(iq + 8 * i),
-                           _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(v, lo), hi)));
+        iq[i] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(v, lo), hi));
     }
-    int sum = 0;
-    for (int j = 0; j < QK; ++j) {
-        q[j] = static_cast<int8_t>(iq[j]);
-        sum += iq[j];
-    }
+    // |q| <= 127: the saturating packs are plain narrowings. They work per 128-bit half, leaving the 4-byte
+    // groups in the order 0 2 4 6 1 3 5 7 of the wanted one; one dword permute puts them back.
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(iq[0], iq[1]), _mm256_packs_epi32(iq[2], iq[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                        _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    const __m256i total = _mm256_add_epi32(_mm256_add_epi32(iq[0], iq[1]), _mm256_add_epi32(iq[2], iq[3]));
+    const __m128i half = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+    const __m128i pair = _mm_add_epi32(half, _mm_shuffle_epi32(half, 0x4E));
+    const int sum = _mm_cvtsi128_si32(_mm_add_epi32(pair, _mm_shuffle_epi32(pair, 0xB1)));
 #endif
     *d = dx;
     *s = dx * static_cast<float>(sum);
@@ -77,11 +80,11 @@ static void quantize_rows(const float* x, int64_t rows, int64_t k, Q8Rows out) {
         for (int64_t b = 0; b < nb; ++b)
             quantize_row_block(x + r * k + b * QK, out.q + r * k + b * QK, out.d + r * nb + b, out.s + r * nb + b);
         if (!out.dv) continue;
-        for (int64_t b = 0; b < nb; ++b)
-            for (int l = 0; l < LANES; ++l) {
-                out.dv[(r * nb + b) * LANES + l] = out.d[r * nb + b];
-                out.sv[(r * nb + b) * LANES + l] = out.s[r * nb + b] * 0.125f;
-            }
+        static_assert(LANES == 8, "one ymm of d (and of s/8) per block");
+        for (int64_t b = 0; b < nb; ++b) {
+            _mm256_storeu_ps(out.dv + (r * nb + b) * LANES, _mm256_set1_ps(out.d[r * nb + b]));
+            _mm256_storeu_ps(out.sv + (r * nb + b) * LANES, _mm256_set1_ps(out.s[r * nb + b] * 0.125f));
+        }
     }
 }
 
@@ -167,12 +170,17 @@ static inline WSource shifted(const WSource& src, int64_t col, int64_t nb) {
 
 // out[r * ostride + c] for R activation rows x NC weight rows. Per lane:
 // acc += (dw * dx) * sum(qw * qx) [+ mw * s/8], summed over lanes and blocks at the end.
+// pf (optional): NC * row_bytes bytes of weights ahead, prefetched NC blocks' worth per block (as impl.h's
+// dot_tile: one burst per task left the cores waiting on memory -- a third of a 1-row decode step).
 template <int R, int NC, int QT>
-static inline void i8_tile(const Q8Rows& x, int64_t k, int64_t nb, const WSource& src, float* out, int64_t ostride) {
+static inline void i8_tile(const Q8Rows& x, int64_t k, int64_t nb, const WSource& src, float* out, int64_t ostride,
+                           const uint8_t* pf = nullptr) {
+    constexpr int64_t BB = QT == QT_Q4_0 ? 18 : QT == QT_Q4_1 ? 20 : 34;
     V acc[R][NC];
     for (int r = 0; r < R; ++r)
         for (int c = 0; c < NC; ++c) acc[r][c] = vzero();
     for (int64_t b = 0; b < nb; ++b) {
+        if (pf) prefetch_span(pf + b * NC * BB, NC * BB);
         Packed p[NC];
         for (int c = 0; c < NC; ++c) p[c] = block_at<QT>(src, c, b, nb);
         for (int r = 0; r < R; ++r) {
@@ -189,12 +197,15 @@ static inline void i8_tile(const Q8Rows& x, int64_t k, int64_t nb, const WSource
         for (int c = 0; c < NC; ++c) out[r * ostride + c] = vsum(acc[r][c]);
 }
 
+// ahead > 0 (GGUF-layout source only): each tile prefetches the weights `ahead` columns further on.
 template <int R, int QT>
 static inline void i8_cols(const Q8Rows& x, int64_t k, int64_t nb, const WSource& src, int64_t ncols, float* y,
-                           int64_t ystride) {
+                           int64_t ystride, int64_t ahead = 0) {
     constexpr int NC = R == 1 ? 4 : 2;
     int64_t col = 0;
-    for (; col + NC <= ncols; col += NC) i8_tile<R, NC, QT>(x, k, nb, shifted(src, col, nb), y + col, ystride);
+    for (; col + NC <= ncols; col += NC)
+        i8_tile<R, NC, QT>(x, k, nb, shifted(src, col, nb), y + col, ystride,
+                           ahead && src.w ? src.w + (col + ahead) * src.row_bytes : nullptr);
     for (; col < ncols; ++col) i8_tile<R, 1, QT>(x, k, nb, shifted(src, col, nb), y + col, ystride);
 }
 
@@ -215,7 +226,8 @@ static void qmatmul_i8_t(const Q8Rows& x, int64_t rows, int64_t k, const uint8_t
 #pragma omp for schedule(static) nowait
             for (int64_t c = 0; c < nchunks; ++c) {  // static: every pass gives a thread the same chunks
                 const int64_t c0 = c * CHUNK, ncols = c0 + CHUNK < n ? CHUNK : n - c0;
-                if (c0 + 2 * CHUNK <= n) prefetch_span(w + (c0 + CHUNK) * row_bytes, CHUNK * row_bytes);  // next's
+                const bool next = c0 + 2 * CHUNK <= n;  // the next chunk's weights: prefetched while this one runs
+                if (next && pk) prefetch_span(w + (c0 + CHUNK) * row_bytes, CHUNK * row_bytes);
                 if (pk)
                     for (int64_t j = 0; j < ncols; ++j)
                         for (int64_t b = 0; b < nb; ++b)
@@ -225,10 +237,11 @@ static void qmatmul_i8_t(const Q8Rows& x, int64_t rows, int64_t k, const uint8_t
                     const int64_t left = p1 - r0;
                     const Q8Rows xr = i8_offset(x, r0, k, nb);
                     float* yr = y + r0 * ystride + c0;
-                    if (left >= 4) i8_cols<4, QT>(xr, k, nb, src, ncols, yr, ystride);
-                    else if (left == 3) i8_cols<3, QT>(xr, k, nb, src, ncols, yr, ystride);
-                    else if (left == 2) i8_cols<2, QT>(xr, k, nb, src, ncols, yr, ystride);
-                    else i8_cols<1, QT>(xr, k, nb, src, ncols, yr, ystride);
+                    const int64_t ahead = next && !pk ? CHUNK : 0;  // spread over the tile's blocks
+                    if (left >= 4) i8_cols<4, QT>(xr, k, nb, src, ncols, yr, ystride, ahead);
+                    else if (left == 3) i8_cols<3, QT>(xr, k, nb, src, ncols, yr, ystride, ahead);
+                    else if (left == 2) i8_cols<2, QT>(xr, k, nb, src, ncols, yr, ystride, ahead);
+                    else i8_cols<1, QT>(xr, k, nb, src, ncols, yr, ystride, ahead);
                 }
             }
         }
@@ -393,13 +406,13 @@ static void qmatmul_i8_chunk(const Q8Rows& xq, int64_t rows, int64_t k, const ui
     }
 #else
     (void)scratch;
-    if (c1 + I8_CHUNK <= n) prefetch_span(w + c1 * row_bytes, I8_CHUNK * row_bytes);  // the next task's
+    const int64_t ahead = c1 + I8_CHUNK <= n ? I8_CHUNK : 0;  // the next task's weights, spread over the tiles
     const WSource src{nullptr, w + c0 * row_bytes, row_bytes};
     float* yc = y + c0;
-    if (rows >= 4) i8_cols<4, QT>(xq, k, nb, src, c1 - c0, yc, ystride);
-    else if (rows == 3) i8_cols<3, QT>(xq, k, nb, src, c1 - c0, yc, ystride);
-    else if (rows == 2) i8_cols<2, QT>(xq, k, nb, src, c1 - c0, yc, ystride);
-    else i8_cols<1, QT>(xq, k, nb, src, c1 - c0, yc, ystride);
+    if (rows >= 4) i8_cols<4, QT>(xq, k, nb, src, c1 - c0, yc, ystride, ahead);
+    else if (rows == 3) i8_cols<3, QT>(xq, k, nb, src, c1 - c0, yc, ystride, ahead);
+    else if (rows == 2) i8_cols<2, QT>(xq, k, nb, src, c1 - c0, yc, ystride, ahead);
+    else i8_cols<1, QT>(xq, k, nb, src, c1 - c0, yc, ystride, ahead);
 #endif
 }
 
