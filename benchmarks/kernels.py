@@ -412,8 +412,9 @@ def load_average() -> str:
     return " / ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
-def decode_only(rounds: int, before: str | None, new: int) -> None:
-    """Single-request decode, every runner once per round, interleaved; medians."""
+def decode_only(rounds: int, before: str | None, new: int, out: str = "kernels") -> None:
+    """Single-request decode, every runner once per round, interleaved; medians (to kernels_decode.md, or
+    OUT_decode.md for another `--out`)."""
     import tempfile
 
     workloads = load_workloads()
@@ -425,10 +426,15 @@ def decode_only(rounds: int, before: str | None, new: int) -> None:
             library = build_revision(before, Path(workdir))
             runners += [KvserveRunner(f"{name} (before: {before})", VARIANTS[name], library) for name in names]
         notes = [f"Load average (1 / 5 / 15 min) before: {load_average()}."]
-        try:
-            runners.append(LlamaCppRunner())
-        except ImportError:
-            notes.append("llama-cpp-python: not installed (`pip install -e .[bench]`).")
+        if os.environ.get("KVSERVE_ISA") == "avx2":  # llama_cpp_tools builds its peers for AVX2 then too
+            notes.append("KVSERVE_ISA=avx2: kvserve on its AVX2 kernels, llama-batched-bench built for AVX2 / FMA "
+                         "(llama_cpp_tools.AVX2_ARGS); llama-cpp-python left out (its wheel uses the CPU's "
+                         "widest ISA).")
+        else:
+            try:
+                runners.append(LlamaCppRunner())
+            except ImportError:
+                notes.append("llama-cpp-python: not installed (`pip install -e .[bench]`).")
         runners += llama_cpp_tools_runner(notes)
         for runner in runners:
             runner.decode(prompt, 8)  # warm-up
@@ -444,7 +450,9 @@ def decode_only(rounds: int, before: str | None, new: int) -> None:
     header = ["runner", "median tok/s", "ms / token", "min", "max"] + ([f"vs {reference}"] if reference else [])
     rows = [[name, median[name], 1e3 / median[name], min(values), max(values)]
             + ([median[name] / median[reference]] if reference else []) for name, values in samples.items()]
-    write_result("kernels_decode", "Single-request decode beside llama.cpp, paired rounds",
+    name = "kernels_decode" if out == "kernels" else f"{out}_decode"  # e.g. kernels_zen4_decode
+    title = "Single-request decode beside llama.cpp, paired rounds" + ("" if out == "kernels" else f" ({out})")
+    write_result(name, title,
                  markdown_table(header, rows), "\n".join(notes))
     print(markdown_table(header, rows))
 
@@ -465,7 +473,7 @@ def main() -> None:
                         help="with --prefill-only: also kvserve from another checkout's src directory (source_ab.py)")
     args = parser.parse_args()
     if args.decode_only:
-        decode_only(args.decode_only, args.before, 32 if args.quick else 128)
+        decode_only(args.decode_only, args.before, 32 if args.quick else 128, args.out)
         return
     new = 32 if args.quick else 128
     workloads = load_workloads()

@@ -84,6 +84,8 @@ def source_dir(version: str) -> Path:
 
 
 def build_dir(version: str) -> Path:
+    if forced_avx2():
+        return CACHE / f"build-{version}-avx2"
     return CACHE / (f"build-{version}-noamx" if has_amx() else f"build-{version}")
 
 
@@ -113,6 +115,18 @@ NO_AMX_ARGS = ("-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_F
                "-DGGML_AMX_BF16=OFF")
 
 
+# KVSERVE_ISA=avx2 (kvserve's narrower path, forced) builds the peers for AVX2 / FMA too, into their own
+# directory: on an AVX-512 machine that pairs the two AVX2 paths, as an AVX2-only CPU would run them.
+AVX2_ARGS = ("-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
+             "-DGGML_BMI2=ON", "-DGGML_AVX_VNNI=OFF", "-DGGML_AVX512=OFF", "-DGGML_AVX512_VBMI=OFF",
+             "-DGGML_AVX512_VNNI=OFF", "-DGGML_AVX512_BF16=OFF", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF",
+             "-DGGML_AMX_BF16=OFF")
+
+
+def forced_avx2() -> bool:
+    return os.environ.get("KVSERVE_ISA") == "avx2"
+
+
 def has_amx() -> bool:
     from kvserve.kernels.native import cpu_flags
 
@@ -124,6 +138,8 @@ def isa_args() -> tuple[str, ...]:
     CMAKE_ARGS="$(python benchmarks/llama_cpp_tools.py --cmake-args)" pip install --force-reinstall --no-deps
     --no-cache-dir --no-binary llama-cpp-python llama-cpp-python==<version> (without --no-cache-dir pip reuses
     the wheel it built before, AMX and all)."""
+    if forced_avx2():
+        return AVX2_ARGS
     return NO_AMX_ARGS if has_amx() else ("-DGGML_NATIVE=ON",)
 
 
