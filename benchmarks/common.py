@@ -57,8 +57,13 @@ def today() -> str:
     return _dt.date.today().isoformat()
 
 
+# Environment that changes what the kernels run (kvserve.kernels.ops / native): shown with the command.
+KERNEL_ENV = ("KVSERVE_ISA", "KVSERVE_AMX")
+
+
 def command_line() -> str:
-    return "python " + " ".join([os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]])
+    env = [f"{name}={os.environ[name]} " for name in KERNEL_ENV if name in os.environ]
+    return "".join(env) + "python " + " ".join([os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]])
 
 
 def write_result(name: str, title: str, table: str, notes: str = "") -> Path:

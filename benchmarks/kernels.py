@@ -190,6 +190,20 @@ def llama_cpp_tools_runner(notes: list[str]) -> list:
     return [LlamaCppToolsRunner()]
 
 
+def llama_cpp_avx2_runner(notes: list[str]) -> list:
+    """batched-bench's AVX2 build beside the native one, when it is built and kvserve is not forced to AVX2:
+    on a Zen 4, llama.cpp's AVX2 code decodes faster than its AVX-512 code, so that build is its best there."""
+    import llama_cpp_tools
+
+    if os.environ.get("KVSERVE_ISA") == "avx2" or not llama_cpp_tools.built(avx2=True):
+        return []
+    from llama_cpp_peers import LlamaCppToolsRunner
+
+    notes.append("llama.cpp AVX2 build (batched-bench): the same tool built for AVX2 / FMA only "
+                 "(`KVSERVE_ISA=avx2 python benchmarks/llama_cpp_tools.py --build`).")
+    return [LlamaCppToolsRunner(avx2=True)]
+
+
 def seed_example(args: dict[str, str], workloads: dict, repeats: int) -> dict[str, float]:
     """The seed's example: a 2,000-token prompt with 1,900 tokens cached vs a fresh 100-token one."""
     from llama_cpp_peers import KvservePeer
@@ -436,6 +450,7 @@ def decode_only(rounds: int, before: str | None, new: int, out: str = "kernels")
             except ImportError:
                 notes.append("llama-cpp-python: not installed (`pip install -e .[bench]`).")
         runners += llama_cpp_tools_runner(notes)
+        runners += llama_cpp_avx2_runner(notes)
         for runner in runners:
             runner.decode(prompt, 8)  # warm-up
         samples: dict[str, list[float]] = {runner.name: [] for runner in runners}

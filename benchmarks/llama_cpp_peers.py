@@ -58,13 +58,17 @@ class LlamaCppToolsRunner:
     name = "llama.cpp (batched-bench, server)"
     all_at_once = True  # kernels.py sends it all 16 shared-prefix requests at once, as kvserve
 
-    def __init__(self, threads: int | None = None) -> None:
+    def __init__(self, threads: int | None = None, avx2: bool | None = None) -> None:
+        """`avx2`: batched-bench's AVX2 build (llama_cpp_tools.AVX2_ARGS); None: as KVSERVE_ISA says."""
         self.model = resolve_model("smollm2-135m")
         self.threads = threads or torch.get_num_threads()
+        self.avx2 = avx2
+        if avx2:
+            self.name = "llama.cpp AVX2 build (batched-bench)"
         self.rows: list[tools.BatchedBench] = []  # every batched-bench row run, for the record
 
     def _bench(self, prompt: int, new: int, batch: int) -> tools.BatchedBench:
-        row = tools.batched_bench(self.model, prompt, new, [batch], self.threads)[0]
+        row = tools.batched_bench(self.model, prompt, new, [batch], self.threads, self.avx2)[0]
         self.rows.append(row)
         return row
 

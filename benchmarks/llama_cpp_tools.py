@@ -83,23 +83,27 @@ def source_dir(version: str) -> Path:
     return source
 
 
-def build_dir(version: str) -> Path:
-    if forced_avx2():
+def build_dir(version: str, avx2: bool | None = None) -> Path:
+    """Where the tools of `version` are built: the AVX2 build with `avx2` (None: as KVSERVE_ISA says)."""
+    if forced_avx2() if avx2 is None else avx2:
         return CACHE / f"build-{version}-avx2"
     return CACHE / (f"build-{version}-noamx" if has_amx() else f"build-{version}")
 
 
-def built() -> bool:
+def built(avx2: bool | None = None) -> bool:
     """Whether every tool is built (for callers that should not start a 10-20 minute build)."""
     try:
-        return all((build_dir(bindings_version()) / "bin" / name).exists() for name in TARGETS)
+        return all((build_dir(bindings_version(), avx2) / "bin" / name).exists() for name in TARGETS)
     except SystemExit:
         return False
 
 
-def tool(name: str) -> Path:
-    """The path of a built tool; builds everything first if it is missing."""
-    path = build_dir(bindings_version()) / "bin" / name
+def tool(name: str, avx2: bool | None = None) -> Path:
+    """The path of a built tool; builds everything first if it is missing (not the AVX2 build: `--build`
+    with KVSERVE_ISA=avx2 makes that one)."""
+    path = build_dir(bindings_version(), avx2) / "bin" / name
+    if avx2 and not path.exists():
+        raise SystemExit(f"{path} is not built: KVSERVE_ISA=avx2 python benchmarks/llama_cpp_tools.py --build")
     if not path.exists():
         build(targets=(name,))
     return path
@@ -187,10 +191,11 @@ class BatchedBench:
         return self.batch * self.generated / self.total_seconds
 
 
-def batched_bench(model: Path, prompt: int, generated: int, batches: list[int], threads: int = 2) -> list[BatchedBench]:
+def batched_bench(model: Path, prompt: int, generated: int, batches: list[int], threads: int = 2,
+                  avx2: bool | None = None) -> list[BatchedBench]:
     """llama-batched-bench at each batch size (separate prompts per sequence, as real requests have)."""
     context = max(batches) * (prompt + generated) + 64
-    command = [str(tool("llama-batched-bench")), "-m", str(model), "-c", str(context), "-b", "2048", "-ub", "512",
+    command = [str(tool("llama-batched-bench", avx2)), "-m", str(model), "-c", str(context), "-b", "2048", "-ub", "512",
                "-npp", str(prompt), "-ntg", str(generated), "-npl", ",".join(map(str, batches)),
                "-t", str(threads), "-tb", str(threads), "--output-format", "jsonl"]
     log(" ".join(command[1:]))

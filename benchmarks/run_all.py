@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,13 +19,13 @@ ORDER = [
     "throughput", "memory_efficiency", "prefix_cache", "prefix_lookup", "parallel_memory",
     "server_load", "server_steps", "serve_sweep", "side_channel", "dashboard", "soak", "router", "router_2w",
     "router_2w_amx", "eviction", "structured",
-    "tiers", "kernels", "kernels_avx2", "kernels_zen4", "kernels_amx", "configs", "configs_amx", "amx", "amx_exact", "kernels_prefill",
-    "kernels_amx_prefill",
+    "tiers", "kernels", "kernels_avx2", "kernels_zen4", "kernels_zen4_decode", "kernels_zen4_avx2_decode",
+    "kernels_amx", "configs", "configs_amx", "amx", "amx_exact", "kernels_prefill", "kernels_amx_prefill",
     "membw",
     "kernels_decode", "decode_step",
     "decode_step_batch",
     "decode_attention", "decode_step_mixed_2t",
-    "decode_step_mixed_1t", "decode_step_mixed_1t_cached1024", "qgemm", "qgemm_avx2", "qgemm_end_to_end",
+    "decode_step_mixed_1t", "decode_step_mixed_1t_cached1024", "qgemm", "qgemm_avx2", "qgemm_zen4", "qgemm_end_to_end",
     "llama_cpp_peers", "int8", "int8_packed", "perplexity", "kv_dtype", "step_profile", "shared_prefix", "vmm",
     "disagg", "lora",
     "fairness", "scheduler_overhead", "step_rows_native",
@@ -42,11 +43,16 @@ SCRIPTS = {
     "kernels_decode": ("kernels", ["--decode-only", "5"]),
     "kernels_avx2": ("kernels", ["--quick", "--skip-hf-bf16", "--out", "kernels_avx2"]),  # on an AVX2-only CPU
     "kernels_zen4": ("kernels", ["--quick", "--out", "kernels_zen4"]),  # on a Zen 4: AVX-512 + BF16, no AMX
+    "kernels_zen4_decode": ("kernels", ["--decode-only", "5", "--out", "kernels_zen4"]),  # on a Zen 4
+    # on a Zen 4, kvserve and llama.cpp both on AVX2 (the peer built with KVSERVE_ISA=avx2 llama_cpp_tools.py --build)
+    "kernels_zen4_avx2_decode": ("kernels", ["--decode-only", "5", "--before", "08e9558",
+                                             "--out", "kernels_zen4_avx2"]),
     "kernels_amx": ("kernels", ["--quick", "--out", "kernels_amx"]),  # on a CPU with AMX and native bf16
     "configs_amx": ("configs", ["--out", "configs_amx"]),  # on a CPU with AMX and native bf16
     "amx_exact": ("amx", ["--exact"]),  # on a CPU with AMX-BF16
     "kernels_amx_prefill": ("kernels", ["--prefill-only", "--out", "kernels_amx"]),  # on a CPU with AMX
     "qgemm_avx2": ("qgemm", ["--rows", "32,64,128,256,512,1024", "--rounds", "3", "--out", "qgemm_avx2"]),
+    "qgemm_zen4": ("qgemm", ["--rows", "8,32,128,512,1024,2048", "--rounds", "3", "--out", "qgemm_zen4"]),
     "decode_step_batch": ("decode_step", ["--rows", "8,32,64"]),
     "decode_attention": ("decode_attention", ["--write"]),
     "kernels_prefill": ("kernels", ["--prefill-only"]),
@@ -56,6 +62,8 @@ SCRIPTS = {
         "decode_step", ["--mixed", "--threads", "1", "--reps", "5", "--cached", "1024", "--prefills", "32,64,128,192"]
     ),
 }
+# Environment a section's run needs beside its arguments.
+ENV = {"kernels_zen4_avx2_decode": {"KVSERVE_ISA": "avx2"}}
 HEADER = """# Benchmarks
 
 Every number below was produced by the command printed under its heading, on the machine named there
@@ -84,7 +92,18 @@ prefill 2.8x / 2.2x llama.cpp at 512 / 2,048 tokens, but at 2,048 **0.9x transfo
 shared-prefix workload 16.2 s against 209 s for llama-server (12.9x). `LLM()` ready 3.3 s (torch's import
 alone takes 2.25 s on this CPU) against 0.47 s. `--dtype bfloat16` there now stores weights in bf16 and
 computes in fp32 (section "Every configuration"): dense bf16 decode 47 tok/s, 3x dense fp32, where torch's
-emulated bf16 ran 3.7.
+emulated bf16 ran 3.7. Since 2026-12-02 the AVX2 kernels are faster (section "... (kernels_zen4_avx2)": both
+engines forced to AVX2 code on a Zen 4, paired rounds): **int8 activations 1.70x (89.6 -> 152.4 tok/s;
+0.76x -> 1.30x llama.cpp's AVX2 build)**, exact 1.05x (0.99x -> 1.04x); not yet re-measured on an
+AVX2-only CPU.
+**On a Zen 4** (AVX-512 with VNNI and BF16, no AMX: the machine of `benchmarks/data/PEERS.md`; sections
+"... (kernels_zen4)", 2026-12-02, idle): single-request decode in paired rounds **122.5 tok/s exact, 146.3
+int8, against 119.8 for llama-batched-bench (1.02x / 1.22x)**, and 1.25x / 1.46x in an earlier run of the
+same command where llama.cpp ran 97.8: at par to 1.25x exact, not the 1.5-1.9x of the Intel CPUs. Batch 8
+/ 32 1.8x llama.cpp exact, 4-5x int8; prefill 2.2-2.6x; 16 requests sharing a 1,900-token prefix 9.8 s
+(5.8 int8) against 165 s for llama-server. **Behind transformers bf16** there (native bf16 GEMMs): prefill
+654 / 426 tok/s exact at 512 / 2,048 tokens against 913 / 696, batch 32 115 against 130; int8 is ahead of
+it (1,475 / 902, 251). Exact prefill is at the float32 FMA limit on that CPU (section "... (qgemm_zen4)").
 **On a CPU with AMX and native bf16** (section "... (kernels_amx)": Intel Xeon with AVX-512 VNNI/BF16,
 AMX-INT8/BF16, 2 threads, idle, 2026-12-01 23:48 UTC, every runner in one run; llama.cpp built without its
 AMX backend, which segfaulted in `ggml_backend_amx_mul_mat` on this model): single-request decode 171 tok/s
@@ -127,7 +146,8 @@ def main() -> None:
         for name in args.only or ORDER:
             print(f"== {name}", flush=True)
             script, extra = SCRIPTS.get(name, (name, ["--write"] if name == "prefix_lookup" else []))
-            subprocess.run([sys.executable, str(HERE / f"{script}.py"), *extra], check=True, cwd=ROOT)
+            env = {**os.environ, **ENV.get(name, {})}
+            subprocess.run([sys.executable, str(HERE / f"{script}.py"), *extra], check=True, cwd=ROOT, env=env)
     subprocess.run([sys.executable, str(HERE / "plot_results.py")], check=True, cwd=ROOT)
     print(f"wrote {assemble()}")
 
