@@ -175,6 +175,20 @@ class LlamaCppRunner:
         return timer.seconds
 
 
+def llama_cpp_python_runner(notes: list[str]) -> list:
+    """llama.cpp through llama-cpp-python, when installed; not with KVSERVE_ISA=avx2 (its wheel runs the CPU's
+    widest ISA, while llama_cpp_tools then builds its tools for AVX2 like kvserve's forced path)."""
+    if os.environ.get("KVSERVE_ISA") == "avx2":
+        notes.append("KVSERVE_ISA=avx2: kvserve on its AVX2 kernels, llama.cpp's tools built for AVX2 / FMA "
+                     "(llama_cpp_tools.AVX2_ARGS); llama-cpp-python left out (its wheel uses the CPU's widest ISA).")
+        return []
+    try:
+        return [LlamaCppRunner()]
+    except ImportError:
+        notes.append("llama-cpp-python: not installed (`pip install -e .[bench]`).")
+        return []
+
+
 def llama_cpp_tools_runner(notes: list[str]) -> list:
     """llama.cpp's own batched-bench and server (benchmarks/llama_cpp_peers.py), when its tools are built."""
     import llama_cpp_tools
@@ -440,15 +454,7 @@ def decode_only(rounds: int, before: str | None, new: int, out: str = "kernels")
             library = build_revision(before, Path(workdir))
             runners += [KvserveRunner(f"{name} (before: {before})", VARIANTS[name], library) for name in names]
         notes = [f"Load average (1 / 5 / 15 min) before: {load_average()}."]
-        if os.environ.get("KVSERVE_ISA") == "avx2":  # llama_cpp_tools builds its peers for AVX2 then too
-            notes.append("KVSERVE_ISA=avx2: kvserve on its AVX2 kernels, llama-batched-bench built for AVX2 / FMA "
-                         "(llama_cpp_tools.AVX2_ARGS); llama-cpp-python left out (its wheel uses the CPU's "
-                         "widest ISA).")
-        else:
-            try:
-                runners.append(LlamaCppRunner())
-            except ImportError:
-                notes.append("llama-cpp-python: not installed (`pip install -e .[bench]`).")
+        runners += llama_cpp_python_runner(notes)
         runners += llama_cpp_tools_runner(notes)
         runners += llama_cpp_avx2_runner(notes)
         for runner in runners:
@@ -499,10 +505,7 @@ def main() -> None:
     runners += [] if args.skip_hf else [HFRunner(torch.float32)]
     runners += [] if args.skip_hf or args.skip_hf_bf16 else [HFRunner(torch.bfloat16)]
     notes = []
-    try:
-        runners.append(LlamaCppRunner())
-    except ImportError:
-        notes.append("llama.cpp: not installed (`pip install -e .[bench]` builds llama-cpp-python).")
+    runners += llama_cpp_python_runner(notes)
     runners += llama_cpp_tools_runner(notes)
     if "amx_int8" in cpu_flags():
         notes.append("llama.cpp on this CPU (AMX): built without its AMX backend (`llama_cpp_tools.NO_AMX_ARGS`; "
