@@ -338,3 +338,18 @@ def test_dequantization_round_trip(tmp_path: Path, qtype: Q) -> None:
     assert np.isfinite(reference).all()
     if qtype not in (Q.Q4_K, Q.Q6_K):  # sanity: quantization error is small
         assert np.abs(reference - original).max() < 0.5
+
+
+def test_offline_start_imports_neither_jinja_nor_redis(smol_path):
+    """`LLM()` needs no chat template and no Redis tier: their libraries (~0.1 s of a cold start) load only
+    when a template is rendered or a Redis tier is configured. A fresh interpreter, so other tests' imports
+    do not count."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from kvserve import LLM; from kvserve.model.registry import load_model; "
+            f"load_model({str(smol_path)!r}, progress=False, weights='native'); "
+            "print(sorted(m for m in ('jinja2', 'redis') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == "[]"

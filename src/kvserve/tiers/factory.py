@@ -14,7 +14,6 @@ from kvserve.tiers.codec import BlockCodec
 from kvserve.tiers.disk import DiskStore
 from kvserve.tiers.host import HostStore
 from kvserve.tiers.offload import OffloadPolicy
-from kvserve.tiers.redis import RedisStore
 from kvserve.tiers.store import ModelFingerprint, file_digest, model_fingerprint
 
 _WEIGHT_SUFFIXES = (".gguf", ".safetensors", ".bin")
@@ -50,6 +49,8 @@ def make_offload_policy(
     disk = DiskStore(settings.disk_dir, settings.disk_bytes) if settings.disk_dir is not None else None
     remote = None
     if settings.remote_url is not None:
+        from kvserve.tiers.redis import RedisStore  # the redis client is ~0.07 s to import: only when used
+
         remote = RedisStore(settings.remote_url, ttl_s=settings.remote_ttl_s, timeout_s=settings.remote_timeout_s)
     return OffloadPolicy(BlockCodec.for_pool(pool_tensor), fingerprint, host=host, disk=disk, remote=remote)
 
