@@ -20,7 +20,7 @@ ORDER = [
     "server_load", "server_steps", "serve_sweep", "side_channel", "dashboard", "soak", "router", "router_2w",
     "router_2w_amx", "eviction", "structured",
     "tiers", "kernels", "kernels_avx2", "kernels_zen4", "kernels_zen4_decode", "kernels_zen4_avx2_decode",
-    "isa_pairing", "kernels_amx", "configs", "configs_amx", "amx", "amx_exact", "kernels_prefill",
+    "kernels_zen4_avx2", "isa_pairing", "kernels_amx", "configs", "configs_amx", "amx", "amx_exact", "kernels_prefill",
     "kernels_amx_prefill",
     "membw",
     "kernels_decode", "decode_step",
@@ -48,6 +48,7 @@ SCRIPTS = {
     # on a Zen 4, kvserve and llama.cpp both on AVX2 (the peer built with KVSERVE_ISA=avx2 llama_cpp_tools.py --build)
     "kernels_zen4_avx2_decode": ("kernels", ["--decode-only", "5", "--before", "08e9558",
                                              "--out", "kernels_zen4_avx2"]),
+    "kernels_zen4_avx2": ("kernels", ["--quick", "--out", "kernels_zen4_avx2"]),  # ENV: forced AVX2, both sides
     "kernels_amx": ("kernels", ["--quick", "--out", "kernels_amx"]),  # on a CPU with AMX and native bf16
     "configs_amx": ("configs", ["--out", "configs_amx"]),  # on a CPU with AMX and native bf16
     "amx_exact": ("amx", ["--exact"]),  # on a CPU with AMX-BF16
@@ -64,7 +65,7 @@ SCRIPTS = {
     ),
 }
 # Environment a section's run needs beside its arguments.
-ENV = {"kernels_zen4_avx2_decode": {"KVSERVE_ISA": "avx2"}}
+ENV = {"kernels_zen4_avx2_decode": {"KVSERVE_ISA": "avx2"}, "kernels_zen4_avx2": {"KVSERVE_ISA": "avx2"}}
 HEADER = """# Benchmarks
 
 Every number below was produced by the command printed under its heading, on the machine named there
@@ -96,7 +97,9 @@ computes in fp32 (section "Every configuration"): dense bf16 decode 47 tok/s, 3x
 emulated bf16 ran 3.7. Since 2026-12-02 the AVX2 kernels are faster (section "... (kernels_zen4_avx2)": both
 engines forced to AVX2 code on a Zen 4, paired rounds): **int8 activations 1.70x (89.6 -> 152.4 tok/s;
 0.76x -> 1.30x llama.cpp's AVX2 build)**, exact 1.05x (0.99x -> 1.04x); not yet re-measured on an
-AVX2-only CPU.
+AVX2-only CPU. Every figure so paired (section "... (kernels_zen4_avx2)"): decode 1.04x / 1.29x llama.cpp
+exact / int8, batch 8 / 32 1.9x / 1.8x, prefill 2.0x; AVX2 int8 is still slower than exact for batches and
+prefill (0.8x).
 **On a Zen 4** (AVX-512 with VNNI and BF16, no AMX: the machine of `benchmarks/data/PEERS.md`; sections
 "... (kernels_zen4)", 2026-12-02, idle): single-request decode in paired rounds **122.5 tok/s exact, 146.3
 int8, against 119.8 for llama-batched-bench (1.02x / 1.22x)**, and 1.25x / 1.46x in an earlier run of the
