@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import gguf
@@ -344,11 +346,8 @@ def test_offline_start_imports_neither_jinja_nor_redis(smol_path):
     """`LLM()` needs no chat template and no Redis tier: their libraries (~0.1 s of a cold start) load only
     when a template is rendered or a Redis tier is configured. A fresh interpreter, so other tests' imports
     do not count."""
-    import subprocess
-    import sys
-
-    code = ("import sys; from kvserve import LLM; from kvserve.model.registry import load_model; "
-            f"load_model({str(smol_path)!r}, progress=False, weights='native'); "
+    code = ("import sys; from kvserve import LLM; "
+            f"LLM({str(smol_path)!r}, progress=False, kv_cache_memory='64MiB'); "
             "print(sorted(m for m in ('jinja2', 'redis') if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
