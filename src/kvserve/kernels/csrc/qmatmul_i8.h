@@ -149,10 +149,24 @@ static inline Packed pack_block(const uint8_t* blk) {
     return out;
 }
 
+// A block as a column chunk keeps it (64 bytes, half of Packed: a chunk of 8 columns at k = 1,536 is 24 KiB
+// and stays in L1 while its row tiles go by, where Packed's 48 KiB did not): the quants (Q4: nibbles; Q8_0:
+// the signed bytes) and the two scales; block_at widens it back into the same Packed values.
+struct Unpacked {
+    VI q;
+    float d, m;
+};
+
+template <int QT>
+static inline Unpacked unpack_block(const uint8_t* blk) {
+    const Packed p = pack_block<QT>(blk);
+    return Unpacked{QT == QT_Q8_0 ? p.sign : p.u, _mm256_cvtss_f32(p.dw), _mm256_cvtss_f32(p.mw)};
+}
+
 // Where a tile's weight blocks come from: unpacked once per column chunk (batches: every row tile reuses
 // them), or straight from the GGUF blocks (a single row tile, as in decode: packing would only add a copy).
 struct WSource {
-    const Packed* pk;  // [ncols, nb] or null
+    const Unpacked* pk;  // [ncols, nb] or null
     const uint8_t* w;
     int64_t row_bytes;
 };
@@ -160,7 +174,10 @@ struct WSource {
 template <int QT>
 static inline Packed block_at(const WSource& src, int64_t c, int64_t b, int64_t nb) {
     constexpr int64_t BB = QT == QT_Q4_0 ? 18 : QT == QT_Q4_1 ? 20 : 34;
-    return src.pk ? src.pk[c * nb + b] : pack_block<QT>(src.w + c * src.row_bytes + b * BB);
+    if (!src.pk) return pack_block<QT>(src.w + c * src.row_bytes + b * BB);
+    const Unpacked& k = src.pk[c * nb + b];
+    if (QT == QT_Q8_0) return Packed{_mm256_abs_epi8(k.q), k.q, vset1(k.d), vzero()};
+    return Packed{k.q, _mm256_setzero_si256(), vset1(k.d), vset1(k.m)};
 }
 
 static inline WSource shifted(const WSource& src, int64_t col, int64_t nb) {
@@ -220,7 +237,7 @@ static void qmatmul_i8_t(const Q8Rows& x, int64_t rows, int64_t k, const uint8_t
 #pragma omp parallel num_threads(kv_threads())
     {
         ScratchScope own;  // scratch.h: this thread's
-        Packed* pk = rows > RT ? own.take<Packed>(CHUNK * nb) : nullptr;
+        Unpacked* pk = rows > RT ? own.take<Unpacked>(CHUNK * nb) : nullptr;
         for (int64_t p0 = 0; p0 < rows; p0 += pass) {  // row passes (see i8_pass_rows)
             const int64_t p1 = p0 + pass < rows ? p0 + pass : rows;
 #pragma omp for schedule(static) nowait
@@ -231,7 +248,7 @@ static void qmatmul_i8_t(const Q8Rows& x, int64_t rows, int64_t k, const uint8_t
                 if (pk)
                     for (int64_t j = 0; j < ncols; ++j)
                         for (int64_t b = 0; b < nb; ++b)
-                            pk[j * nb + b] = pack_block<QT>(w + (c0 + j) * row_bytes + b * BB);
+                            pk[j * nb + b] = unpack_block<QT>(w + (c0 + j) * row_bytes + b * BB);
                 const WSource src{pk, pk ? nullptr : w + c0 * row_bytes, row_bytes};
                 for (int64_t r0 = p0; r0 < p1; r0 += RT) {
                     const int64_t left = p1 - r0;
