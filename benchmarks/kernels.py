@@ -205,15 +205,16 @@ def llama_cpp_tools_runner(notes: list[str]) -> list:
 
 
 def llama_cpp_avx2_runner(notes: list[str]) -> list:
-    """batched-bench's AVX2 build beside the native one, when it is built and kvserve is not forced to AVX2:
-    on a Zen 4, llama.cpp's AVX2 code decodes faster than its AVX-512 code, so that build is its best there."""
+    """batched-bench's AVX2 build beside the native one, when it is built and kvserve is not forced to AVX2,
+    so that llama.cpp's faster build is the peer whichever it is (on a Zen 4, whose AVX-512 units are 256 bits
+    wide, the two decoded within 5% of each other: results/kernels_zen4_decode.md)."""
     import llama_cpp_tools
 
     if os.environ.get("KVSERVE_ISA") == "avx2" or not llama_cpp_tools.built(avx2=True):
         return []
     from llama_cpp_peers import LlamaCppToolsRunner
 
-    notes.append("llama.cpp AVX2 build (batched-bench): the same tool built for AVX2 / FMA only "
+    notes.append("llama.cpp AVX2 build (batched-bench, server): the same tools built for AVX2 / FMA only "
                  "(`KVSERVE_ISA=avx2 python benchmarks/llama_cpp_tools.py --build`).")
     return [LlamaCppToolsRunner(avx2=True)]
 

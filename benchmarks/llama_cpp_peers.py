@@ -64,7 +64,7 @@ class LlamaCppToolsRunner:
         self.threads = threads or torch.get_num_threads()
         self.avx2 = avx2
         if avx2:
-            self.name = "llama.cpp AVX2 build (batched-bench)"
+            self.name = "llama.cpp AVX2 build (batched-bench, server)"
         self.rows: list[tools.BatchedBench] = []  # every batched-bench row run, for the record
 
     def _bench(self, prompt: int, new: int, batch: int) -> tools.BatchedBench:
@@ -84,7 +84,8 @@ class LlamaCppToolsRunner:
 
     def shared_prefix(self, prefix: list[int], suffixes: list[list[int]], new: int) -> float:
         prompts = [prefix + s for s in suffixes]
-        with tools.server(self.model, len(prompts), _ctx_per_slot(prefix, suffixes, new), self.threads) as srv:
+        slot_ctx = _ctx_per_slot(prefix, suffixes, new)
+        with tools.server(self.model, len(prompts), slot_ctx, self.threads, avx2=self.avx2) as srv:
             srv.completion(suffixes[0][:8], 2)  # warm-up off the clock
             with Timer() as timer, ThreadPoolExecutor(len(prompts)) as pool:
                 replies = list(pool.map(lambda p: srv.completion(p, new), prompts))
@@ -96,7 +97,7 @@ class LlamaCppToolsRunner:
     def cached_ttft(self, prefix: list[int], suffixes: list[list[int]], repeats: int) -> dict[str, float]:
         """Median one-token request times: cold 2,000 tokens, then 1,900 of them cached, then fresh 100."""
         times: dict[str, list[float]] = {"cold": [], "cached": [], "fresh": [], "cached prompt_n": []}
-        with tools.server(self.model, 1, _ctx_per_slot(prefix, suffixes, 1), self.threads) as srv:
+        with tools.server(self.model, 1, _ctx_per_slot(prefix, suffixes, 1), self.threads, avx2=self.avx2) as srv:
             srv.completion(suffixes[-1][:8], 2)
             for i in range(repeats):
                 cold, cached, fresh = suffixes[3 * i: 3 * i + 3]

@@ -245,10 +245,11 @@ class Server:
 
 
 @contextmanager
-def server(model: Path, slots: int, ctx_per_slot: int, threads: int = 2, ready_s: float = 120) -> Iterator[Server]:
+def server(model: Path, slots: int, ctx_per_slot: int, threads: int = 2, ready_s: float = 120,
+           avx2: bool | None = None) -> Iterator[Server]:
     """llama-server with `slots` parallel slots of `ctx_per_slot` tokens each, continuous batching on."""
     port = free_port()
-    command = [str(tool("llama-server")), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
+    command = [str(tool("llama-server", avx2)), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
                "--parallel", str(slots), "-c", str(slots * ctx_per_slot), "--cont-batching", "-t", str(threads),
                "-tb", str(threads), "--no-webui"]
     log(" ".join(command[1:]))
