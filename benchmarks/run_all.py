@@ -102,8 +102,9 @@ exact / int8, batch 8 / 32 1.9x / 1.8x, prefill 2.0x; AVX2 int8 is still slower 
 prefill (0.8x).
 **On a Zen 4** (AVX-512 with VNNI and BF16, no AMX: the machine of `benchmarks/data/PEERS.md`; sections
 "... (kernels_zen4)", 2026-12-02, idle): single-request decode in paired rounds **122.5 tok/s exact, 146.3
-int8, against 119.8 for llama-batched-bench (1.02x / 1.22x)**, and 1.25x / 1.46x in an earlier run of the
-same command where llama.cpp ran 97.8: at par to 1.25x exact, not the 1.5-1.9x of the Intel CPUs. Batch 8
+int8, against 119.8 for llama-batched-bench (1.02x / 1.22x)**; three runs of the same command had kvserve
+exact at 122.5 each time and llama.cpp at 97.8 / 110.1 / 119.8: exact 1.02-1.25x (1.11x in the middle run),
+int8 1.22-1.46x -- not the 1.5-1.9x of the Intel CPUs. Batch 8
 / 32 1.8x llama.cpp exact, 4-5x int8; prefill 2.2-2.6x; 16 requests sharing a 1,900-token prefix 9.8 s
 (5.8 int8) against 165 s for llama-server. **Behind transformers bf16** there (native bf16 GEMMs): prefill
 654 / 426 tok/s exact at 512 / 2,048 tokens against 913 / 696, batch 32 115 against 130; int8 is ahead of
