@@ -178,7 +178,9 @@ class LlamaCppRunner:
 def llama_cpp_python_runner(notes: list[str]) -> list:
     """llama.cpp through llama-cpp-python, when installed; not with KVSERVE_ISA=avx2 (its wheel runs the CPU's
     widest ISA, while llama_cpp_tools then builds its tools for AVX2 like kvserve's forced path)."""
-    if os.environ.get("KVSERVE_ISA") == "avx2":
+    import llama_cpp_tools
+
+    if llama_cpp_tools.forced_avx2():
         notes.append("KVSERVE_ISA=avx2: kvserve on its AVX2 kernels, llama.cpp's tools built for AVX2 / FMA "
                      "(llama_cpp_tools.AVX2_ARGS); llama-cpp-python left out (its wheel uses the CPU's widest ISA).")
         return []
@@ -210,7 +212,7 @@ def llama_cpp_avx2_runner(notes: list[str]) -> list:
     wide, the two decoded within 5% of each other: results/kernels_zen4_decode.md)."""
     import llama_cpp_tools
 
-    if os.environ.get("KVSERVE_ISA") == "avx2" or not llama_cpp_tools.built(avx2=True):
+    if llama_cpp_tools.forced_avx2() or not llama_cpp_tools.built(avx2=True):
         return []
     from llama_cpp_peers import LlamaCppToolsRunner
 

@@ -128,7 +128,9 @@ AVX2_ARGS = ("-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA
 
 
 def forced_avx2() -> bool:
-    return os.environ.get("KVSERVE_ISA") == "avx2"
+    from kvserve.kernels.ops import ISA_ENV
+
+    return os.environ.get(ISA_ENV) == "avx2"
 
 
 def has_amx() -> bool:

@@ -220,13 +220,17 @@ class AsyncEngine:
         its request waiting even while the step that will publish the scheduler's count still runs."""
         with self._cond:
             stats = dict(self._stats)
-            stats["num_waiting"] = int(stats["num_waiting"]) + self._num_unadmitted
+            stats["num_waiting"] = self._waiting_locked()
         return stats
 
     @property
     def num_waiting(self) -> int:
         """Requests queued but not running: the scheduler's waiting queue plus unprocessed submissions."""
-        return int(self.stats()["num_waiting"])
+        with self._cond:
+            return self._waiting_locked()
+
+    def _waiting_locked(self) -> int:  # caller holds _cond
+        return int(self._stats["num_waiting"]) + self._num_unadmitted
 
     @property
     def num_running(self) -> int:
