@@ -88,6 +88,22 @@ def tiny_hf_model(tiny_model_dir: Path):
     return AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32).eval()
 
 
+@pytest.fixture(scope="session")
+def smollm2_hf():
+    """transformers' own fp32 load of the default model's GGUF: the oracle of every real-model test. It takes
+    ~35 s on 2 cores (the gguf reader, then dequantizing), so it is loaded once per session and shared; a test
+    that changes the model (peft wraps it in place) works on a `copy.deepcopy`."""
+    from transformers import AutoModelForCausalLM
+
+    from kvserve.model.registry import resolve_model
+
+    try:
+        path = resolve_model("smollm2-135m")
+    except ValueError as err:
+        pytest.skip(str(err))
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+
+
 @torch.inference_mode()
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, cache=None) -> list[int]:
     """Greedy continuation by a plain forward loop (EOS ignored, explicit all-ones attention mask); `cache`: a

@@ -146,21 +146,17 @@ NEW_TOKENS = 32
 
 
 @pytest.mark.model
-def test_int8_greedy_agrees_with_transformers_fp32():
+def test_int8_greedy_agrees_with_transformers_fp32(smollm2_hf):
     """Greedy int8 tokens, teacher-forced through transformers fp32: HF's top-1 must match at >= 90% of
     positions (teacher forcing: one near-tie does not cascade into the count), and the first generated token
     must equal HF's unless HF's own top-2 are within NEAR_TIE logits."""
-    from transformers import AutoModelForCausalLM
-
     from kvserve import LLM, SamplingParams
-    from kvserve.model.registry import resolve_model
 
     llm = LLM("smollm2-135m", progress=False, num_blocks=256, weights="native", activation_quant="int8")
     assert llm.engine.model.kernels.activation_quant == "int8"
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     outputs = llm.generate(PROMPTS, params)
-    path = resolve_model("smollm2-135m")
-    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    hf = smollm2_hf
     agree = total = 0
     for out in outputs:
         prompt, generated = list(out.prompt_token_ids), list(out.outputs[0].token_ids)

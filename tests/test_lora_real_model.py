@@ -1,17 +1,19 @@
 """smollm2-135m (GGUF) under PEFT adapters made here: kvserve equals transformers + peft in fp32, greedy.
 
-transformers dequantizes the same GGUF file (`gguf_file=`, loaded once); two adapters (non-zero B, fixed
-seeds) and the base model run in one kvserve batch, each checked against peft with that adapter set.
+transformers dequantizes the same GGUF file (`gguf_file=`: conftest's `smollm2_hf`, copied); two adapters
+(non-zero B, fixed seeds) and the base model run in one kvserve batch, each checked against peft with that
+adapter set.
 """
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
 
 from conftest import assert_pool_drained, hf_greedy
 from kvserve import LLM, LoRARequest, SamplingParams
-from kvserve.model.registry import resolve_model
 
 pytestmark = pytest.mark.model
 
@@ -23,13 +25,12 @@ ADAPTERS = {  # name: (seed, rank, targets)
 }
 
 
-def _peft_model(out_dir):
-    """The GGUF base wrapped by peft with both adapters (random A and B, B scaled to a visible change)."""
+def _peft_model(base, out_dir):
+    """The GGUF base (a copy: peft wraps a model in place) wrapped by peft with both adapters (random A and B,
+    B scaled to a visible change)."""
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
 
-    path = resolve_model("smollm2-135m")
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    model = copy.deepcopy(base)
     for index, (name, (seed, rank, targets)) in enumerate(ADAPTERS.items()):
         torch.manual_seed(seed)
         config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, lora_dropout=0.0,
@@ -46,8 +47,8 @@ def _peft_model(out_dir):
     return model.eval()
 
 
-def test_smollm2_with_adapters_matches_peft(tmp_path):
-    oracle = _peft_model(tmp_path)
+def test_smollm2_with_adapters_matches_peft(tmp_path, smollm2_hf):
+    oracle = _peft_model(smollm2_hf, tmp_path)
     llm = LLM("smollm2-135m", progress=False, num_blocks=256, enable_lora=True, max_lora_rank=8, weights="dense")
     prompts = [llm.tokenizer.encode(text) for text in TEXTS]
     names = ["attn", None, "mlp"]

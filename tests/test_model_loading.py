@@ -38,13 +38,9 @@ def smol(smol_path: Path) -> LoadedModel:
 
 
 @pytest.fixture(scope="module")
-def hf_state(smol_path: Path) -> dict[str, torch.Tensor]:
-    """transformers' own GGUF loading of the same file: the oracle (slow, ~10 s on 2 cores; once)."""
-    transformers = pytest.importorskip("transformers")
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(smol_path.parent), gguf_file=smol_path.name, dtype=torch.float32
-    )
-    return model.state_dict()
+def hf_state(smollm2_hf) -> dict[str, torch.Tensor]:
+    """transformers' own GGUF loading of the same file: the oracle (conftest's, loaded once per session)."""
+    return smollm2_hf.state_dict()
 
 
 @pytest.mark.model

@@ -4,8 +4,12 @@ Greedy tokens must be identical, token for token, for 8 varied prompts x 64 new 
 one at a time, batched, chunked prefill, under preemption, and with block sizes 1, 16 and 64.
 Beam search (width 4, HF's default length_penalty 1.0 and early_stopping False) returns HF's hypotheses.
 
-Each runs with the native kernels on dense weights, and on the GGUF's quantized weights as stored
-(`weights="native"`, fp32 activations); the tests on the shared `llm` also run with the torch kernels.
+The kernel tests (first-step logits, one at a time, batched, the wide batch, beam search) run with the
+native kernels on dense weights and on the GGUF's quantized weights as stored (`weights="native"`, fp32
+activations); those on the shared `llm` also with the torch kernels. The scheduling tests (chunked prefill,
+preemption, block sizes) run on the default configuration, quantized weights as stored: dense weights
+change only the matmul kernel, which the kernel tests cover, and the tiny model's equivalence tests run
+every scheduling path on dense weights (dense decode of this model reads 540 MB a token: ~40 s a test).
 """
 
 from __future__ import annotations
@@ -15,7 +19,6 @@ import torch
 
 from conftest import assert_pool_drained, hf_greedy
 from kvserve import LLM, SamplingParams
-from kvserve.model.registry import resolve_model
 from test_beam_search import hf_beam_search
 
 pytestmark = pytest.mark.model
@@ -61,17 +64,20 @@ def variant(request) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
+def default_variant() -> dict[str, str]:
+    """The scheduling tests' configuration: the default model's default (quantized weights as stored)."""
+    return VARIANTS["native-weights"]
+
+
+@pytest.fixture(scope="module")
 def prompts(base_llm) -> list[list[int]]:
     chats = [base_llm.render_chat([{"role": "user", "content": text}]) for text in CHATS]
     return chats + [base_llm.tokenizer.encode(text) for text in RAW]
 
 
 @pytest.fixture(scope="module")
-def hf_model():
-    from transformers import AutoModelForCausalLM
-
-    path = resolve_model("smollm2-135m")
-    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+def hf_model(smollm2_hf):
+    return smollm2_hf
 
 
 @pytest.fixture(scope="module")
@@ -112,25 +118,25 @@ def test_wide_batch(prompts, reference, variant):
     assert_pool_drained(wide.engine)
 
 
-def test_chunked_prefill(prompts, reference, variant):
+def test_chunked_prefill(prompts, reference, default_variant):
     chunked = LLM("smollm2-135m", progress=False, num_blocks=512, max_num_batched_tokens=24,
-                  prefix_cache="off", **variant)
+                  prefix_cache="off", **default_variant)
     assert [o.token_ids for o in chunked.generate(prompts, GREEDY)] == reference
     assert_pool_drained(chunked.engine)
 
 
 @pytest.mark.parametrize("prefix_cache", ["radix", "off"])
-def test_preemption(prompts, reference, prefix_cache, variant):
+def test_preemption(prompts, reference, prefix_cache, default_variant):
     # 10 blocks of 16: enough for the longest request alone, far too few for all eight at once.
-    small = LLM("smollm2-135m", progress=False, num_blocks=10, prefix_cache=prefix_cache, **variant)
+    small = LLM("smollm2-135m", progress=False, num_blocks=10, prefix_cache=prefix_cache, **default_variant)
     assert [o.token_ids for o in small.generate(prompts, GREEDY)] == reference
     assert small.stats()["num_preemptions"] > 0
     assert_pool_drained(small.engine)
 
 
 @pytest.mark.parametrize("block_size", [1, 64])
-def test_block_sizes(prompts, reference, block_size, variant):
-    other = LLM("smollm2-135m", progress=False, block_size=block_size, num_blocks=8192 // block_size, **variant)
+def test_block_sizes(prompts, reference, block_size, default_variant):
+    other = LLM("smollm2-135m", progress=False, block_size=block_size, num_blocks=8192 // block_size, **default_variant)
     assert [o.token_ids for o in other.generate(prompts, GREEDY)] == reference
     assert_pool_drained(other.engine)
 
