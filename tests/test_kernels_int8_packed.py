@@ -1,7 +1,9 @@
-"""The int8 path's packed weights (kernels/i8pack.py, csrc/qmatmul_i8_packed.h): the native packing against
-its torch twin byte for byte, the packed kernel bit-identical to the GGUF-layout AVX-512 kernel (Q4_0, Q4_1,
-Q8_0; column counts no multiple of 16; rows 1..9, 33 and several row passes), the layout refused by every
-other kernel, and the engine's greedy tokens with packing equal to those without it."""
+"""The int8 path's packed weights (kernels/i8pack.py, csrc/qmatmul_i8_packed.h), on every ISA this CPU runs: the
+native packing against its torch twin byte for byte, the packed kernel bit-identical to the GGUF-layout AVX-512
+kernel (Q4_0, Q4_1, Q8_0; column counts no multiple of 16; rows 1..9, 33 and several row passes) -- the AVX2
+packed kernel too, where the CPU runs both; on AVX2 alone, close to the torch twin and the same bits at every
+row count -- the layout refused by every other kernel, and the engine's greedy tokens with packing equal to
+those without it."""
 
 from __future__ import annotations
 
@@ -11,21 +13,40 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import ISAS
+from kvserve.kernels import reference
 from kvserve.kernels.i8pack import PackedI8Weight, pack_reference
 from kvserve.kernels.ops import Kernels
 from kvserve.kernels.quant import BLOCK_QTYPES
 from test_kernels import random_quant
 from test_kernels_int8 import activations
 
-pytestmark = pytest.mark.skipif("avx512" not in ISAS, reason="the packed int8 layout is AVX-512 only")
+pytestmark = pytest.mark.skipif(not ISAS, reason="native kernels unavailable")
 SETTINGS = settings(max_examples=30, deadline=None)
 
 
-@pytest.fixture(scope="module")
-def int8() -> Kernels:
-    kernels = Kernels.create("native", isa="avx512", activation_quant="int8")
+@pytest.fixture(scope="module", params=ISAS)
+def int8(request) -> Kernels:
+    kernels = Kernels.create("native", isa=request.param, activation_quant="int8")
     assert kernels.packs_int8()
     return kernels
+
+
+def assert_like_gguf_kernel(kernels: Kernels, x: torch.Tensor, weight, got: torch.Tensor) -> None:
+    """AVX-512: the GGUF-layout kernel's bits. AVX2 (whose GGUF-layout kernel sums 8 lanes a block, not exact
+    block sums): the AVX-512 packed kernel's bits where this CPU has it, else the twin's value and the same
+    bits for every row alone."""
+    expected = kernels.native.qmatmul_i8(x, weight.data, weight.qtype, weight.in_features)
+    if kernels.isa == "avx512":
+        assert torch.equal(got, expected)
+        return
+    if "avx512" in ISAS:
+        wide = Kernels.create("native", isa="avx512", activation_quant="int8")
+        assert torch.equal(got, wide.native.qmatmul_i8_packed(x, wide.prepare_int8(weight)))
+    want = reference.qlinear_i8(x, weight)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()) + 1e-30)
+    packed = kernels.prepare_int8(weight)
+    for r in range(0, x.shape[0], max(1, x.shape[0] // 5)):
+        assert torch.equal(kernels.native.qmatmul_i8_packed(x[r : r + 1].contiguous(), packed)[0], got[r])
 
 
 @SETTINGS
@@ -48,9 +69,9 @@ def test_packed_matmul_is_bit_identical_to_the_gguf_kernel(int8, rows, out_featu
     x = activations(rows, blocks * 32, seed)
     packed = int8.prepare_int8(weight)
     assert isinstance(packed, PackedI8Weight)
-    expected = int8.native.qmatmul_i8(x, weight.data, weight.qtype, weight.in_features)
-    assert torch.equal(int8.native.qmatmul_i8_packed(x, packed), expected)
-    assert torch.equal(int8.linear(x, packed), int8.linear(x, weight))
+    got = int8.native.qmatmul_i8_packed(x, packed)
+    assert_like_gguf_kernel(int8, x, weight, got)
+    assert torch.equal(int8.linear(x, packed), got)
 
 
 @pytest.mark.parametrize("qtype", sorted(BLOCK_QTYPES))
@@ -59,8 +80,7 @@ def test_packed_row_passes_are_bit_identical(int8, qtype):
     weight = random_quant(53, 6 * 32, qtype, 11)
     x = activations(4_421, 6 * 32, 11)
     packed = int8.prepare_int8(weight)
-    expected = int8.native.qmatmul_i8(x, weight.data, weight.qtype, weight.in_features)
-    assert torch.equal(int8.native.qmatmul_i8_packed(x, packed), expected)
+    assert_like_gguf_kernel(int8, x, weight, int8.native.qmatmul_i8_packed(x, packed))
 
 
 def test_other_kernels_refuse_the_packed_layout(int8):
@@ -72,18 +92,16 @@ def test_other_kernels_refuse_the_packed_layout(int8):
                                                  packed.data.data_ptr(), 32, packed.group_bytes,
                                                  torch.empty(2, 32).data_ptr(), 32)
         assert status == -1, entry
-    avx2 = Kernels.create("native", isa="avx2", activation_quant="int8")
-    assert not avx2.packs_int8() and avx2.prepare_int8(weight) is weight
-    with pytest.raises(ValueError, match="unsupported quantization type"):
-        avx2.native.qmatmul_i8_packed(x, packed)
+    assert not Kernels.create("native", isa=int8.isa).packs_int8()  # exact activations: never packed
     with pytest.raises(ValueError, match="packed int8 weight needs"):
         Kernels("native", int8.native, "none").linear(x, packed)
     with pytest.raises(ValueError, match="must be contiguous uint8"):
         PackedI8Weight(packed.data[:, :-1].contiguous(), 3, 64, 32)
 
 
+@pytest.mark.skipif("avx512" not in ISAS, reason="bit-identical to the GGUF-layout kernel on AVX-512 only")
 def test_engine_greedy_tokens_equal_with_and_without_packing(tiny_model_dir, monkeypatch):
-    """The tiny Llama quantized (Q8_0 / Q4_1 layers, layer_loop's fixture): packed (the default on AVX-512)
+    """The tiny Llama quantized (Q8_0 / Q4_1 layers, layer_loop's fixture): packed (the default with int8 activations)
     against the GGUF-layout kernel (packing disabled), every step's logits bit-identical, through the layer
     loop's decode step, its prefill path and the Python loop."""
     from test_layer_loop import quantized_tiny_llama, run_steps

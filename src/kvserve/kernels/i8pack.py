@@ -1,4 +1,4 @@
-"""Quantized weights pre-arranged once, at load, for the AVX-512 int8-activation matmul.
+"""Quantized weights pre-arranged once, at load, for the int8-activation matmul (AVX-512 and AVX2).
 
 The GGUF-layout int8 kernel gathers 16 weight rows into vpdpbusd's layout on every call (every decode step,
 every prefill row pass). `PackedI8Weight` holds that layout instead, built once by the native `kv_pack_i8`
@@ -8,8 +8,10 @@ nibbles stay packed), the 16 fp16 scales d, then Q4_1's 16 fp16 m or Q8_0's 16 i
 past ``out_features`` are zero. It is its own type, passed to C with ``qtype | PACKED_FLAG``, so no other
 kernel (fp32 matmuls, dequantize, the AVX2 int8 kernel) can read it as GGUF blocks: they refuse it.
 
-The engine packs only with ``activation_quant="int8"`` on the AVX-512 kernels (`Kernels.prepare_int8`); the
-AVX2 int8 kernel keeps reading the GGUF blocks. Outputs are bit-identical to the GGUF-layout kernel's.
+The engine packs with ``activation_quant="int8"`` on the native kernels (`Kernels.prepare_int8`). AVX-512's
+outputs are bit-identical to its GGUF-layout kernel's; the AVX2 packed kernel reads the same layout as 8-column
+halves with the same integer block sums and float epilogue, so it gives the AVX-512 bits too (its GGUF-layout
+kernel, which sums 8 lanes a block, does not).
 """
 
 from __future__ import annotations

@@ -175,7 +175,7 @@ class NativeLibrary:
         return self._quant_matmul("kv_qmatmul_i8", x, data, qtype, in_features)
 
     def pack_i8(self, data: torch.Tensor, qtype: int, in_features: int) -> PackedI8Weight:
-        """GGUF rows ``data [out, row_bytes]`` pre-arranged for the AVX-512 int8 kernel (kernels/i8pack.py)."""
+        """GGUF rows ``data [out, row_bytes]`` pre-arranged for the int8 kernels (kernels/i8pack.py)."""
         _check(data, torch.uint8, "weight")
         if qtype not in PACKED_BLOCK_BYTES:
             raise ValueError(f"no packed int8 layout for quantization type id {qtype}")
@@ -187,7 +187,7 @@ class NativeLibrary:
         return PackedI8Weight(packed, qtype, in_features, out_features)
 
     def qmatmul_i8_packed(self, x: torch.Tensor, weight: PackedI8Weight) -> torch.Tensor:
-        """`qmatmul_i8` on a packed weight (AVX-512 only: the AVX2 kernel refuses the layout)."""
+        """`qmatmul_i8` on a packed weight (kernels/i8pack.py)."""
         _check(x, torch.float32, "x")
         _check(weight.data, torch.uint8, "weight")
         rows, width = x.shape

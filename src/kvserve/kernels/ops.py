@@ -7,7 +7,7 @@ never a crash. ``Kernels.create("torch")`` is the pure-torch reference (`referen
 
 ``activation_quant="int8"`` makes every matmul with a quantized (`QuantWeight`) weight quantize its
 activation rows to int8 blocks and dot them with the weight blocks in integer arithmetic (native:
-`qmatmul_i8`, at every batch size; torch: its twin `reference.qlinear_i8`); on AVX-512 the model keeps those
+`qmatmul_i8`, at every batch size; torch: its twin `reference.qlinear_i8`); the native model keeps those
 weights packed for it (`prepare_int8`, kernels/i8pack.py; on a CPU with AMX-INT8 its Q8_0 matmuls of 16+ rows run
 on AMX tiles, csrc/qmatmul_amx.h), bit-identical results. Dense weights are unaffected;
 the engine refuses the option without quantized weights. "none" keeps fp32 activations, the exact path.
@@ -115,8 +115,8 @@ class Kernels:
     # --- matmuls -----------------------------------------------------------------------------------
 
     def packs_int8(self) -> bool:
-        """Whether int8-path weights are pre-arranged at load: int8 activations on the AVX-512 kernels."""
-        return self.activation_quant == "int8" and self.isa == "avx512"
+        """Whether int8-path weights are pre-arranged at load: int8 activations on the native kernels."""
+        return self.activation_quant == "int8" and self.native is not None
 
     def prepare_int8(self, weight: QuantWeight) -> QuantWeight | PackedI8Weight:
         """`weight` in the layout this backend's int8 matmul reads fastest (kernels/i8pack.py): packed where
@@ -130,7 +130,7 @@ class Kernels:
         """``x @ W.T``; a dense weight is stored transposed (``[in, out]``), so that is ``x @ weight``."""
         if isinstance(weight, PackedI8Weight):
             if not self.packs_int8():
-                raise ValueError("a packed int8 weight needs int8 activations on the AVX-512 kernels")
+                raise ValueError("a packed int8 weight needs int8 activations on the native kernels")
             return self.native.qmatmul_i8_packed(x.float().contiguous(), weight).to(x.dtype)
         if not isinstance(weight, QuantWeight):
             return x @ weight

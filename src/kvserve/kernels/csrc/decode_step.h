@@ -213,9 +213,9 @@ static void decode_post_attention(const DecodeStep& s, Phase* ph, int tid, int64
 }
 
 static bool decode_matrix_ok(const LayerMatrix& w, int64_t k, int act_quant) {
-    if (w.qtype & QT_I8_PACKED) {  // the int8 path's packed layout (qmatmul_i8_packed.h): AVX-512 int8 only
+    if (w.qtype & QT_I8_PACKED) {  // the int8 path's packed layout (qmatmul_i8_packed.h)
         const int base = static_cast<int>(w.qtype & ~QT_I8_PACKED);
-        return KV_AVX512 && act_quant && i8_packable(base) && k % QK == 0 &&
+        return act_quant && i8_packable(base) && k % QK == 0 &&
                w.row_bytes == k / QK * packed_block_bytes(base);
     }
     if (act_quant && w.qtype == QT_BF16) return false;  // bf16 weights have no int8 kernel

@@ -192,7 +192,7 @@ int kv_qgemm(int isa, int qt, const float* x, int64_t rows, int64_t k, const uin
 }
 
 // As kv_qmatmul, with the activation rows quantized to int8 blocks first (qmatmul_i8.h). qt may carry
-// QT_I8_PACKED (AVX-512 only): w is then kv_pack_i8's layout and row_bytes one column group's bytes.
+// QT_I8_PACKED: w is then kv_pack_i8's layout and row_bytes one column group's bytes.
 int kv_qmatmul_i8(int isa, int qt, const float* x, int64_t rows, int64_t k, const uint8_t* w, int64_t n,
                   int64_t row_bytes, float* y, int64_t ystride) {
     KV_DISPATCH(qmatmul_i8(qt, x, rows, k, w, n, row_bytes, y, ystride));

@@ -6,8 +6,8 @@
 //   Q8_0: dw*dx * sum(qw*qx)  (signed x signed: |qw| times qx with qw's sign, as u8 x s8)
 // Two kernels share the quantized activations: AVX-512 (VNNI) interleaves 16 weight rows so one vpdpbusd
 // feeds 16 output columns (any number of rows) -- gathered per call from GGUF blocks here, or read as
-// stored from weights packed at load (qmatmul_i8_packed.h, qtype | QT_I8_PACKED: what the engine runs);
-// AVX2 dots one block per 256-bit maddubs + madd, per row tile of up to 4 rows, unpacking each column chunk
+// stored from weights packed at load (qmatmul_i8_packed.h, qtype | QT_I8_PACKED: what the engine runs on
+// either ISA); the GGUF-layout AVX2 kernel dots one block per 256-bit maddubs + madd, per row tile of up to 4 rows, unpacking each column chunk
 // once per call for larger batches. Included by
 // kernels.cpp after impl.h inside each ISA namespace. The rounding of the quantization (x * (1/d),
 // nearest-even, clamp to +-127) is spelt out so `reference.quantize_activations` reproduces it bit for bit.
@@ -436,12 +436,10 @@ static void qmatmul_i8_chunk(const Q8Rows& xq, int64_t rows, int64_t k, const ui
 static inline void qmatmul_i8_cols(int qt, const Q8Rows& xq, int64_t rows, int64_t k, const uint8_t* w, int64_t n,
                                    int64_t row_bytes, float* y, int64_t ystride, int64_t c0, int64_t c1,
                                    void* scratch) {
-#if KV_AVX512
     if (qt & QT_I8_PACKED) {  // row_bytes: one group's bytes (decode_step.h checked the layout)
         qmatmul_i8_packed_cols(qt & ~QT_I8_PACKED, xq, rows, k, w, n, row_bytes, y, ystride, c0, c1);
         return;
     }
-#endif
     if (qt == QT_Q4_1) qmatmul_i8_chunk<QT_Q4_1>(xq, rows, k, w, n, row_bytes, y, ystride, c0, c1, scratch);
     else if (qt == QT_Q4_0) qmatmul_i8_chunk<QT_Q4_0>(xq, rows, k, w, n, row_bytes, y, ystride, c0, c1, scratch);
     else qmatmul_i8_chunk<QT_Q8_0>(xq, rows, k, w, n, row_bytes, y, ystride, c0, c1, scratch);
@@ -455,10 +453,9 @@ static int quantize_i8(const float* x, int64_t rows, int64_t k, int8_t* q, float
 }
 
 // qmatmul_i8 for a weight packed by pack_i8 (qt: its GGUF type; gstride: one group's bytes, nb * the packed
-// block's). AVX-512 only: the AVX2 kernel reads the GGUF layout, so the engine packs only for AVX-512.
+// block's).
 static int qmatmul_i8_prepacked(int qt, const float* x, int64_t rows, int64_t k, const uint8_t* pw, int64_t n,
                                 int64_t gstride, float* y, int64_t ystride) {
-#if KV_AVX512
     if (!i8_packable(qt)) return -1;
     if (gstride != k / QK * packed_block_bytes(qt)) return -2;
     if (rows <= 0 || n <= 0) return 0;
@@ -470,10 +467,6 @@ static int qmatmul_i8_prepacked(int qt, const float* x, int64_t rows, int64_t k,
     quantize_rows(x, rows, k, xq);
     qmatmul_i8_packed(qt, xq, rows, k, pw, n, gstride, y, ystride);
     return 0;
-#else
-    (void)x, (void)rows, (void)k, (void)pw, (void)n, (void)gstride, (void)y, (void)ystride, (void)qt;
-    return -1;
-#endif
 }
 
 // y[r * ystride + c] = dot(x row r, weight row c) with x quantized to int8 blocks first (same signature as

@@ -1,4 +1,4 @@
-// Int8-path weights pre-arranged once, at model load, for the AVX-512 VNNI kernel (included by qmatmul_i8.h
+// Int8-path weights pre-arranged once, at model load, for the VNNI and AVX2 kernels (included by qmatmul_i8.h
 // inside each ISA namespace). The GGUF-layout kernel (qmatmul_i8_interleaved) gathers 16 weight rows into the
 // vpdpbusd layout on every call -- 5 (Q4) or 9 (Q8_0) gathers per 16 columns x 32 weights, per call, per row
 // pass, per decode step. This layout stores exactly what it builds, so a call only loads:
@@ -10,7 +10,7 @@
 //   Columns past n (the last group's) are zero.
 //
 // A packed weight goes by its GGUF type id | QT_I8_PACKED, which no other kernel accepts (qmatmul, qgemm,
-// dequantize and the AVX2 int8 kernel return -1): one layout can never be read as the other. Sizes equal the
+// dequantize and the GGUF-layout int8 kernels return -1): one layout can never be read as the other. Sizes equal the
 // GGUF blocks for Q4_0 (288 = 16 x 18) and Q4_1 (320 = 16 x 20); Q8_0 is 576 = 16 x 36 (2 bytes more a block).
 // Each output is computed with the GGUF-layout kernel's float operations in its order -- per block,
 // acc = fma(dw * dx, isum, acc) then fma(mw, s, acc) -- so results are bit-identical to it.
@@ -122,16 +122,104 @@ static inline void packed_tile(const Q8Rows& x, int64_t k, int64_t nb, const uin
         for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * ystride + g * PACKED_COLS, keep, acc[r][g]);
     }
 }
+#else
+// AVX2: the same layout read as 8-column halves (bytes [0, 32) of a 64-byte piece row are columns 0..7, [32, 64)
+// columns 8..15), one broadcast activation piece per maddubs. Q4: nibble x int8 pairs are at most 2 * 15 * 127,
+// so a block's 8 pieces add up in int16 (<= 30,480) and one madd widens them; Q8_0: |qw| x (qx with qw's sign),
+// at most 2 * 128 * 127 a pair, widened per piece. Either way each column's block sum is the exact integer the
+// VNNI kernel forms, and the float epilogue is the AVX-512 tile's, operation for operation, per column and
+// block: the AVX2 and AVX-512 int8 paths give the same bits. The GGUF-layout AVX2 kernel (qmatmul_i8.h) summed
+// 8 lanes of partial dots per block instead: ~3.5 vector ops per 8 weights against ~1 here.
+template <int R, int NG, int QT>
+static inline void packed_tile(const Q8Rows& x, int64_t k, int64_t nb, const uint8_t* pw, int64_t gstride, float* y,
+                               int64_t ystride, int64_t last, const uint8_t* pf) {
+    constexpr int64_t PB = packed_block_bytes(QT), QB = packed_quant_bytes(QT);
+    constexpr int NH = 2 * NG;  // 8-column halves
+    __m256 acc[R][NH];
+    for (int r = 0; r < R; ++r)
+        for (int h = 0; h < NH; ++h) acc[r][h] = _mm256_setzero_ps();
+    const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* xb = reinterpret_cast<const uint8_t*>(x.q) + b * QK;
+        const uint8_t* wb = pw + b * PB;
+        if (pf) prefetch_span(pf + b * NG * PB, NG * PB);
+        __m256i isum[R][NH];
+        for (int r = 0; r < R; ++r)
+            for (int h = 0; h < NH; ++h) isum[r][h] = _mm256_setzero_si256();
+        if (QT == QT_Q8_0) {
+            for (int j = 0; j < 8; ++j) {
+                __m256i wq[NH], wu[NH];
+                for (int h = 0; h < NH; ++h) {
+                    wq[h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + (h >> 1) * gstride + j * 64 +
+                                                                                 (h & 1) * 32));
+                    wu[h] = _mm256_abs_epi8(wq[h]);
+                }
+                for (int r = 0; r < R; ++r) {
+                    const __m256i xv = _mm256_set1_epi32(static_cast<int>(load_u32(xb + r * k + 4 * j)));
+                    for (int h = 0; h < NH; ++h)
+                        isum[r][h] = _mm256_add_epi32(isum[r][h], _mm256_madd_epi16(
+                            _mm256_maddubs_epi16(wu[h], _mm256_sign_epi8(xv, wq[h])), ones));
+                }
+            }
+        } else {
+            for (int t = 0; t < 4; ++t) {
+                __m256i lo[NH], hi[NH];
+                for (int h = 0; h < NH; ++h) {
+                    const __m256i raw = _mm256_loadu_si256(
+                        reinterpret_cast<const __m256i*>(wb + (h >> 1) * gstride + t * 64 + (h & 1) * 32));
+                    lo[h] = _mm256_and_si256(raw, nibble);                      // weights 4t .. 4t+3
+                    hi[h] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);  // weights 16+4t ..
+                }
+                for (int r = 0; r < R; ++r) {
+                    const __m256i xl = _mm256_set1_epi32(static_cast<int>(load_u32(xb + r * k + 4 * t)));
+                    const __m256i xh = _mm256_set1_epi32(static_cast<int>(load_u32(xb + r * k + 16 + 4 * t)));
+                    for (int h = 0; h < NH; ++h) {
+                        isum[r][h] = _mm256_add_epi16(isum[r][h], _mm256_maddubs_epi16(lo[h], xl));
+                        isum[r][h] = _mm256_add_epi16(isum[r][h], _mm256_maddubs_epi16(hi[h], xh));
+                    }
+                }
+            }
+            for (int r = 0; r < R; ++r)
+                for (int h = 0; h < NH; ++h) isum[r][h] = _mm256_madd_epi16(isum[r][h], ones);
+        }
+        for (int h = 0; h < NH; ++h) {
+            const uint8_t* sc = wb + (h >> 1) * gstride + QB + (h & 1) * 16;
+            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
+            const __m256 mw = QT == QT_Q4_1   ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 32)))
+                              : QT == QT_Q4_0 ? _mm256_mul_ps(dw, _mm256_set1_ps(-8.0f))
+                                              : _mm256_setzero_ps();
+            for (int r = 0; r < R; ++r) {
+                const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(x.d[r * nb + b]));
+                acc[r][h] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(isum[r][h]), acc[r][h]);
+                if (QT != QT_Q8_0) acc[r][h] = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.s[r * nb + b]), acc[r][h]);
+            }
+        }
+    }
+    for (int h = 0; h < NH; ++h) {
+        const int64_t cols = h < NH - 2 ? 8 : h == NH - 2 ? (last < 8 ? last : 8) : (last > 8 ? last - 8 : 0);
+        for (int r = 0; r < R; ++r) {
+            float* out = y + r * ystride + h * 8;
+            if (cols == 8) {
+                _mm256_storeu_ps(out, acc[r][h]);
+            } else if (cols > 0) {
+                float tmp[8];
+                _mm256_storeu_ps(tmp, acc[r][h]);
+                for (int64_t c = 0; c < cols; ++c) out[c] = tmp[c];
+            }
+        }
+    }
+}
+#endif  // KV_AVX512
 
 // Row tiles: KV_I8P_ROWS2 rows x 2 groups (24 accumulators: 12 float, 12 int32 of the block), or
 // KV_I8P_ROWS1 rows x 1 group; the remainder in one narrower tile. Measured (1 thread, Ice Lake, real shapes,
 // benchmarks/int8_packed.py): 6 x 2 ran ~5% faster than 4 x 2 and 12-20% faster than 4 x 3 or 8 x 1 at 32-512
 // rows; 5 and 7 rows ran no faster. The -D overrides exist for such measurements only.
 #ifndef KV_I8P_ROWS1
-#define KV_I8P_ROWS1 8
+#define KV_I8P_ROWS1 (KV_AVX512 ? 8 : 4)
 #endif
 #ifndef KV_I8P_ROWS2
-#define KV_I8P_ROWS2 6
+#define KV_I8P_ROWS2 (KV_AVX512 ? 6 : 2)
 #endif
 template <int NG>
 struct PackedTileRows {
@@ -159,7 +247,9 @@ static void packed_rows(const Q8Rows& x, int64_t rows, int64_t k, int64_t nb, co
                                 last, pf);
 }
 
+#if KV_AVX512
 #include "qmatmul_amx.h"
+#endif
 
 // The packed weight's groups [g, g + ng) if they exist, else null: what a tile prefetches ahead.
 static inline const uint8_t* packed_ahead(const uint8_t* pw, int64_t n, int64_t gstride, int64_t g, int64_t ng) {
@@ -171,10 +261,12 @@ static inline const uint8_t* packed_ahead(const uint8_t* pw, int64_t n, int64_t 
 template <int QT>
 static inline void packed_groups_run(const Q8Rows& x, int64_t rows, int64_t k, const uint8_t* pw, int64_t n,
                                      int64_t gstride, float* y, int64_t ystride, int64_t g0, int64_t g1) {
+#if KV_AVX512
     if (amx_pays<QT>(rows)) {  // tiles where the CPU has them and they are faster (qmatmul_amx.h): bit-identical
         amx_groups_run<QT>(x, rows, k, pw, n, gstride, y, ystride, g0, g1);
         return;
     }
+#endif
     const int64_t nb = k / QK;
     int64_t g = g0;
     for (; g + 2 <= g1; g += 2) {
@@ -249,4 +341,3 @@ static inline void qmatmul_i8_packed_cols(int qt, const Q8Rows& xq, int64_t rows
     else if (qt == QT_Q4_0) packed_cols_t<QT_Q4_0>(xq, rows, k, pw, n, gstride, y, ystride, c0, c1);
     else packed_cols_t<QT_Q8_0>(xq, rows, k, pw, n, gstride, y, ystride, c0, c1);
 }
-#endif  // KV_AVX512
