@@ -9,6 +9,9 @@ benchmarks/kernels.py (32 prompts of ~94 tokens, 32 new tokens each).
 
     OMP_NUM_THREADS=1 python benchmarks/int8_packed.py            # ~4 minutes on a busy 2-core VM
     OMP_NUM_THREADS=1 python benchmarks/int8_packed.py --quick    # fewer rows and repeats
+
+On AVX2 the packed side is the AVX2 packed kernel (exact block sums, AVX-512's bits) and the GGUF-layout side
+the lane-summing AVX2 kernel, so the two are close, not bit-identical; `--out NAME` keeps another CPU's file.
 """
 
 from __future__ import annotations
@@ -147,7 +150,10 @@ def engine_table(repeats: int, decode_new: int, before: Path | None) -> str:
         "batch-32 tok/s (32 x 32 new)": lambda e: 32 * 32 / e.cpu(batch, 32, True),
     }
     outputs = [e.llm.generate([prompt128], greedy(16))[0].outputs[0].token_ids for e in engines]
-    assert list(outputs[0]) == list(outputs[1]), "packed and GGUF-layout int8 disagree on greedy tokens"
+    same = sum(a == b for a, b in zip(outputs[0], outputs[1], strict=True))
+    if engines[1].llm.engine.model.kernels.isa == "avx512":  # bit-identical there; AVX2's two kernels only close
+        assert same == len(outputs[0]), "packed and GGUF-layout int8 disagree on greedy tokens"
+    print(f"greedy tokens equal on both sides: {same} / {len(outputs[0])}", flush=True)
     best = {e.name: {} for e in engines}
     for key, task in tasks.items():
         for _ in range(repeats):
@@ -165,6 +171,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--part", choices=("all", "kernels", "engine"), default="all")
+    parser.add_argument("--out", default="int8_packed", help="results/OUT.md (default: int8_packed)")
     parser.add_argument("--before", metavar="REV", help="run the GGUF-layout side on the kernels of this git "
                         "revision (the code before packing), not on this build's GGUF-layout kernel")
     args = parser.parse_args()
@@ -184,7 +191,7 @@ def main() -> None:
              "small n (k / v) is that. The machine is shared: absolute figures move 20-30% between runs under "
              "the other sessions' load; the ratios are paired.")
     table = "\n\n".join(parts)
-    write_result("int8_packed", "Int8 activations: packed weights vs the GGUF-layout kernel", table, notes)
+    write_result(args.out, "Int8 activations: packed weights vs the GGUF-layout kernel", table, notes)
     print(table)
 
 
