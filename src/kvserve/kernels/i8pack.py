@@ -6,7 +6,7 @@ every prefill row pass). `PackedI8Weight` holds that layout instead, built once 
 and each 32-weight block, the quants as 4-byte pieces (piece j of column c at byte ``j*64 + c*4``; Q4
 nibbles stay packed), the 16 fp16 scales d, then Q4_1's 16 fp16 m or Q8_0's 16 int16 ``sum(q)``. Columns
 past ``out_features`` are zero. It is its own type, passed to C with ``qtype | PACKED_FLAG``, so no other
-kernel (fp32 matmuls, dequantize, the AVX2 int8 kernel) can read it as GGUF blocks: they refuse it.
+kernel (fp32 matmuls, dequantize, the GGUF-layout int8 kernels) can read it as GGUF blocks: they refuse it.
 
 The engine packs with ``activation_quant="int8"`` on the native kernels (`Kernels.prepare_int8`). AVX-512's
 outputs are bit-identical to its GGUF-layout kernel's; the AVX2 packed kernel reads the same layout as 8-column

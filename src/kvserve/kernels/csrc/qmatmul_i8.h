@@ -7,9 +7,9 @@
 // Two kernels share the quantized activations: AVX-512 (VNNI) interleaves 16 weight rows so one vpdpbusd
 // feeds 16 output columns (any number of rows) -- gathered per call from GGUF blocks here, or read as
 // stored from weights packed at load (qmatmul_i8_packed.h, qtype | QT_I8_PACKED: what the engine runs on
-// either ISA); the GGUF-layout AVX2 kernel dots one block per 256-bit maddubs + madd, per row tile of up to 4 rows, unpacking each column chunk
-// once per call for larger batches. Included by
-// kernels.cpp after impl.h inside each ISA namespace. The rounding of the quantization (x * (1/d),
+// either ISA); the GGUF-layout AVX2 kernel dots one block per 256-bit maddubs + madd, per row tile of up to
+// 4 rows, unpacking each column chunk once per call for larger batches. Included by kernels.cpp after impl.h
+// inside each ISA namespace. The rounding of the quantization (x * (1/d),
 // nearest-even, clamp to +-127) is spelt out so `reference.quantize_activations` reproduces it bit for bit.
 
 // Quantized activations: q [rows, k] int8, d and s [rows, k/32] float; for the AVX2 kernel also dv and sv

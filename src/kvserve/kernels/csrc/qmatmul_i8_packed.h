@@ -10,10 +10,11 @@
 //   Columns past n (the last group's) are zero.
 //
 // A packed weight goes by its GGUF type id | QT_I8_PACKED, which no other kernel accepts (qmatmul, qgemm,
-// dequantize and the GGUF-layout int8 kernels return -1): one layout can never be read as the other. Sizes equal the
-// GGUF blocks for Q4_0 (288 = 16 x 18) and Q4_1 (320 = 16 x 20); Q8_0 is 576 = 16 x 36 (2 bytes more a block).
-// Each output is computed with the GGUF-layout kernel's float operations in its order -- per block,
-// acc = fma(dw * dx, isum, acc) then fma(mw, s, acc) -- so results are bit-identical to it.
+// dequantize and the GGUF-layout int8 kernels return -1): one layout can never be read as the other. Sizes
+// equal the GGUF blocks for Q4_0 (288 = 16 x 18) and Q4_1 (320 = 16 x 20); Q8_0 is 576 = 16 x 36 (2 bytes more
+// a block). Each output is computed with the GGUF-layout AVX-512 kernel's float operations in its order -- per
+// block, acc = fma(dw * dx, isum, acc) then fma(mw, s, acc) -- so results are bit-identical to it; the AVX2
+// tile does the same operations, so it gives those bits too.
 
 constexpr int QT_I8_PACKED = 0x100;
 constexpr int64_t PACKED_COLS = 16;
@@ -185,7 +186,8 @@ static inline void packed_tile(const Q8Rows& x, int64_t k, int64_t nb, const uin
         for (int h = 0; h < NH; ++h) {
             const uint8_t* sc = wb + (h >> 1) * gstride + QB + (h & 1) * 16;
             const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
-            const __m256 mw = QT == QT_Q4_1   ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 32)))
+            const __m128i extra = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 32));  // Q4_1: m
+            const __m256 mw = QT == QT_Q4_1   ? _mm256_cvtph_ps(extra)
                               : QT == QT_Q4_0 ? _mm256_mul_ps(dw, _mm256_set1_ps(-8.0f))
                                               : _mm256_setzero_ps();
             for (int r = 0; r < R; ++r) {
@@ -214,7 +216,8 @@ static inline void packed_tile(const Q8Rows& x, int64_t k, int64_t nb, const uin
 // Row tiles: KV_I8P_ROWS2 rows x 2 groups (24 accumulators: 12 float, 12 int32 of the block), or
 // KV_I8P_ROWS1 rows x 1 group; the remainder in one narrower tile. Measured (1 thread, Ice Lake, real shapes,
 // benchmarks/int8_packed.py): 6 x 2 ran ~5% faster than 4 x 2 and 12-20% faster than 4 x 3 or 8 x 1 at 32-512
-// rows; 5 and 7 rows ran no faster. The -D overrides exist for such measurements only.
+// rows; 5 and 7 rows ran no faster. AVX2 (16 registers): 4 x 1 and 2 x 2, not yet measured against other
+// shapes. The -D overrides exist for such measurements only.
 #ifndef KV_I8P_ROWS1
 #define KV_I8P_ROWS1 (KV_AVX512 ? 8 : 4)
 #endif
