@@ -1,5 +1,6 @@
-"""Quantized matmuls by row count: where the wide GEMM (csrc/qgemm.h) beats the per-row kernel, and how
-both compare with dequantize + torch's GEMM and with dense float32 weights (torch's GEMM, no dequantizing).
+"""Quantized matmuls by row count: where the wide GEMM (csrc/qgemm.h; csrc/qgemm_wide.h on AVX2 from 48 rows)
+beats the per-row kernel, and how both compare with dequantize + torch's GEMM and with dense float32 weights (torch's
+GEMM, no dequantizing).
 
 One layer of the default model (fused q/k/v 960x576, o 576x576, gate/up 3072x576, down 576x1536) in
 random Q4_1 / Q8_0 blocks, x of M rows; ms per layer is the median of `--rounds` interleaved rounds (each
@@ -50,6 +51,16 @@ def random_quant(out_features: int, in_features: int, qtype: int, rng: np.random
     return QuantWeight(torch.from_numpy(np.ascontiguousarray(blocks)), qtype, in_features)
 
 
+def _tiles_only(native, x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
+    """The AVX2 wide GEMM with qgemm.h's tiles at every row count (its crossover to qgemm_wide.h out of reach):
+    the kernel `wide qgemm` ran before qgemm_wide.h, beside it in the same rounds."""
+    default = native.set_wide_gemm_rows(1 << 40)
+    try:
+        return native.qgemm(x, w.data, w.qtype, w.in_features)
+    finally:
+        native.set_wide_gemm_rows(default)
+
+
 def measure(kernels: Kernels, qtype: int, rows: int, rounds: int) -> dict[str, float]:
     rng = np.random.default_rng(0)
     weights = [random_quant(n, k, qtype, rng) for n, k in LAYER]
@@ -59,6 +70,7 @@ def measure(kernels: Kernels, qtype: int, rows: int, rounds: int) -> dict[str, f
     methods = {
         "per-row qmatmul": lambda x, w, d: native.qmatmul(x, w.data, w.qtype, w.in_features),
         "wide qgemm": lambda x, w, d: native.qgemm(x, w.data, w.qtype, w.in_features),
+        **({"qgemm.h tiles": lambda x, w, d: _tiles_only(native, x, w)} if native.isa == "avx2" else {}),
         "dequantize + GEMM": lambda x, w, d: F.linear(x, kernels.dequantize(w)),
         "dense fp32 GEMM": lambda x, w, d: x @ d,
     }
@@ -122,18 +134,21 @@ def main() -> None:
     kernels = Kernels.create("native")
     if kernels.native is None:
         raise SystemExit("the native kernels are unavailable on this machine")
-    table = []
+    table, names = [], []
     for qtype in (3, 8):
         for rows in (int(r) for r in args.rows.split(",")):
             ms = measure(kernels, qtype, rows, max(3, args.rounds if rows <= 512 else args.rounds // 2))
+            names = list(ms)
             best = min(ms, key=ms.get)
             table.append([QTYPES[qtype][0], rows, *ms.values(), best])
             print(table[-1], flush=True)
-    header = ["weights", "rows", *[f"{name} ms" for name in ("per-row qmatmul", "wide qgemm", "dequantize + GEMM",
-                                                            "dense fp32 GEMM")], "fastest"]
+    header = ["weights", "rows", *[f"{name} ms" for name in names], "fastest"]
+    tiles = (" On AVX2 `wide qgemm` runs csrc/qgemm_wide.h from "
+             f"{kernels.native.wide_gemm_rows} rows; `qgemm.h tiles` is the same call with qgemm.h's tiles at every "
+             "row count.") if kernels.isa == "avx2" else ""
     notes = (f"ms per layer of the default model's shapes, median of interleaved rounds; ISA {kernels.isa}, "
              f"{args.threads} thread(s). The dense column is not an option for a quantized file (it is the "
-             "`--weights dense` cost: 4-byte weights, no dequantizing).")
+             "`--weights dense` cost: 4-byte weights, no dequantizing)." + tiles)
     path = write_result(args.out, "Quantized matmul by row count (per-row kernel, wide GEMM, dequantize + GEMM)",
                         markdown_table(header, table), notes)
     print(path)

@@ -63,6 +63,51 @@ def test_qgemm_across_superblocks(kernels, rows, blocks, out_features, qtype, se
     assert ((got - reference.qlinear(x, weight)).abs() <= bound).all()
 
 
+@pytest.mark.parametrize("qtype", sorted(QTYPES))
+def test_wide_avx2_kernel_gives_a_row_the_same_bits_wherever_it_sits(kernels, qtype):
+    """On AVX2 from 48 rows (qgemm_wide.h) each output sums its products in input order from zero, across
+    KC slices and row blocks alike: a row's result does not depend on the call's row count or the row's place
+    (micro-tile, row block), so batching never changes a prefill's or a decode row's floats."""
+    if kernels.native.isa != "avx2":
+        pytest.skip("qgemm_wide.h is the AVX2 build's kernel; AVX-512 keeps qgemm.h's")
+    weight = random_quant(45, 20 * 32, qtype, seed=qtype)  # 640 inputs: 3 KC slices; 45 outputs: a partial panel
+    x = torch.randn(400, 640, generator=torch.Generator().manual_seed(qtype))  # 3 row blocks
+    full = kernels.native.qgemm(x, weight.data, weight.qtype, weight.in_features)
+    for start, rows in ((0, kernels.native.wide_gemm_rows), (7, 53), (300, 100), (151, 145)):
+        part = kernels.native.qgemm(x[start:start + rows].contiguous(), weight.data, weight.qtype,
+                                    weight.in_features)
+        assert torch.equal(part, full[start:start + rows]), (start, rows)
+    torch.testing.assert_close(full, reference.qlinear(x, weight), rtol=1e-5, atol=1e-4)
+
+
+@SETTINGS
+@given(rows=st.integers(1, 320), out_features=st.integers(1, 70), blocks=st.integers(1, 20),
+       qtype=st.sampled_from(sorted(QTYPES)), seed=st.integers(0, 2**16))
+def test_both_avx2_wide_kernels_agree_with_the_reference(kernels, rows, out_features, blocks, qtype, seed):
+    """qgemm_wide.h at every row count (its crossover forced to 1) and qgemm.h's tiles at every row count (the
+    crossover out of reach): both exact to the dequantized weights up to summation order, on partial micro-tiles,
+    partial panels, several KC slices and row blocks."""
+    if kernels.native.isa != "avx2":
+        pytest.skip("qgemm_wide.h is the AVX2 build's kernel")
+    weight = random_quant(out_features, blocks * 32, qtype, seed)
+    x = torch.randn(rows, blocks * 32, generator=torch.Generator().manual_seed(seed))
+    expected = reference.qlinear(x, weight)
+    bound = 4e-6 * (x.abs() @ reference.dequantize(weight).abs().t()) + 1e-6
+    default = kernels.native.wide_gemm_rows
+    try:
+        for crossover in (1, 1 << 40):
+            kernels.native.set_wide_gemm_rows(crossover)
+            got = kernels.native.qgemm(x, weight.data, weight.qtype, weight.in_features)
+            assert ((got - expected).abs() <= bound).all(), crossover
+    finally:
+        kernels.native.set_wide_gemm_rows(default)
+
+
+def test_wide_gemm_crossover_is_checked(kernels):
+    with pytest.raises(ValueError, match="at least 1"):
+        kernels.native.set_wide_gemm_rows(0)
+
+
 @pytest.mark.parametrize("rows", [ops.QGEMM_MIN_ROWS - 1, ops.QGEMM_MIN_ROWS, ops.QGEMM_MAX_ROWS,
                                   ops.QGEMM_MAX_ROWS + 1])
 def test_linear_dispatch_is_exact_on_both_sides_of_each_crossover(kernels, rows):

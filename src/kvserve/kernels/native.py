@@ -52,6 +52,9 @@ _AMX_SIGNATURE = ("kv_amx_enable", [ctypes.c_int])
 # Optional as well: the exact path's wide GEMM on AMX-BF16 tiles, on (1), off (0) or unchanged (-1); returns
 # the state, -1 where the CPU or the kernel cannot.
 _AMX_EXACT = "kv_amx_exact"
+# Optional too (older builds lack it): from how many rows the AVX2 build's exact wide GEMM runs
+# csrc/qgemm_wide.h instead of qgemm.h's tiles; rows >= 1 sets it; returns it.
+_WIDE_ROWS = "kv_qgemm_wide_rows"
 
 
 def cpu_flags() -> set[str]:
@@ -96,6 +99,8 @@ class NativeLibrary:
             if (amx_switch := getattr(lib, name, None)) is not None:
                 amx_switch.argtypes = _AMX_SIGNATURE[1]
                 amx_switch.restype = ctypes.c_int
+        if (wide_rows := getattr(lib, _WIDE_ROWS, None)) is not None:
+            wide_rows.argtypes, wide_rows.restype = [_I], _I
         if lib.kv_abi_version() != ABI_VERSION:
             raise RuntimeError(f"{path}: ABI version {lib.kv_abi_version()}, expected {ABI_VERSION}")
         lib.kv_set_num_threads(torch.get_num_threads())
@@ -133,6 +138,26 @@ class NativeLibrary:
         """Whether this handle's exact wide GEMMs run on AMX-BF16 tiles now."""
         switch = self._amx_switch(_AMX_EXACT, "amx_bf16")
         return switch is not None and switch(-1) > 0
+
+    @property
+    def wide_gemm_rows(self) -> int:
+        """From how many rows the AVX2 build's exact wide GEMM (`qgemm`) runs csrc/qgemm_wide.h -- the weights
+        as the vector side, 6 x 16 output tiles -- instead of qgemm.h's tiles (AVX-512 always runs qgemm.h's);
+        0 for a library without qgemm_wide.h."""
+        wide_rows = getattr(self.lib, _WIDE_ROWS, None)
+        return 0 if wide_rows is None else wide_rows(0)
+
+    def set_wide_gemm_rows(self, rows: int) -> int:
+        """Set that crossover, library-wide (benchmarks and tests compare both kernels in one process; a huge
+        value keeps qgemm.h's tiles at every row count); returns the previous value."""
+        if rows < 1:
+            raise ValueError(f"rows must be at least 1, got {rows}")
+        wide_rows = getattr(self.lib, _WIDE_ROWS, None)
+        if wide_rows is None:
+            raise RuntimeError("this native library predates qgemm_wide.h (no kv_qgemm_wide_rows)")
+        previous = wide_rows(0)
+        wide_rows(rows)
+        return previous
 
     def set_amx(self, on: bool, every_type: bool = False) -> bool:
         """Use AMX tiles for the int8 path's matmuls of 16+ rows (csrc/qmatmul_amx.h; bit-identical to the

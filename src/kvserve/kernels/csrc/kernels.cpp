@@ -54,6 +54,10 @@ static inline int kv_amx_mode() { return g_amx; }
 static bool g_amx_exact = false;
 static inline bool kv_amx_exact() { return g_amx_exact; }
 static inline const float* kv_half_table() { return g_half_table.value; }
+// From how many rows the AVX2 build's exact wide GEMM runs qgemm_wide.h (weights as the vector side) instead of
+// qgemm.h's tiles: set by kv_qgemm_wide_rows (benchmarks and tests compare both in one process).
+static int64_t g_wide_rows = 48;
+static inline int64_t kv_wide_rows() { return g_wide_rows; }
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
@@ -171,6 +175,13 @@ int kv_amx_exact(int on) {
     if (on == 0) return g_amx_exact = false;
     if (!KV_HAS_AMX || !cpu_has_amx_bf16() || !amx_permitted()) return -1;
     return g_amx_exact = true;
+}
+
+// The AVX2 exact wide GEMM's crossover to qgemm_wide.h: rows >= 1 sets it (a huge value keeps qgemm.h's tiles
+// at every row count), anything else leaves it; returns it.
+int64_t kv_qgemm_wide_rows(int64_t rows) {
+    if (rows >= 1) g_wide_rows = rows;
+    return g_wide_rows;
 }
 
 #define KV_DISPATCH(call)                                  \

@@ -80,12 +80,12 @@ static inline int64_t gm_tiles(int64_t rows, GmTile* tiles) {
     return count;
 }
 
-// panel[j * kc + i] = W[n0 + j][k0 + i] for j < nr (as dequantize() computes it); rows nr..NR are zero.
+// panel[j * kc + i] = W[n0 + j][k0 + i] for j < nr (as dequantize() computes it); rows nr..height are zero.
 template <int QT>
 static inline void gm_dequant_panel(const uint8_t* w, int64_t row_bytes, int64_t n0, int nr, int64_t k0,
-                                    int64_t kc, float* panel) {
+                                    int64_t kc, float* panel, int height = GM_NR) {
     constexpr int64_t BB = block_bytes(QT);
-    for (int j = 0; j < GM_NR; ++j) {
+    for (int j = 0; j < height; ++j) {
         float* dst = panel + j * kc;
         if (j >= nr) {
             for (int64_t i = 0; i < kc; i += W) vstore(dst + i, vzero());
@@ -310,6 +310,8 @@ static void qgemm_t(const float* x, int64_t rows, int64_t k, const uint8_t* w, i
 
 #if KV_AVX512
 #include "qgemm_amx.h"
+#else
+#include "qgemm_wide.h"
 #endif
 
 static int qgemm(int qt, const float* x, int64_t rows, int64_t k, const uint8_t* w, int64_t n, int64_t row_bytes,
@@ -319,6 +321,12 @@ static int qgemm(int qt, const float* x, int64_t rows, int64_t k, const uint8_t*
 #if KV_AVX512
     if (amx_exact_pays(qt, rows)) {  // AMX-BF16 tiles where the CPU has them (qgemm_amx.h): the same contract
         qgemm_amx(qt, x, rows, k, w, n, row_bytes, y, ystride);
+        return 0;
+    }
+#endif
+#if !KV_AVX512
+    if (rows >= kv_wide_rows()) {  // weights as the vector side (qgemm_wide.h, from 48 rows): the same contract
+        qgemm_wide(qt, x, rows, k, w, n, row_bytes, y, ystride);
         return 0;
     }
 #endif
