@@ -35,9 +35,10 @@ ISA_ENV = "KVSERVE_ISA"
 NATIVE_QMATMUL_MAX_ROWS = 16
 # Which quantized matmul `Kernels.linear` runs by row count (benchmarks/qgemm.py measures the crossovers):
 # the per-row kernel converts each weight block once per 4 rows and wins below QGEMM_MIN_ROWS; the wide
-# GEMM (csrc/qgemm.h) dequantizes each weight panel once per call and wins from there up to
-# QGEMM_MAX_ROWS; beyond, dequantizing the whole weight for torch's GEMM does -- except for very large
-# weights (the 49k-row lm head), where a float32 copy costs more than it saves.
+# GEMM (csrc/qgemm.h; qgemm_wide.h on AVX2 from 48 rows) dequantizes each weight panel once per call and wins
+# from there up to QGEMM_MAX_ROWS; beyond, dequantizing the whole weight for torch's GEMM does (on AVX2 the two
+# are even from 512 to 2,048 rows) -- except for very large weights (the 49k-row lm head), where a float32 copy
+# costs more than it saves.
 QGEMM_MIN_ROWS = 5
 QGEMM_MAX_ROWS = 256
 ALWAYS_NATIVE_ELEMENTS = 8 * 1024 * 1024

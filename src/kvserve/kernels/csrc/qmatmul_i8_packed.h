@@ -216,17 +216,23 @@ static inline void packed_tile(const Q8Rows& x, int64_t k, int64_t nb, const uin
 // Row tiles: KV_I8P_ROWS2 rows x 2 groups (24 accumulators: 12 float, 12 int32 of the block), or
 // KV_I8P_ROWS1 rows x 1 group; the remainder in one narrower tile. Measured (1 thread, Ice Lake, real shapes,
 // benchmarks/int8_packed.py): 6 x 2 ran ~5% faster than 4 x 2 and 12-20% faster than 4 x 3 or 8 x 1 at 32-512
-// rows; 5 and 7 rows ran no faster. AVX2 (16 registers): 4 x 1 and 2 x 2, not yet measured against other
-// shapes. The -D overrides exist for such measurements only.
+// rows; 5 and 7 rows ran no faster. AVX2 (16 registers; the default model's layer shapes, Zen 3, 2 threads,
+// every shape in the same rounds, the same bits): Q4 4 x 2 took 0.80 / 1.44 / 5.42 ms per layer at 16 / 32 /
+// 128 rows against 0.96 / 1.72 / 6.20 for 2 x 2 (3 x 2 within 2% of 4 x 2); Q8_0, whose block needs the weights
+// and their magnitudes in registers, stays at 2 x 2 (3 or 4 rows: 4-14% slower at 16-128). The -D overrides
+// exist for such measurements only.
 #ifndef KV_I8P_ROWS1
 #define KV_I8P_ROWS1 (KV_AVX512 ? 8 : 4)
 #endif
 #ifndef KV_I8P_ROWS2
-#define KV_I8P_ROWS2 (KV_AVX512 ? 6 : 2)
+#define KV_I8P_ROWS2 (KV_AVX512 ? 6 : 4)
 #endif
-template <int NG>
+#ifndef KV_I8P_ROWS2_Q8
+#define KV_I8P_ROWS2_Q8 (KV_AVX512 ? 6 : 2)
+#endif
+template <int NG, int QT>
 struct PackedTileRows {
-    static constexpr int value = NG == 1 ? KV_I8P_ROWS1 : KV_I8P_ROWS2;
+    static constexpr int value = NG == 1 ? KV_I8P_ROWS1 : QT == QT_Q8_0 ? KV_I8P_ROWS2_Q8 : KV_I8P_ROWS2;
 };
 
 template <int R, int NG, int QT>
@@ -242,7 +248,7 @@ static inline void packed_rest(const Q8Rows& x, int64_t rows, int64_t k, int64_t
 template <int NG, int QT>
 static void packed_rows(const Q8Rows& x, int64_t rows, int64_t k, int64_t nb, const uint8_t* pw, int64_t gstride,
                         float* y, int64_t ystride, int64_t last, const uint8_t* pf) {
-    constexpr int RT = PackedTileRows<NG>::value;
+    constexpr int RT = PackedTileRows<NG, QT>::value;
     int64_t r0 = 0;
     for (; r0 + RT <= rows; r0 += RT, pf = nullptr)
         packed_tile<RT, NG, QT>(i8_offset(x, r0, k, nb), k, nb, pw, gstride, y + r0 * ystride, ystride, last, pf);
