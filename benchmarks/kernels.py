@@ -263,6 +263,25 @@ def llama_cpp_ready() -> float:
 PEER_SHARED_REQUESTS = 2  # the peers run shared-prefix requests one at a time: 2 of 16, scaled to 16
 
 
+def _paired_ratios(samples: dict[str, dict[str, list[float]]], names: tuple[str, ...]) -> str:
+    """With `--before-src`: each variant's tok/s over its before's, round by round (the two ran back to back),
+    as median (min - max): on a shared machine whose speed swings between rounds, the per-runner medians can
+    disagree with the pairs."""
+    pairs = [(name, f"{name} (before)") for name in names if f"{name} (before)" in samples]
+    if not pairs:
+        return ""
+    rows = []
+    for after, before in pairs:
+        cells = []
+        for key in ("prefill512", "prefill2048"):
+            ratios = [a / b for a, b in zip(samples[after][key], samples[before][key], strict=True)]
+            cells.append(f"{statistics.median(ratios):.2f} ({min(ratios):.2f} - {max(ratios):.2f}), "
+                         f"{sum(r > 1 for r in ratios)} of {len(ratios)} faster")
+        rows.append([f"{after} / before", *cells])
+    return ("\n\nPaired, round by round (after / before tok/s: median (min - max), rounds where after was faster):"
+            "\n\n" + markdown_table(["", "prefill 512", "prefill 2048"], rows))
+
+
 def prefill_only(args: argparse.Namespace, workloads: dict) -> None:
     """Prefill 512 / 2,048 for kvserve (exact and int8) and transformers fp32 and bf16, `args.rounds` rounds
     interleaved runner by runner (medians), then the seed's example; to results/kernels_prefill.md."""
@@ -297,7 +316,7 @@ def prefill_only(args: argparse.Namespace, workloads: dict) -> None:
             runner.close()
     del runners
     seed = seed_example(VARIANTS["kvserve native Q4_1"], workloads, 3)
-    table = (markdown_table(header, rows)
+    table = (markdown_table(header, rows) + _paired_ratios(samples, names)
              + "\n\nThe seed's example, kvserve native Q4_1, one-token request wall seconds (medians of 3; target: "
              "cached ≤ 1.2 × fresh):\n\n"
              + markdown_table(["cold 2,000 tokens", "2,000 with 1,900 cached", "fresh 100 tokens", "cached / fresh"],
