@@ -54,11 +54,11 @@ def random_quant(out_features: int, in_features: int, qtype: int, rng: np.random
 def _tiles_only(native, x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     """The AVX2 wide GEMM with qgemm.h's tiles at every row count (its crossover to qgemm_wide.h out of reach):
     the kernel `wide qgemm` ran before qgemm_wide.h, beside it in the same rounds."""
-    default = native.set_wide_gemm_rows(1 << 40)
+    default = native.wide_gemm_rows(1 << 40)
     try:
         return native.qgemm(x, w.data, w.qtype, w.in_features)
     finally:
-        native.set_wide_gemm_rows(default)
+        native.wide_gemm_rows(default)
 
 
 def measure(kernels: Kernels, qtype: int, rows: int, rounds: int) -> dict[str, float]:
@@ -144,7 +144,7 @@ def main() -> None:
             print(table[-1], flush=True)
     header = ["weights", "rows", *[f"{name} ms" for name in names], "fastest"]
     tiles = (" On AVX2 `wide qgemm` runs csrc/qgemm_wide.h from "
-             f"{kernels.native.wide_gemm_rows} rows; `qgemm.h tiles` is the same call with qgemm.h's tiles at every "
+             f"{kernels.native.wide_gemm_rows()} rows; `qgemm.h tiles` is the same call with qgemm.h's tiles at every "
              "row count.") if kernels.isa == "avx2" else ""
     notes = (f"ms per layer of the default model's shapes, median of interleaved rounds; ISA {kernels.isa}, "
              f"{args.threads} thread(s). The dense column is not an option for a quantized file (it is the "

@@ -73,7 +73,7 @@ def test_wide_avx2_kernel_gives_a_row_the_same_bits_wherever_it_sits(kernels, qt
     weight = random_quant(45, 20 * 32, qtype, seed=qtype)  # 640 inputs: 3 KC slices; 45 outputs: a partial panel
     x = torch.randn(400, 640, generator=torch.Generator().manual_seed(qtype))  # 3 row blocks
     full = kernels.native.qgemm(x, weight.data, weight.qtype, weight.in_features)
-    for start, rows in ((0, kernels.native.wide_gemm_rows), (7, 53), (300, 100), (151, 145)):
+    for start, rows in ((0, kernels.native.wide_gemm_rows()), (7, 53), (300, 100), (151, 145)):
         part = kernels.native.qgemm(x[start:start + rows].contiguous(), weight.data, weight.qtype,
                                     weight.in_features)
         assert torch.equal(part, full[start:start + rows]), (start, rows)
@@ -93,19 +93,19 @@ def test_both_avx2_wide_kernels_agree_with_the_reference(kernels, rows, out_feat
     x = torch.randn(rows, blocks * 32, generator=torch.Generator().manual_seed(seed))
     expected = reference.qlinear(x, weight)
     bound = 4e-6 * (x.abs() @ reference.dequantize(weight).abs().t()) + 1e-6
-    default = kernels.native.wide_gemm_rows
+    default = kernels.native.wide_gemm_rows()
     try:
         for crossover in (1, 1 << 40):
-            kernels.native.set_wide_gemm_rows(crossover)
+            kernels.native.wide_gemm_rows(crossover)
             got = kernels.native.qgemm(x, weight.data, weight.qtype, weight.in_features)
             assert ((got - expected).abs() <= bound).all(), crossover
     finally:
-        kernels.native.set_wide_gemm_rows(default)
+        kernels.native.wide_gemm_rows(default)
 
 
 def test_wide_gemm_crossover_is_checked(kernels):
     with pytest.raises(ValueError, match="at least 1"):
-        kernels.native.set_wide_gemm_rows(0)
+        kernels.native.wide_gemm_rows(0)
 
 
 @pytest.mark.parametrize("rows", [ops.QGEMM_MIN_ROWS - 1, ops.QGEMM_MIN_ROWS, ops.QGEMM_MAX_ROWS,

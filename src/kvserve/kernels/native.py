@@ -15,13 +15,13 @@ import torch
 
 from kvserve.kernels.cascade_plan import CASCADE_FIELDS, CascadeTensors, check_cascade_plan
 from kvserve.kernels.i8pack import PACKED_BLOCK_BYTES, PackedI8Weight, packed_groups
+from kvserve.kernels.native_checks import check, check_pool, check_range, ok
 from kvserve.kernels.scratch import bind_scratch, scratch_call
 
 ISA_CODES = {"avx2": 1, "avx512": 2}
 FEATURE_BITS = {"avx2": 1, "avx512": 2, "avx512_vnni": 4, "avx512_bf16": 8, "amx_bf16": 16, "amx_int8": 32}
 AMX_ENV = "KVSERVE_AMX"  # "0": never use AMX tiles (the tests compare both paths in one process)
 ABI_VERSION = 4  # 4: the pool's element type on every pool call; 3: kv_pack_i8, the int8 path's packed weights
-KV_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # pool element types (csrc/simd.h KT, KVT_* codes)
 
 _P, _I, _F, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {
@@ -53,7 +53,7 @@ _AMX_SIGNATURE = ("kv_amx_enable", [ctypes.c_int])
 # the state, -1 where the CPU or the kernel cannot.
 _AMX_EXACT = "kv_amx_exact"
 # Optional too (older builds lack it): from how many rows the AVX2 build's exact wide GEMM runs
-# csrc/qgemm_wide.h instead of qgemm.h's tiles; rows >= 1 sets it; returns it.
+# csrc/qgemm_wide.h instead of qgemm.h's tiles; rows >= 1 sets it; returns the value before.
 _WIDE_ROWS = "kv_qgemm_wide_rows"
 
 
@@ -139,25 +139,17 @@ class NativeLibrary:
         switch = self._amx_switch(_AMX_EXACT, "amx_bf16")
         return switch is not None and switch(-1) > 0
 
-    @property
-    def wide_gemm_rows(self) -> int:
-        """From how many rows the AVX2 build's exact wide GEMM (`qgemm`) runs csrc/qgemm_wide.h -- the weights
-        as the vector side, 6 x 16 output tiles -- instead of qgemm.h's tiles (AVX-512 always runs qgemm.h's);
-        0 for a library without qgemm_wide.h."""
-        wide_rows = getattr(self.lib, _WIDE_ROWS, None)
-        return 0 if wide_rows is None else wide_rows(0)
-
-    def set_wide_gemm_rows(self, rows: int) -> int:
-        """Set that crossover, library-wide (benchmarks and tests compare both kernels in one process; a huge
-        value keeps qgemm.h's tiles at every row count); returns the previous value."""
-        if rows < 1:
+    def wide_gemm_rows(self, rows: int | None = None) -> int:
+        """From how many rows the AVX2 build's exact `qgemm` runs csrc/qgemm_wide.h (the weights as the vector
+        side) instead of qgemm.h's tiles (AVX-512 always runs qgemm.h's); `rows` sets it, library-wide (a huge
+        value keeps qgemm.h's tiles: benchmarks and tests compare both). Returns the value before the call, 0
+        for a library without qgemm_wide.h."""
+        if rows is not None and rows < 1:
             raise ValueError(f"rows must be at least 1, got {rows}")
-        wide_rows = getattr(self.lib, _WIDE_ROWS, None)
-        if wide_rows is None:
+        switch = getattr(self.lib, _WIDE_ROWS, None)
+        if switch is None and rows is not None:
             raise RuntimeError("this native library predates qgemm_wide.h (no kv_qgemm_wide_rows)")
-        previous = wide_rows(0)
-        wide_rows(rows)
-        return previous
+        return 0 if switch is None else switch(rows or 0)
 
     def set_amx(self, on: bool, every_type: bool = False) -> bool:
         """Use AMX tiles for the int8 path's matmuls of 16+ rows (csrc/qmatmul_amx.h; bit-identical to the
@@ -201,25 +193,25 @@ class NativeLibrary:
 
     def pack_i8(self, data: torch.Tensor, qtype: int, in_features: int) -> PackedI8Weight:
         """GGUF rows ``data [out, row_bytes]`` pre-arranged for the int8 kernels (kernels/i8pack.py)."""
-        _check(data, torch.uint8, "weight")
+        check(data, torch.uint8, "weight")
         if qtype not in PACKED_BLOCK_BYTES:
             raise ValueError(f"no packed int8 layout for quantization type id {qtype}")
         out_features = data.shape[0]
         packed = torch.empty(packed_groups(out_features), in_features // 32 * PACKED_BLOCK_BYTES[qtype],
                              dtype=torch.uint8)
-        _ok(self.lib.kv_pack_i8(self.code, qtype, data.data_ptr(), out_features, data.shape[1], in_features,
+        ok(self.lib.kv_pack_i8(self.code, qtype, data.data_ptr(), out_features, data.shape[1], in_features,
                                 packed.data_ptr()), "pack_i8")
         return PackedI8Weight(packed, qtype, in_features, out_features)
 
     def qmatmul_i8_packed(self, x: torch.Tensor, weight: PackedI8Weight) -> torch.Tensor:
         """`qmatmul_i8` on a packed weight (kernels/i8pack.py)."""
-        _check(x, torch.float32, "x")
-        _check(weight.data, torch.uint8, "weight")
+        check(x, torch.float32, "x")
+        check(weight.data, torch.uint8, "weight")
         rows, width = x.shape
         if width != weight.in_features:
             raise ValueError(f"x has {width} features, weight expects {weight.in_features}")
         out = torch.empty(rows, weight.out_features, dtype=torch.float32)
-        _ok(self.lib.kv_qmatmul_i8(
+        ok(self.lib.kv_qmatmul_i8(
             self.code, weight.code, x.data_ptr(), rows, width, weight.data.data_ptr(), weight.out_features,
             weight.group_bytes, out.data_ptr(), out.shape[1],
         ), "qmatmul_i8 (packed)")
@@ -228,13 +220,13 @@ class NativeLibrary:
     def _quant_matmul(
         self, entry: str, x: torch.Tensor, data: torch.Tensor, qtype: int, in_features: int
     ) -> torch.Tensor:
-        _check(x, torch.float32, "x")
-        _check(data, torch.uint8, "weight")
+        check(x, torch.float32, "x")
+        check(data, torch.uint8, "weight")
         rows, width = x.shape
         if width != in_features:
             raise ValueError(f"x has {width} features, weight expects {in_features}")
         out = torch.empty(rows, data.shape[0], dtype=torch.float32)
-        _ok(getattr(self.lib, entry)(
+        ok(getattr(self.lib, entry)(
             self.code, qtype, x.data_ptr(), rows, width, data.data_ptr(), data.shape[0], data.shape[1],
             out.data_ptr(), out.shape[1],
         ), entry.removeprefix("kv_"))
@@ -242,24 +234,24 @@ class NativeLibrary:
 
     def quantize_i8(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The activation quantization of `qmatmul_i8`: (int8 q [rows, k], d and s [rows, k/32])."""
-        _check(x, torch.float32, "x")
+        check(x, torch.float32, "x")
         rows, width = x.shape
         q = torch.empty(rows, width, dtype=torch.int8)
         d = torch.empty(rows, width // 32, dtype=torch.float32)
         s = torch.empty_like(d)
-        _ok(self.lib.kv_quantize_i8(self.code, x.data_ptr(), rows, width, q.data_ptr(), d.data_ptr(), s.data_ptr()),
+        ok(self.lib.kv_quantize_i8(self.code, x.data_ptr(), rows, width, q.data_ptr(), d.data_ptr(), s.data_ptr()),
             "quantize_i8")
         return q, d, s
 
     def dequantize(self, data: torch.Tensor, qtype: int, in_features: int, rows: torch.Tensor | None) -> torch.Tensor:
-        _check(data, torch.uint8, "weight")
+        check(data, torch.uint8, "weight")
         if rows is not None:
             rows = rows.reshape(-1).to(torch.int64).contiguous()
             if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= data.shape[0]):
                 raise ValueError(f"row ids out of range [0, {data.shape[0]})")
         count = data.shape[0] if rows is None else rows.numel()
         out = torch.empty(count, in_features, dtype=torch.float32)
-        _ok(self.lib.kv_dequantize(
+        ok(self.lib.kv_dequantize(
             self.code, qtype, data.data_ptr(), data.shape[1], in_features,
             None if rows is None else rows.data_ptr(), count, out.data_ptr(),
         ), "dequantize")
@@ -270,10 +262,10 @@ class NativeLibrary:
         block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
     ) -> torch.Tensor:
         """As `reference.paged_attention`; block_tables ``[T, max_blocks]`` or one shared ``[max_blocks]``."""
-        _check(queries, torch.float32, "queries")
-        kvt = _check_pool(key_blocks, value_blocks)
-        _check(block_tables, torch.int64, "block_tables")
-        _check(context_lens, torch.int64, "context_lens")
+        check(queries, torch.float32, "queries")
+        kvt = check_pool(key_blocks, value_blocks)
+        check(block_tables, torch.int64, "block_tables")
+        check(context_lens, torch.int64, "context_lens")
         num_rows, num_heads, head_dim = queries.shape
         num_blocks, block_size, num_kv_heads, _ = key_blocks.shape
         stride = 0 if block_tables.dim() == 1 else block_tables.shape[1]
@@ -283,7 +275,7 @@ class NativeLibrary:
         if num_rows and (int(context_lens.max()) > width * block_size or int(context_lens.min()) < 1):
             raise ValueError("a context length is < 1 or exceeds its block table")
         out = torch.empty_like(queries)
-        _ok(self.lib.kv_paged_attention(
+        ok(self.lib.kv_paged_attention(
             self.code, kvt, queries.data_ptr(), num_rows, num_heads, num_kv_heads, head_dim,
             key_blocks.data_ptr(), value_blocks.data_ptr(), block_size, block_tables.data_ptr(), stride,
             context_lens.data_ptr(), scale, out.data_ptr(),
@@ -295,16 +287,16 @@ class NativeLibrary:
         block_tables: torch.Tensor, context_lens: torch.Tensor, plan: CascadeTensors, scale: float,
     ) -> torch.Tensor:
         """As `reference.cascade_attention` (the plan's tensors checked against the rows and tables)."""
-        _check(queries, torch.float32, "queries")
-        kvt = _check_pool(key_blocks, value_blocks)
+        check(queries, torch.float32, "queries")
+        kvt = check_pool(key_blocks, value_blocks)
         for tensor, name in ((block_tables, "block_tables"), (context_lens, "context_lens"),
                              *((getattr(plan, n), n) for n in CASCADE_FIELDS)):
-            _check(tensor, torch.int64, name)
+            check(tensor, torch.int64, name)
         num_rows, num_heads, head_dim = queries.shape
         block_size, num_kv_heads = key_blocks.shape[1], key_blocks.shape[2]
         check_cascade_plan(plan, block_tables, context_lens, block_size, num_rows)
         out = torch.empty_like(queries)
-        _ok(self.lib.kv_cascade_attention(
+        ok(self.lib.kv_cascade_attention(
             self.code, kvt, queries.data_ptr(), num_rows, num_heads, num_kv_heads, head_dim, key_blocks.data_ptr(),
             value_blocks.data_ptr(), block_size, block_tables.data_ptr(), block_tables.shape[1],
             context_lens.data_ptr(), plan.group_shared_blocks.shape[0], plan.group_offsets.data_ptr(),
@@ -322,15 +314,15 @@ class NativeLibrary:
         ``context - tokens + i``; ``block_tables [S, max_blocks]``. Writes the spans' rows of `out`
         (``[T, heads, D]``, a new tensor when None; other rows untouched) and returns it. Equals
         `paged_attention` with one row per token over its span's table up to summation order."""
-        _check(queries, torch.float32, "queries")
-        kvt = _check_pool(key_blocks, value_blocks)
-        _check(spans, torch.int64, "spans")
-        _check(block_tables, torch.int64, "block_tables")
+        check(queries, torch.float32, "queries")
+        kvt = check_pool(key_blocks, value_blocks)
+        check(spans, torch.int64, "spans")
+        check(block_tables, torch.int64, "block_tables")
         num_rows, num_heads, head_dim = queries.shape
         block_size, num_kv_heads = key_blocks.shape[1], key_blocks.shape[2]
         if out is None:
             out = torch.empty_like(queries)
-        _check(out, torch.float32, "out")
+        check(out, torch.float32, "out")
         if out.shape != queries.shape:
             raise ValueError(f"out has shape {tuple(out.shape)}, queries {tuple(queries.shape)}")
         if (spans.dim() != 2 or spans.shape[1] != 3 or block_tables.dim() != 2
@@ -341,7 +333,7 @@ class NativeLibrary:
             if tokens < 1 or start < 0 or start + tokens > num_rows or not tokens <= context <= capacity:
                 raise ValueError("a span is empty, outside the query rows, or its context exceeds its block table")
         spans_t = spans.t().contiguous()  # [3, S]: starts, lengths, contexts
-        _ok(self.lib.kv_prefill_attention(
+        ok(self.lib.kv_prefill_attention(
             self.code, kvt, queries.data_ptr(), num_heads, num_kv_heads, head_dim, key_blocks.data_ptr(),
             value_blocks.data_ptr(), block_size, spans.shape[0], spans_t[0].data_ptr(), spans_t[1].data_ptr(),
             spans_t[2].data_ptr(), block_tables.data_ptr(), block_tables.shape[1], scale, out.data_ptr(),
@@ -352,13 +344,13 @@ class NativeLibrary:
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """As `reference.rms_norm`; with a residual the sum is written into a fresh copy of x."""
-        _check(x, torch.float32, "x")
-        _check(weight, torch.float32, "weight")
+        check(x, torch.float32, "x")
+        check(weight, torch.float32, "weight")
         if residual is not None:
-            _check(residual, torch.float32, "residual")
+            check(residual, torch.float32, "residual")
             x = x.clone()
         out = torch.empty_like(x)
-        _ok(self.lib.kv_rms_norm(
+        ok(self.lib.kv_rms_norm(
             self.code, x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
             x.shape[0], x.shape[1], eps, out.data_ptr(),
         ), "rms_norm")
@@ -370,20 +362,20 @@ class NativeLibrary:
     ) -> torch.Tensor:
         """As `reference.rope_kv_write`: rotated queries ``[T, heads, D]``; keys/values written to the pool."""
         for tensor, name in ((qkv, "qkv"), (cos, "cos"), (sin, "sin")):
-            _check(tensor, torch.float32, name)
-        kvt = _check_pool(key_blocks, value_blocks)
-        _check(positions, torch.int64, "positions")
-        _check(slots, torch.int64, "slots")
+            check(tensor, torch.float32, name)
+        kvt = check_pool(key_blocks, value_blocks)
+        check(positions, torch.int64, "positions")
+        check(slots, torch.int64, "slots")
         head_dim = cos.shape[1]
         rows = qkv.shape[0]
         if qkv.dim() != 2 or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim:
             raise ValueError(f"qkv {tuple(qkv.shape)} does not hold {num_heads}+2*{num_kv_heads} heads of {head_dim}")
         if key_blocks.shape[-2:] != (num_kv_heads, head_dim) or value_blocks.shape != key_blocks.shape:
             raise ValueError("key/value blocks do not match the number of KV heads and the head size")
-        _check_range(positions, rows, cos.shape[0], "positions")
-        _check_range(slots, rows, key_blocks.numel() // (num_kv_heads * head_dim), "slots")
+        check_range(positions, rows, cos.shape[0], "positions")
+        check_range(slots, rows, key_blocks.numel() // (num_kv_heads * head_dim), "slots")
         queries = torch.empty(rows, num_heads, head_dim, dtype=torch.float32)
-        _ok(self.lib.kv_rope_kv_write(
+        ok(self.lib.kv_rope_kv_write(
             self.code, kvt, qkv.data_ptr(), rows, num_heads, num_kv_heads, head_dim, positions.data_ptr(),
             cos.data_ptr(), sin.data_ptr(), queries.data_ptr(), key_blocks.data_ptr(), value_blocks.data_ptr(),
             slots.data_ptr(),
@@ -392,34 +384,9 @@ class NativeLibrary:
 
     def swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` for ``gate_up [T, 2 * I]`` -> ``[T, I]``."""
-        _check(gate_up, torch.float32, "gate_up")
+        check(gate_up, torch.float32, "gate_up")
         if gate_up.dim() != 2 or gate_up.shape[1] % 2:
             raise ValueError(f"gate_up must be [rows, 2 * intermediate], got {tuple(gate_up.shape)}")
         out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=torch.float32)
-        _ok(self.lib.kv_swiglu(self.code, gate_up.data_ptr(), gate_up.shape[0], out.shape[1], out.data_ptr()), "swiglu")
+        ok(self.lib.kv_swiglu(self.code, gate_up.data_ptr(), gate_up.shape[0], out.shape[1], out.data_ptr()), "swiglu")
         return out
-
-
-def _check_range(values: torch.Tensor, count: int, limit: int, name: str) -> None:
-    if values.shape != (count,):
-        raise ValueError(f"{name} must have shape ({count},), got {tuple(values.shape)}")
-    if count and (int(values.min()) < 0 or int(values.max()) >= limit):
-        raise ValueError(f"{name} out of range [0, {limit})")
-
-
-def _check_pool(key_blocks: torch.Tensor, value_blocks: torch.Tensor) -> int:
-    """The pool's element-type code (KV_DTYPE_CODES) once both halves are contiguous CPU tensors of it."""
-    for tensor, name in ((key_blocks, "key_blocks"), (value_blocks, "value_blocks")):
-        _check(tensor, key_blocks.dtype if key_blocks.dtype in KV_DTYPE_CODES else torch.float32, name)
-    return KV_DTYPE_CODES[key_blocks.dtype]
-
-
-def _check(tensor: torch.Tensor, dtype: torch.dtype, name: str) -> None:
-    if tensor.dtype != dtype or tensor.device.type != "cpu" or not tensor.is_contiguous():
-        raise ValueError(f"{name} must be a contiguous CPU {dtype} tensor, got {tensor.dtype} on {tensor.device}")
-
-
-def _ok(status: int, kernel: str) -> None:
-    if status != 0:
-        reasons = {-1: "unsupported quantization type", -2: "unsupported shape", -3: "unknown ISA", -4: "KV dtype"}
-        raise ValueError(f"native {kernel}: {reasons.get(status, f'error {status}')}")

@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from kvserve.kernels import reference
 from kvserve.kernels.cascade_plan import CascadeTensors, check_cascade_plan
 from kvserve.kernels.i8pack import PACKED_BLOCK_BYTES, PackedI8Weight
-from kvserve.kernels.native import KV_DTYPE_CODES, NativeLibrary, cpu_flags
+from kvserve.kernels.native import NativeLibrary, cpu_flags
+from kvserve.kernels.native_checks import KV_DTYPE_CODES
 from kvserve.kernels.quant import BLOCK_QTYPES, QuantWeight
 
 KERNEL_BACKENDS = ("native", "torch")

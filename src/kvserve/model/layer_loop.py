@@ -33,7 +33,7 @@ import torch
 from kvserve.kernels.cascade_plan import CASCADE_FIELDS, check_cascade_plan
 from kvserve.kernels.i8pack import PackedI8Weight
 from kvserve.kernels.malloc import mmap_threshold_pinned
-from kvserve.kernels.native import KV_DTYPE_CODES
+from kvserve.kernels.native_checks import KV_DTYPE_CODES
 from kvserve.kernels.ops import NATIVE_QMATMUL_MAX_ROWS, Kernels
 from kvserve.kernels.quant import BF16, QuantWeight
 from kvserve.kv.attention import AttentionMetadata, native_spans

@@ -178,10 +178,11 @@ int kv_amx_exact(int on) {
 }
 
 // The AVX2 exact wide GEMM's crossover to qgemm_wide.h: rows >= 1 sets it (a huge value keeps qgemm.h's tiles
-// at every row count), anything else leaves it; returns it.
+// at every row count), anything else leaves it; returns the value it had before.
 int64_t kv_qgemm_wide_rows(int64_t rows) {
+    const int64_t previous = g_wide_rows;
     if (rows >= 1) g_wide_rows = rows;
-    return g_wide_rows;
+    return previous;
 }
 
 #define KV_DISPATCH(call)                                  \
