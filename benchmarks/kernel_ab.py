@@ -9,7 +9,7 @@ Q4_1 blocks), the int8 path's packed matmul (`qmatmul_i8_packed`, the same layer
 rounds for each library, their ratio, and whether the outputs are bit-identical (they need not be: a
 change may reorder a sum; `tests/` hold each kernel to its torch twin).
 
-    python benchmarks/kernel_ab.py --before 82cdd2d                 # ~3 minutes on 2 cores
+    python benchmarks/kernel_ab.py --before 82cdd2d                 # ~1 minute on 2 cores
     python benchmarks/kernel_ab.py --before 82cdd2d --isa avx2      # the AVX2 path on an AVX-512 CPU
 """
 

@@ -67,7 +67,7 @@ def test_qgemm_across_superblocks(kernels, rows, blocks, out_features, qtype, se
 def test_wide_avx2_kernel_gives_a_row_the_same_bits_wherever_it_sits(kernels, qtype):
     """On AVX2 from 48 rows (qgemm_wide.h) each output sums its products in input order from zero, across
     KC slices and row blocks alike: a row's result does not depend on the call's row count or the row's place
-    (micro-tile, row block), so batching never changes a prefill's or a decode row's floats."""
+    (micro-tile, row block) among calls of 48 rows or more (below, qgemm.h's tiles depend on the row count)."""
     if kernels.native.isa != "avx2":
         pytest.skip("qgemm_wide.h is the AVX2 build's kernel; AVX-512 keeps qgemm.h's")
     weight = random_quant(45, 20 * 32, qtype, seed=qtype)  # 640 inputs: 3 KC slices; 45 outputs: a partial panel
