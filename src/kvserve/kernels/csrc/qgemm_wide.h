@@ -2,9 +2,10 @@
 // y = x @ W.T with the weights as the vector side, as BLIS's Haswell sgemm lays out its operands.
 //
 // qgemm.h's kernel broadcasts the weights and runs vectors along the activation rows, so every FMA pair
-// streams a fresh 64-byte slice of packed x from L2 (a panel's 6 weight rows stay in L1); with 2 cores
-// sharing an L3 with other tenants that stream left it at ~100-135 GFLOP/s of the 185 the FMA units do,
-// 10-25% behind torch's (MKL's) float32 GEMM on dequantized weights from 512 rows. Here a panel of 2W
+// streams a fresh 64-byte slice of packed x from L2 (a panel's 6 weight rows stay in L1); on a 2-core Zen 3
+// sharing its L3 with other tenants it ran at ~100-135 GFLOP/s of the 185 the FMA units do, 10-25% behind
+// torch's (MKL's) float32 GEMM on dequantized weights from 512 rows -- that stream the likely limit (no
+// hardware counters there to show it). Here a panel of 2W
 // output columns is dequantized (the same floats as dequantize()), transposed to [kc][2W] once per row
 // block, and held in L1; the micro-kernel broadcasts MR activations per input from the packed x (24 bytes
 // from L2 per 12 FMAs) and keeps an MR x 2W tile of y in registers, stored row by row with no horizontal
