@@ -34,6 +34,7 @@ from kvserve.kernels.native import NativeLibrary  # noqa: E402
 from qgemm import LAYER, random_quant  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
+LAYER_FLOPS_PER_ROW = 2 * sum(n * k for n, k in LAYER)
 
 
 def _qgemm_case(rows: int, rng: np.random.Generator) -> Callable[[NativeLibrary], list[torch.Tensor]]:
@@ -42,7 +43,8 @@ def _qgemm_case(rows: int, rng: np.random.Generator) -> Callable[[NativeLibrary]
     return lambda lib: [lib.qgemm(x, w.data, w.qtype, w.in_features) for x, w in zip(xs, weights, strict=True)]
 
 
-def _int8_case(rows: int, rng: np.random.Generator, packer: NativeLibrary):
+def _int8_case(rows: int, rng: np.random.Generator,
+               packer: NativeLibrary) -> Callable[[NativeLibrary], list[torch.Tensor]]:
     weights = [random_quant(n, k, 3, rng) for n, k in LAYER]
     packed = [packer.pack_i8(w.data, w.qtype, w.in_features) for w in weights]  # one layout, both libraries
     xs = [torch.randn(rows, k) for _, k in LAYER]
@@ -89,9 +91,9 @@ def main() -> None:
         now = NativeLibrary.load(build.build(), args.isa)
         libs = {"now": now, "before": before}
         rng = np.random.default_rng(0)
-        cases = ([("qgemm (exact, one layer)", f"{rows} rows", 2 * rows * sum(n * k for n, k in LAYER),
+        cases = ([("qgemm (exact, one layer)", f"{rows} rows", rows * LAYER_FLOPS_PER_ROW,
                    _qgemm_case(rows, rng)) for rows in map(int, args.gemm_rows.split(","))]
-                 + [("qmatmul_i8_packed (int8, one layer)", f"{rows} rows", 2 * rows * sum(n * k for n, k in LAYER),
+                 + [("qmatmul_i8_packed (int8, one layer)", f"{rows} rows", rows * LAYER_FLOPS_PER_ROW,
                      _int8_case(rows, rng, now)) for rows in map(int, args.int8_rows.split(","))]
                  + [("prefill_attention (one span)", f"{tokens} tokens", tokens * tokens // 2 * HEADS * HEAD_DIM * 4,
                      _attention_case(tokens)) for tokens in map(int, args.tokens.split(","))])

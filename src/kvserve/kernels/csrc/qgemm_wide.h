@@ -13,20 +13,11 @@
 // after the first KC slice: float32, exact to the dequantized weights up to summation order.
 
 #if !KV_AVX512
-#ifndef KV_WG_KC
-#define KV_WG_KC 256
-#endif
-#ifndef KV_WG_MB
-#define KV_WG_MB 144
-#endif
-#ifndef KV_WG_NG
-#define KV_WG_NG 2
-#endif
 constexpr int WG_MR = 6;             // activation rows per micro-tile: 6 x 2 accumulators + 2 weights + 1 broadcast
 constexpr int WG_NR = 2 * W;         // output columns per panel (16)
-constexpr int64_t WG_KC = KV_WG_KC;  // inputs per slice: the transposed panel is 256 x 16 floats, 16 KiB (L1)
-constexpr int64_t WG_MB = KV_WG_MB;  // rows per row block at most (whole micro-tiles): its x slice, 144 KiB, in L2
-constexpr int64_t WG_NG = KV_WG_NG;  // panels per task: one row block against 2 panels (32 columns)
+constexpr int64_t WG_KC = 256;  // inputs per slice: the transposed panel is 256 x 16 floats, 16 KiB (L1)
+constexpr int64_t WG_MB = 144;  // rows per row block at most (whole micro-tiles): its x slice, 144 KiB, in L2
+constexpr int64_t WG_NG = 2;    // panels per task: one row block against 2 panels (32 columns)
 
 // dst[i * ds + j] = src[j * ss + i] for an 8 x 8 block.
 static inline void wg_transpose8(const float* src, int64_t ss, float* dst, int64_t ds) {
