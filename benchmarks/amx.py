@@ -7,7 +7,7 @@ Kernels: GMAC/s of the packed int8 matmul on the default model's real tensors (i
 Q8_0 tied head) at 16-2,048 rows, tiles on for every type and off alternating in one process (best of N,
 wall clock, the threads torch uses). End to end: the default model with `--activation-quant int8`, tiles as
 the engine runs them (Q8_0 only) against none, alternating: prefill of 512 and 2,048 tokens, and
-benchmarks/kernels.py's batch-8 and batch-32 workloads (32 new tokens each, prefill included, in a fresh cache
+benchmarks/native_kernels.py's batch-8 and batch-32 workloads (32 new tokens each, prefill included, in a fresh cache
 namespace each round). --exact: the same with native weights and float32 activations (the default
 configuration), qgemm's tiles on against off, plus the shared-prefix workload (seconds).
 
@@ -30,8 +30,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import load_workloads, markdown_table, write_result  # noqa: E402
 from int8_packed import real_tensors  # noqa: E402
-from kernels import KvserveRunner, greedy  # noqa: E402
 from kvserve.kernels.ops import Kernels  # noqa: E402
+from native_kernels import KvserveRunner, greedy  # noqa: E402
 
 ROWS = (16, 32, 128, 512, 2048)
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import load_workloads, markdown_table, write_result  # noqa: E402
-from kernels import KvserveRunner  # noqa: E402
+from native_kernels import KvserveRunner  # noqa: E402
 
 CONFIGS = {  # name -> (LLM arguments, the fp32 configuration it is compared with)
     "dense fp32": ({"weights": "dense"}, "dense fp32"),

@@ -23,10 +23,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import best_cpu_ms, markdown_table, write_result  # noqa: E402
-from kernels import build_revision, load_average  # noqa: E402
 from kvserve.kernels import build  # noqa: E402
 from kvserve.kernels.native import NativeLibrary  # noqa: E402
 from kvserve.kv.cascade import plan_cascade  # noqa: E402
+from native_kernels import build_revision, load_average  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, LAYERS, BLOCK = 9, 3, 64, 30, 16
 SHARED_BLOCKS = 4  # --cascade rows: 64 shared leading tokens per group of 8

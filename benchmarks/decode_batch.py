@@ -16,7 +16,7 @@ prompts, 64-128 tokens) are generated a few tokens, one all-decode step is captu
 
 Times are CPU ms of the process with 1 thread (robust to a shared machine), the best of the replays; the
 engine parts the mean over a 16-token generate. `--before REV` builds the native kernels of git revision
-REV (benchmarks/kernels.py's `build_revision`) and times every part with both libraries, alternating.
+REV (benchmarks/native_kernels.py's `build_revision`) and times every part with both libraries, alternating.
 
     python benchmarks/decode_step.py --rows 8,32,64 --before main
 """
@@ -29,11 +29,11 @@ from pathlib import Path
 import torch
 
 from common import best_cpu_ms, load_workloads, markdown_table, write_result
-from kernels import build_revision, load_average
 from kvserve import LLM, SamplingParams
 from kvserve.engine import engine as engine_module
 from kvserve.kernels import ops
 from kvserve.kernels.native import NativeLibrary
+from native_kernels import build_revision, load_average
 
 MODES = {"exact": {}, "int8": {"activation_quant": "int8"}}
 PARTS = ("layer loop (C)", "matmuls", "attention", "loop rest", "lm head", "sampler", "engine rest", "step")
@@ -125,7 +125,7 @@ class BatchProbe:
                 (("lm head", spent["lm head"]), ("sampler", spent["sampler"]), ("engine rest", rest))}
 
     def generate_split(self, native: NativeLibrary, new: int) -> dict[str, float]:
-        """CPU seconds of a generate of the probe's prompts x `new` tokens (benchmarks/kernels.py's batch figure,
+        """CPU seconds of a generate of the probe's prompts x `new` tokens (benchmarks/native_kernels.py's batch figure,
         prefill included), split into engine steps that prefill something and all-decode steps."""
         self.use(native)
         model, kind, spent = self.model, ["decode"], {"prefill steps": 0.0, "decode steps": 0.0}
@@ -194,7 +194,7 @@ def run_batch(rows_list: list[int], before: str | None, before_min_rows: int, re
                 row = [mode, rows, name, *[parts[p] for p in PARTS], rows * 1e3 / parts["step"]]
                 table.append(row)
                 print(row, flush=True)
-            if rows == 32:  # the batch-32 figure of benchmarks/kernels.py --quick, prefill included
+            if rows == 32:  # the batch-32 figure of benchmarks/native_kernels.py --quick, prefill included
                 for name, (native, _) in resolved.items():
                     split = probe.generate_split(native, 32)
                     total = sum(split.values())
@@ -210,7 +210,7 @@ def run_batch(rows_list: list[int], before: str | None, before_min_rows: int, re
     header = ["activations", "rows", "kernels", *[f"{p} ms" for p in PARTS], "tok/s (1 thread)"]
     generate_header = ["activations", "kernels", "prefill steps s", "decode steps s", "total s", "tok/s (1 thread)",
                        "prefill share"]
-    notes.append("\nThe batch-32 figure of `benchmarks/kernels.py --quick` (32 prompts of 68-128 tokens, 32 new "
+    notes.append("\nThe batch-32 figure of `benchmarks/native_kernels.py --quick` (32 prompts of 68-128 tokens, 32 new "
                  "tokens each, prefill included), CPU seconds of one generate, 1 thread, split into engine steps that "
                  "prefill something and all-decode steps:\n\n" + markdown_table(generate_header, generate))
     write_result("decode_step_batch", "A batched decode step, taken apart (CPU ms, 1 thread)",

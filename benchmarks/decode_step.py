@@ -7,7 +7,7 @@ matmuls with one layer's weights repeated (cache-resident: what they cost with n
 head, and the rest of an engine step (scheduler, batch preparation, sampler, outputs, detokenize: a
 generate's time per token less the forward and the lm head). Times are CPU time of the process with one
 thread (robust to a shared, loaded machine, unlike wall time); the best of the replays. `--before REV`
-repeats every row with the native kernels built from git revision REV (benchmarks/kernels.py's
+repeats every row with the native kernels built from git revision REV (benchmarks/native_kernels.py's
 `build_revision`), in the same process, interleaved.
 
     python benchmarks/decode_step.py --before 5733328
@@ -45,13 +45,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import best_cpu_ms, markdown_table, write_result  # noqa: E402
-from kernels import build_revision, load_average  # noqa: E402
 from kvserve import LLM, SamplingParams  # noqa: E402
 from kvserve.engine.model_runner import ModelRunner  # noqa: E402
 from kvserve.engine.scheduler import ScheduledRequest  # noqa: E402
 from kvserve.kernels.native import NativeLibrary  # noqa: E402
 from kvserve.kv.pool import KVPool, KVPoolShape  # noqa: E402
 from kvserve.model import layer_loop  # noqa: E402
+from native_kernels import build_revision, load_average  # noqa: E402
 
 PROMPT = list(range(100, 228))
 MODES = {"exact": {}, "int8": {"activation_quant": "int8"}}

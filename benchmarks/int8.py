@@ -3,7 +3,7 @@ fp32 activations and with int8 activation blocks, beside llama.cpp (llama-cpp-py
 all in one run and interleaved figure by figure so every runner sees the same machine load.
 
 Figures: one-request decode tok/s (128-token prompt, time after the first token); batch 8 and 32
-(generated tokens / wall time, prefill included, as benchmarks/kernels.py counts them). Each figure is the
+(generated tokens / wall time, prefill included, as benchmarks/native_kernels.py counts them). Each figure is the
 best of `--repeats` runs, the steadiest statistic on a shared machine.
 
     python benchmarks/int8.py            # about 3 minutes on 2 busy cores
@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import load_workloads, markdown_table, write_result  # noqa: E402
-from kernels import KvserveRunner, LlamaCppRunner  # noqa: E402
+from native_kernels import KvserveRunner, LlamaCppRunner  # noqa: E402
 
 VARIANTS = {
     "kvserve Q4_1, fp32 activations": {"kernels": "native", "weights": "native"},

@@ -5,7 +5,7 @@ Q8_0 tied head) at several row counts, the GGUF-layout call and the packed one a
 best-of-N CPU time. End to end (1 thread, CPU time, best of `--repeats`, alternating): the same model with
 `--activation-quant int8`, its projections and head packed (the default on AVX-512) or left as GGUF
 blocks (packing disabled): single-request decode, prefill of 512 tokens, and the batch-32 workload of
-benchmarks/kernels.py (32 prompts of ~94 tokens, 32 new tokens each).
+benchmarks/native_kernels.py (32 prompts of ~94 tokens, 32 new tokens each).
 
     OMP_NUM_THREADS=1 python benchmarks/int8_packed.py            # ~4 minutes on a busy 2-core VM
     OMP_NUM_THREADS=1 python benchmarks/int8_packed.py --quick    # fewer rows and repeats
@@ -28,13 +28,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import best_cpu_ms, load_workloads, markdown_table, write_result  # noqa: E402
-from kernels import greedy  # noqa: E402
 from kvserve import LLM  # noqa: E402
 from kvserve.kernels import native as native_module  # noqa: E402
 from kvserve.kernels.build import FLAGS, compiler  # noqa: E402
 from kvserve.kernels.native import NativeLibrary, cpu_features  # noqa: E402
 from kvserve.kernels.ops import Kernels  # noqa: E402
 from kvserve.kernels.quant import QuantWeight  # noqa: E402
+from native_kernels import greedy  # noqa: E402
 
 SHAPES = {  # name -> GGUF tensor of layer 0 (or the head)
     "q / o 576x576": "blk.0.attn_q.weight",
@@ -125,7 +125,7 @@ class Engine:
                            activation_quant="int8")
         finally:
             Kernels.packs_int8 = original
-        if library is not None:  # the "before" build: swapped in everywhere (as benchmarks/kernels.py does)
+        if library is not None:  # the "before" build: swapped in everywhere (as benchmarks/native_kernels.py does)
             model = self.llm.engine.model
             native = load_before(library, model.kernels.native.isa)
             model.kernels.native = native

@@ -4,7 +4,7 @@ The library holds both (csrc/kernels.cpp compiles the kernel bodies once per ISA
 CPU has. On an Intel CPU the AVX-512 path is the faster one; on a Zen 4, whose AVX-512 units are 256 bits
 wide (a 512-bit instruction takes both halves), the answer was not measured before this script. Each
 runner is a whole `LLM` on the default model, native Q4_1 weights, exact (float32) and int8 activations,
-built with `KVSERVE_ISA` set to its path; every figure of benchmarks/kernels.py (single-request decode,
+built with `KVSERVE_ISA` set to its path; every figure of benchmarks/native_kernels.py (single-request decode,
 batch 8 / 32, prefill 512 / 2,048, 16 requests sharing a 1,900-token prefix) is measured runner after runner,
 figure by figure, `--rounds` times, so load on the shared machine hits all alike; medians.
 
@@ -22,8 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import load_workloads, markdown_table, write_result  # noqa: E402
-from kernels import VARIANTS, KvserveRunner, figures  # noqa: E402
 from kvserve.kernels.ops import ISA_ENV  # noqa: E402
+from native_kernels import VARIANTS, KvserveRunner, figures  # noqa: E402
 
 FIGURES = ("decode", "batch8", "batch32", "prefill512", "prefill2048", "shared")
 HEADER = ["runner", "decode tok/s", "batch 8 tok/s", "batch 32 tok/s", "prefill 512 tok/s", "prefill 2048 tok/s",

@@ -2,7 +2,7 @@
 
 Kernel changes on a shared 2-core VM are only visible side by side: its speed swings by 10-30% between
 minutes. This loads this checkout's library and `--before REV`'s (built from that revision's csrc/ with
-today's flags, as `kernels.py --before`), and times, in interleaved rounds (each library once per round),
+today's flags, as `native_kernels.py --before`), and times, in interleaved rounds (each library once per round),
 three kernels on the default model's shapes: the exact wide GEMM (`qgemm`: one layer's four matmuls, random
 Q4_1 blocks), the int8 path's packed matmul (`qmatmul_i8_packed`, the same layer), and prefill attention
 (`prefill_attention`: one causal span, 9 query heads over 3 KV heads of 64). Per figure: the median of the
@@ -28,9 +28,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import markdown_table, write_result  # noqa: E402
-from kernels import build_revision  # noqa: E402
 from kvserve.kernels import build  # noqa: E402
 from kvserve.kernels.native import NativeLibrary  # noqa: E402
+from native_kernels import build_revision  # noqa: E402
 from qgemm import LAYER, random_quant  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16

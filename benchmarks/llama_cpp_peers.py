@@ -1,7 +1,7 @@
 """kvserve beside llama.cpp's own batched paths: llama-batched-bench (batch 1 / 8 / 32) and llama-server
 (16 parallel slots, continuous batching, prompt cache) on the same Q4_1 GGUF.
 
-Why: benchmarks/kernels.py's llama.cpp peer is llama-cpp-python, whose API runs batch requests one at a
+Why: benchmarks/native_kernels.py's llama.cpp peer is llama-cpp-python, whose API runs batch requests one at a
 time, so the issue's "batch-32 ≥ llama.cpp's batched throughput" and "shared prefix ≥ 10× llama.cpp's
 server given all 16 at once" need llama.cpp's real batched code. benchmarks/llama_cpp_tools.py builds the
 tools (same llama.cpp version as the bindings) on first use.
@@ -9,7 +9,7 @@ tools (same llama.cpp version as the bindings) on first use.
 Figures (kvserve: native kernels on the GGUF's own Q4_1 weights, the default `LLM()` otherwise):
 - batched decode: kvserve gets the workload's batch prompts (64-128 tokens); llama-batched-bench gets
   prompts of their mean length (it takes one length). "generated / wall" = batch × new tokens / (prefill
-  + decode time), as kernels.py counts; "decode only" = llama.cpp's S_TG, and for kvserve batch ×
+  + decode time), as native_kernels.py counts; "decode only" = llama.cpp's S_TG, and for kvserve batch ×
   (new - 1) / (wall - the last first-token time).
 - shared prefix: 16 requests (1,900-token prefix + 100 distinct tokens each, 32 new tokens), all sent at
   once: kvserve's `LLM.generate` on the list; llama-server with 16 slots gets 16 concurrent /completion
@@ -53,10 +53,10 @@ def _ctx_per_slot(prefix: list[int], suffixes: list[list[int]], new: int) -> int
 
 
 class LlamaCppToolsRunner:
-    """llama.cpp through its own tools; the same methods as benchmarks/kernels.py's runners."""
+    """llama.cpp through its own tools; the same methods as benchmarks/native_kernels.py's runners."""
 
     name = "llama.cpp (batched-bench, server)"
-    all_at_once = True  # kernels.py sends it all 16 shared-prefix requests at once, as kvserve
+    all_at_once = True  # native_kernels.py sends it all 16 shared-prefix requests at once, as kvserve
 
     def __init__(self, threads: int | None = None, avx2: bool | None = None) -> None:
         """`avx2`: batched-bench's AVX2 build (llama_cpp_tools.AVX2_ARGS); None: as KVSERVE_ISA says."""

@@ -4,7 +4,7 @@ llama-cpp-python (the `bench` extra) runs batch requests one at a time, so llama
 (its batched decode, its server's continuous batching over parallel slots) were never measured against
 kvserve. This module builds those tools from the llama.cpp source that llama-cpp-python's sdist vendors
 (same version as the installed bindings, so the same llama.cpp), CPU only, native ISA, into the
-git-ignored cache benchmarks/.llama.cpp/, and wraps them for benchmarks/kernels.py and perplexity.py.
+git-ignored cache benchmarks/.llama.cpp/, and wraps them for benchmarks/native_kernels.py and perplexity.py.
 
     python benchmarks/llama_cpp_tools.py          # build (skipped if built), then llama-batched-bench 1/8/32
     python benchmarks/llama_cpp_tools.py --build  # only build
@@ -189,7 +189,7 @@ class BatchedBench:
 
     @property
     def generated_per_wall_s(self) -> float:
-        """Generated tokens / (prefill + decode) time: how kernels.py counts its batch figures."""
+        """Generated tokens / (prefill + decode) time: how native_kernels.py counts its batch figures."""
         return self.batch * self.generated / self.total_seconds
 
 

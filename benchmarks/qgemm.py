@@ -11,7 +11,7 @@ The crossovers `kernels/ops.py` dispatches on come from this table.
     python benchmarks/qgemm.py --threads 1     # the kernels alone, without the second core's noise
     python benchmarks/qgemm.py --end-to-end    # the default model: native Q4_1 vs dense fp32 weights
 
-`--end-to-end` runs the engine instead (benchmarks/kernels.py's runner): generated tokens / wall second
+`--end-to-end` runs the engine instead (benchmarks/native_kernels.py's runner): generated tokens / wall second
 for batches of 8, 32 and 64 greedy requests (the `batch` workloads; 64 = the 32 prompts twice) and prefill
 tok/s at 512 and 2,048 tokens, for `--weights native` (the GGUF's Q4_1/Q8_0 as stored, fp32 activations)
 and `--weights dense` (float32), interleaved; each figure the best of `--repeats`.
@@ -86,7 +86,7 @@ def measure(kernels: Kernels, qtype: int, rows: int, rounds: int) -> dict[str, f
 
 def end_to_end(new: int, repeats: int) -> None:
     from common import load_workloads
-    from kernels import KvserveRunner
+    from native_kernels import KvserveRunner
 
     workloads = load_workloads()
     prompts = workloads["batch"]["32"]["prompts"]

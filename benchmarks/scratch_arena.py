@@ -28,10 +28,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernels import build_revision  # noqa: E402
 from kvserve import LLM, SamplingParams  # noqa: E402
 from kvserve.kernels.native import NativeLibrary  # noqa: E402
 from kvserve.server.heap import fix_mmap_threshold  # noqa: E402
+from native_kernels import build_revision  # noqa: E402
 
 
 def greedy(n: int) -> SamplingParams:

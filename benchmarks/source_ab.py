@@ -1,10 +1,10 @@
 """Another checkout's kvserve in a child process, driven line by line: a paired before/after across source trees.
 
-`--before REV` (benchmarks/kernels.py, decode_step.py) swaps only the native library into this checkout's
+`--before REV` (benchmarks/native_kernels.py, decode_step.py) swaps only the native library into this checkout's
 Python; a change that moves work between the Python and C layer loops needs the whole "before" tree. A
 `SourceRunner` starts this file with ``PYTHONPATH=SRC`` (e.g. ``git archive REV src | tar -x -C /tmp/before``,
 then ``/tmp/before/src``), which loads one `LLM` and answers JSON requests on stdin: a prefill's tok/s (as
-kernels.py's `KvserveRunner.prefill`) or a generate's CPU seconds split into steps that prefill something and
+native_kernels.py's `KvserveRunner.prefill`) or a generate's CPU seconds split into steps that prefill something and
 all-decode steps (as decode_batch.py's `generate_split`). The parent interleaves it with its own runners.
 """
 
@@ -109,7 +109,7 @@ def prefill_cpu_ab(before_src: str, rounds: int) -> None:
     against this checkout (alternating, the best of `rounds`): a before/after the machine's load hardly moves."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from common import ROOT, load_workloads, markdown_table
-    from kernels import load_average
+    from native_kernels import load_average
 
     workloads = load_workloads()["prefill"]
     prompts = {"256": workloads["512"][:256], "512": workloads["512"], "2048": workloads["2048"]}
@@ -150,7 +150,7 @@ def split_ab(before_src: str, rounds: int) -> None:
     and decode steps, exact and int8, `before_src` against this checkout, alternating; the best of each."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from common import ROOT, load_workloads, markdown_table, write_result
-    from kernels import load_average
+    from native_kernels import load_average
 
     prompts = load_workloads()["batch"]["32"]["prompts"]
     modes = {"exact": {}, "int8": {"activation_quant": "int8"}}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import importlib.metadata
 import os
 from pathlib import Path
 
@@ -86,6 +87,16 @@ def test_no_import_cycle_inside_engine():
 def test_no_source_file_over_400_lines():
     sizes = {str(path.relative_to(SRC)): len(path.read_text().splitlines()) for path in SRC.rglob("*.py")}
     assert not {name: n for name, n in sizes.items() if n > MAX_FILE_LINES}
+
+
+def test_no_benchmark_script_shadows_an_installed_package():
+    """`python benchmarks/X.py` puts benchmarks/ first on sys.path, so a script named like an installed package
+    is what `import that_package` finds, for the script and every library it loads: benchmarks/kernels.py hid
+    HF's `kernels`, which transformers 5.25 imports, and every benchmark beside transformers failed to start."""
+    installed = set(importlib.metadata.packages_distributions())
+    scripts = {path.stem for path in (SRC.parent / "benchmarks").glob("*.py")}
+    assert "torch" in installed  # the listing sees this environment's packages
+    assert not scripts & installed
 
 
 # --- invariants on the live engine --------------------------------------------------------------------

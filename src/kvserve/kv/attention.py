@@ -5,7 +5,7 @@ With native kernels (a float32 or bf16 pool), everything reads K/V in place thro
 copy of the context): decodes one row each (or cascade groups, below), and every prefill chunk of the
 step -- fresh, or continuing after cached or earlier-chunked blocks -- in one call that tiles each
 chunk's queries against its keys (csrc/prefill.h: ~1.3x torch's flash attention per core, measured in
-benchmarks/kernels.py, and no gather). Otherwise (the torch path): decodes are batched into one padded
+benchmarks/native_kernels.py, and no gather). Otherwise (the torch path): decodes are batched into one padded
 call over gathered blocks, and prefill spans run one call each (they are few per step, and padding a
 2,048-token chunk to the width of 31 single-token decodes would cost far more than the loop); a fresh
 prefill uses torch's causal flash attention on the new keys directly. Either way, decodes that share

@@ -9,10 +9,10 @@ process; `kvserve generate ... --max-tokens 16` end to end. Then a per-step time
 decode step (matmuls, attention, norms, lm head, the rest) before (torch kernels, dense) and after
 (native kernels and weights), drawn to docs/kernels_step.png.
 
-    python benchmarks/kernels.py            # about 10 minutes on 2 busy cores
-    python benchmarks/kernels.py --quick    # smaller decode lengths
-    python benchmarks/kernels.py --decode-only 5 --before 0685dfc   # single-request decode only, 5 rounds
-    python benchmarks/kernels.py --prefill-only --rounds 2 --before-src /tmp/before/src  # prefill, paired
+    python benchmarks/native_kernels.py            # about 10 minutes on 2 busy cores
+    python benchmarks/native_kernels.py --quick    # smaller decode lengths
+    python benchmarks/native_kernels.py --decode-only 5 --before 0685dfc   # single-request decode only, 5 rounds
+    python benchmarks/native_kernels.py --prefill-only --rounds 2 --before-src /tmp/before/src  # prefill, paired
 
 `--decode-only ROUNDS` measures single-request decode alone: kvserve native Q4_1 with exact and int8
 activations, llama-cpp-python and llama-batched-bench, interleaved round by round (the machine's load hits
