@@ -10,6 +10,7 @@ lm head), the norms, and the KV cache attention reads at the benchmark's context
 llama.cpp float16).
 
     python benchmarks/membw.py
+    python benchmarks/membw.py --out membw_zen1   # another CPU's results beside the first
 """
 
 from __future__ import annotations
@@ -111,6 +112,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--passes", type=int, default=8)
     parser.add_argument("--context", type=int, default=144, help="decode context (the 128-token prompt + 16)")
+    parser.add_argument("--out", default="membw", metavar="NAME", help="results file benchmarks/results/NAME.md")
     args = parser.parse_args()
     parts = step_bytes(args.context)
     weights = sum(v for k, v in parts.items() if not k.startswith("KV"))
@@ -140,7 +142,7 @@ def main() -> None:
         + markdown_table(["bandwidth", "kvserve ms", "kvserve tok/s ceiling", "llama.cpp ms",
                           "llama.cpp tok/s ceiling"], floor_rows)
     )
-    write_result("membw", "Decode roofline: read bandwidth and bytes per decode step", table, "")
+    write_result(args.out, "Decode roofline: read bandwidth and bytes per decode step", table, "")
     print(table)
 
 
