@@ -61,8 +61,12 @@ class QuantWeight:
 
 
 def concat_rows(weights: list[QuantWeight]) -> QuantWeight | None:
-    """Stack matrices with the same format and width (fused q/k/v, gate/up); None if they differ."""
+    """Stack matrices with the same format and width (fused q/k/v, gate/up); None if they differ. One
+    contiguous matrix is returned as it is: o_proj and down_proj stay views of the file's mapping (shared with
+    the page cache and every process that maps the file) instead of private copies."""
     first = weights[0]
+    if len(weights) == 1 and first.data.is_contiguous():
+        return first
     if any(w.qtype != first.qtype or w.in_features != first.in_features for w in weights):
         return None
     return QuantWeight(torch.cat([w.data for w in weights], dim=0).contiguous(), first.qtype, first.in_features)
