@@ -19,18 +19,24 @@ ORDER = [
     "throughput", "memory_efficiency", "prefix_cache", "prefix_lookup", "parallel_memory",
     "server_load", "server_steps", "serve_sweep", "side_channel", "dashboard", "soak", "router", "router_2w",
     "router_2w_amx", "eviction", "structured",
-    "tiers", "kernels", "kernels_avx2", "kernels_zen4", "kernels_zen4_decode", "kernels_zen4_avx2_decode",
+    "tiers", "kernels", "kernels_avx2",
+    "kernels_zen1", "kernels_zen1_decode", "configs_zen1", "qgemm_zen1", "membw_zen1", "fp_rate_zen1",
+    "kernels_zen4", "kernels_zen4_decode", "kernels_zen4_avx2_decode",
     "kernels_zen4_avx2", "isa_pairing", "kernels_amx", "configs", "configs_amx", "amx", "amx_exact", "kernels_prefill",
     "kernels_amx_prefill",
     "membw",
     "kernels_decode", "decode_step",
     "decode_step_batch",
     "decode_attention", "decode_step_mixed_2t",
-    "decode_step_mixed_1t", "decode_step_mixed_1t_cached1024", "qgemm", "qgemm_avx2", "qgemm_zen4", "qgemm_end_to_end",
-    "llama_cpp_peers", "int8", "int8_packed", "perplexity", "kv_dtype", "step_profile", "shared_prefix", "vmm",
+    "decode_step_mixed_1t", "decode_step_mixed_1t_cached1024", "qgemm", "qgemm_avx2", "avx2_exact_gemm", "qgemm_zen4",
+    "qgemm_end_to_end",
+    "llama_cpp_peers", "int8", "int8_packed_avx2", "int8_packed", "perplexity", "kv_dtype", "step_profile",
+    "shared_prefix", "vmm",
     "disagg", "lora",
     "fairness", "scheduler_overhead", "step_rows_native",
 ]
+# Sections that are write-ups of several runs (their commands are inside): assembled, never run.
+WRITE_UPS = {"avx2_exact_gemm"}
 # Sections written by another script's mode: (script, its arguments).
 SCRIPTS = {
     "router_2w": ("router", ["--max-workers", "2", "--worker-counts", "2", "--workloads", "rag", "chat",
@@ -41,23 +47,32 @@ SCRIPTS = {
                                  "--out", "router_2w_amx"]),  # the same on the AMX Xeon
     "step_rows_native": ("step_rows", ["--weights", "native"]),
     "int8_packed": ("int8_packed", ["--before", "d7500bc"]),  # the int8 kernels before the packed layout
-    "kernels_decode": ("kernels", ["--decode-only", "5"]),
-    "kernels_avx2": ("kernels", ["--quick", "--skip-hf-bf16", "--out", "kernels_avx2"]),  # on an AVX2-only CPU
-    "kernels_zen4": ("kernels", ["--quick", "--out", "kernels_zen4"]),  # on a Zen 4: AVX-512 + BF16, no AMX
-    "kernels_zen4_decode": ("kernels", ["--decode-only", "5", "--out", "kernels_zen4"]),  # on a Zen 4
+    "int8_packed_avx2": ("int8_packed", ["--quick", "--out", "int8_packed_avx2"]),  # on an AVX2-only CPU
+    "kernels": ("native_kernels", []),
+    "kernels_decode": ("native_kernels", ["--decode-only", "5"]),
+    # on a Zen 1 (AVX2 on 128-bit units)
+    "kernels_zen1": ("native_kernels", ["--quick", "--skip-hf-bf16", "--out", "kernels_zen1"]),
+    "kernels_zen1_decode": ("native_kernels", ["--decode-only", "3", "--out", "kernels_zen1"]),
+    "configs_zen1": ("configs", ["--rounds", "2", "--out", "configs_zen1"]),
+    "qgemm_zen1": ("qgemm", ["--rows", "8,16,32,48,64,128,512", "--rounds", "3", "--out", "qgemm_zen1"]),
+    "membw_zen1": ("membw", ["--out", "membw_zen1"]),
+    "fp_rate_zen1": ("fp_rate", ["--out", "fp_rate_zen1"]),
+    "kernels_avx2": ("native_kernels", ["--quick", "--skip-hf-bf16", "--out", "kernels_avx2"]),  # on an AVX2-only CPU
+    "kernels_zen4": ("native_kernels", ["--quick", "--out", "kernels_zen4"]),  # on a Zen 4: AVX-512 + BF16, no AMX
+    "kernels_zen4_decode": ("native_kernels", ["--decode-only", "5", "--out", "kernels_zen4"]),  # on a Zen 4
     # on a Zen 4, kvserve and llama.cpp both on AVX2 (the peer built with KVSERVE_ISA=avx2 llama_cpp_tools.py --build)
-    "kernels_zen4_avx2_decode": ("kernels", ["--decode-only", "5", "--before", "08e9558",
+    "kernels_zen4_avx2_decode": ("native_kernels", ["--decode-only", "5", "--before", "08e9558",
                                              "--out", "kernels_zen4_avx2"]),
-    "kernels_zen4_avx2": ("kernels", ["--quick", "--out", "kernels_zen4_avx2"]),  # ENV: forced AVX2, both sides
-    "kernels_amx": ("kernels", ["--quick", "--out", "kernels_amx"]),  # on a CPU with AMX and native bf16
+    "kernels_zen4_avx2": ("native_kernels", ["--quick", "--out", "kernels_zen4_avx2"]),  # ENV: forced AVX2, both sides
+    "kernels_amx": ("native_kernels", ["--quick", "--out", "kernels_amx"]),  # on a CPU with AMX and native bf16
     "configs_amx": ("configs", ["--out", "configs_amx"]),  # on a CPU with AMX and native bf16
     "amx_exact": ("amx", ["--exact"]),  # on a CPU with AMX-BF16
-    "kernels_amx_prefill": ("kernels", ["--prefill-only", "--out", "kernels_amx"]),  # on a CPU with AMX
+    "kernels_amx_prefill": ("native_kernels", ["--prefill-only", "--out", "kernels_amx"]),  # on a CPU with AMX
     "qgemm_avx2": ("qgemm", ["--rows", "32,64,128,256,512,1024", "--rounds", "3", "--out", "qgemm_avx2"]),
     "qgemm_zen4": ("qgemm", ["--rows", "8,32,128,512,1024,2048", "--rounds", "3", "--out", "qgemm_zen4"]),
     "decode_step_batch": ("decode_step", ["--rows", "8,32,64"]),
     "decode_attention": ("decode_attention", ["--write"]),
-    "kernels_prefill": ("kernels", ["--prefill-only"]),
+    "kernels_prefill": ("native_kernels", ["--prefill-only"]),
     "decode_step_mixed_2t": ("decode_step", ["--mixed", "--reps", "9"]),
     "decode_step_mixed_1t": ("decode_step", ["--mixed", "--threads", "1", "--reps", "9"]),
     "decode_step_mixed_1t_cached1024": (
@@ -76,6 +91,8 @@ fma f16c avx2 avx512f avx512dq avx512bw avx512vl avx512_vnni -- no avx512_bf16, 
 picks float32 and the native kernels take their AVX-512 + VNNI path). Sections from another machine say so.
 Re-run everything with `python benchmarks/run_all.py` (or `make bench`); plots are redrawn from the
 result tables by `benchmarks/plot_results.py`.
+`benchmarks/native_kernels.py` was `benchmarks/kernels.py` until 2026-12-03 (renamed: that name hid Hugging Face's
+`kernels` package, which transformers 5.25 imports); the commands below use the new name.
 
 **Beside llama.cpp, plainly** (section "Native CPU kernels" below; same Q4_1 GGUF, Intel Xeon with
 AVX-512 VNNI, 2 threads, idle machine, 2026-12-01 07:25 UTC, every runner in one run): single-request
@@ -85,21 +102,27 @@ included); prefill 3x faster (882 vs 288 tok/s at 512 tokens; int8 1,859); sixte
 1,900-token prefix 23x sooner than llama-server with 16 slots (6.9 vs 157 s; int8 4.4 s). **Where
 llama.cpp is ahead**: it is ready 1.9 s sooner (`LLM()` 2.26 s vs 0.33 s for llama-cpp-python).
 
-**On an AVX2-only CPU** (section "Native CPU kernels ... (kernels_avx2)": AMD EPYC, AVX2/FMA, no AVX-512,
-no native bf16, 2 threads, idle, 2026-12-01 20:35 UTC, every runner in one run): single-request decode
-72 tok/s exact against **80 for llama-batched-bench: llama.cpp is 10% faster here** (67 for
-llama-cpp-python; int8 activations 65, slower than exact on this CPU: the AVX2 int8 kernel's Q8_0 dot, the
-tied head, runs 1.5x slower than the fp32 one); batch 8 / 32 74 / 83 tok/s against 40 / 50 (1.9x / 1.6x);
-prefill 2.8x / 2.2x llama.cpp at 512 / 2,048 tokens, but at 2,048 **0.9x transformers fp32**; the
-shared-prefix workload 16.2 s against 209 s for llama-server (12.9x). `LLM()` ready 3.3 s (torch's import
-alone takes 2.25 s on this CPU) against 0.47 s. `--dtype bfloat16` there now stores weights in bf16 and
-computes in fp32 (section "Every configuration"): dense bf16 decode 47 tok/s, 3x dense fp32, where torch's
-emulated bf16 ran 3.7. Since 2026-12-02 the AVX2 kernels are faster (section "... (kernels_zen4_avx2)": both
-engines forced to AVX2 code on a Zen 4, paired rounds): **int8 activations 1.70x (89.6 -> 152.4 tok/s;
-0.76x -> 1.30x llama.cpp's AVX2 build)**, exact 1.05x (0.99x -> 1.04x); not yet re-measured on an
-AVX2-only CPU. Every figure so paired (section "... (kernels_zen4_avx2)"): decode 1.04x / 1.29x llama.cpp
-exact / int8, batch 8 / 32 1.9x / 1.8x, prefill 2.0x; AVX2 int8 is still slower than exact for batches and
-prefill (0.8x).
+**On an AVX2-only CPU** (section "Native CPU kernels ... (kernels_avx2)": AMD EPYC Zen 3, AVX2/FMA, no
+AVX-512, no native bf16, 2 threads, idle, 2026-12-03, every runner in one run): single-request decode
+**121 tok/s exact and 151 int8 against 88 for llama-batched-bench (1.37x / 1.71x)** and 86 for
+llama-cpp-python; batch 8 / 32 exact 76 / 117, int8 120 / 200 tok/s against llama.cpp 56 / 56 and
+transformers fp32 37 / 68; prefill int8 917 / 644 tok/s at 512 / 2,048 (2.0x / 1.5x transformers fp32),
+but **exact prefill only 1.0x / 0.9x transformers fp32**; the shared-prefix workload 11.1 s exact / 8.9 s
+int8 against 162 s for llama-server (14.7x). `LLM()` ready 1.86 s against 0.37 s. Later that day (section
+"AVX2: the exact wide GEMM with the weights as the vector side ..."), three AVX2 kernels got faster without
+changing a float: the exact GEMM 1.09x / 1.22x at 512 / 2,048 rows, the int8 matmul 1.13-1.20x at 8-128 rows,
+prefill attention 1.10-1.15x (each paired against the previous library in one process); end to end exact
+prefill gained roughly 5-15% at 512 tokens and int8 batches 1.1-1.4x in paired runs, but **exact prefill is
+still only ~1.1x transformers fp32 and batch 32 int8 2.95x** (targets 1.5x, 3x). (On 2026-12-01, before
+the AVX2 kernel work, llama.cpp decoded 10% faster than kvserve exact there.) `--dtype bfloat16` there
+stores weights in bf16 and computes in fp32 (section "Every configuration"): dense bf16 decode 47 tok/s,
+3x dense fp32, where torch's emulated bf16 ran 3.7.
+**On a Zen 1** (AMD EPYC family 23 model 1: AVX2 executed as two 128-bit halves; sections "...
+(kernels_zen1)" and after,
+2026-12-03, idle, every runner in one run): **exact single-request decode is slower than llama.cpp there,
+0.68-0.77x** (53-62 tok/s against 69-90), bound by the CPU's vector issue rate (one 256-bit FMA and half a
+conversion per cycle, `benchmarks/fp_rate.py`), not memory; int8 1.36-1.45x llama.cpp; batch 8 / 32 exact
+1.7x / 2.0x llama.cpp, prefill 1.8-1.9x, the shared prefix 12.4x sooner than llama-server.
 **On a Zen 4** (AVX-512 with VNNI and BF16, no AMX: the machine of `benchmarks/data/PEERS.md`; sections
 "... (kernels_zen4)", 2026-12-02, idle): single-request decode in paired rounds **122.5 tok/s exact, 146.3
 int8, against 119.8 for llama-batched-bench (1.02x / 1.22x)**; three runs of the same command had kvserve
@@ -148,7 +171,7 @@ def main() -> None:
     parser.add_argument("--assemble", action="store_true", help="only rebuild BENCHMARKS.md")
     args = parser.parse_args()
     if not args.assemble:
-        for name in args.only or ORDER:
+        for name in [name for name in args.only or ORDER if name not in WRITE_UPS]:
             print(f"== {name}", flush=True)
             script, extra = SCRIPTS.get(name, (name, ["--write"] if name == "prefix_lookup" else []))
             env = {**os.environ, **ENV.get(name, {})}
