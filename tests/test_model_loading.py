@@ -351,9 +351,10 @@ def test_offline_start_imports_neither_jinja_nor_redis(smol_path):
 
 
 @pytest.mark.model
-def test_native_weights_that_need_no_fusing_stay_in_the_files_mapping(smol_path: Path) -> None:
-    """o_proj and down_proj are used as stored: views of the GGUF's mapping, not private copies (40 MiB less
-    RSS per process for the default model, and the pages are shared by every replica that maps the file)."""
+def test_native_weights_that_need_no_copy_stay_in_the_files_mapping(smol_path: Path) -> None:
+    """o_proj, down_proj and the fused gate_up are used as stored: views of the GGUF's mapping, not private
+    copies (~100 MiB less RSS per process for the default model, pages shared by every replica that maps the
+    file)."""
     from kvserve import LLM
     from kvserve.kernels.quant import QuantWeight
 
@@ -373,4 +374,26 @@ def test_native_weights_that_need_no_fusing_stay_in_the_files_mapping(smol_path:
 
     assert mapped, "the GGUF is not mapped"
     assert in_file(layer.o_proj) and in_file(layer.down_proj)
+    assert in_file(layer.gate_up_proj)  # gate and up are stored back to back: one view spans them
     assert not in_file(layer.qkv_proj)  # fused (and q, k un-permuted): a copy, as expected
+
+
+def test_concat_rows_spans_back_to_back_slices_and_copies_the_rest() -> None:
+    from kvserve.kernels.quant import QuantWeight, concat_rows
+
+    row = 40  # a Q4_1 row of 64 weights: two 20-byte blocks
+    storage = torch.randint(0, 256, (10 * row,), dtype=torch.uint8)
+
+    def rows(start: int, end: int) -> QuantWeight:
+        return QuantWeight(storage[start * row : end * row].view(-1, row), 3, 64)
+
+    a, b, c = rows(0, 2), rows(2, 5), rows(6, 8)
+    fused = concat_rows([a, b])
+    assert fused is not None and fused.data.data_ptr() == a.data.data_ptr()  # a view: no copy
+    assert torch.equal(fused.data, torch.cat([a.data, b.data]))
+    for parts in ([a, c], [b, a]):  # not back to back: a copy with the same rows
+        copied = concat_rows(parts)
+        assert copied is not None and copied.data.data_ptr() != parts[0].data.data_ptr()
+        assert torch.equal(copied.data, torch.cat([part.data for part in parts]))
+    q8 = QuantWeight(torch.zeros(2, 68, dtype=torch.uint8), 8, 64)
+    assert concat_rows([a, q8]) is None  # formats differ

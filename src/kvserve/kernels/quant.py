@@ -12,6 +12,7 @@ CPU without native bf16 arithmetic runs ``--dtype bfloat16``: bf16 in memory, fp
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -69,7 +70,24 @@ def concat_rows(weights: list[QuantWeight]) -> QuantWeight | None:
         return first
     if any(w.qtype != first.qtype or w.in_features != first.in_features for w in weights):
         return None
+    if _back_to_back(weights):  # gate and up, stored adjacent in the file: one view spans them
+        rows = sum(w.data.shape[0] for w in weights)
+        return QuantWeight(first.data.as_strided((rows, first.data.shape[1]), first.data.stride()), first.qtype,
+                           first.in_features)
     return QuantWeight(torch.cat([w.data for w in weights], dim=0).contiguous(), first.qtype, first.in_features)
+
+
+def _back_to_back(weights: list[QuantWeight]) -> bool:
+    """Whether the matrices are contiguous slices of one storage, each starting where the previous ends."""
+    storage = weights[0].data.untyped_storage().data_ptr()
+    for previous, current in itertools.pairwise(weights):
+        if not (previous.data.is_contiguous() and current.data.is_contiguous()):
+            return False
+        if current.data.untyped_storage().data_ptr() != storage:
+            return False
+        if current.data.storage_offset() != previous.data.storage_offset() + previous.data.numel():
+            return False
+    return weights[-1].data.is_contiguous()
 
 
 def bf16_weight(dense: torch.Tensor) -> QuantWeight:

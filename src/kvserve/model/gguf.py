@@ -194,12 +194,17 @@ def dequantize_tensor(tensor: gguf.ReaderTensor) -> torch.Tensor:
     return torch.from_numpy(array)
 
 
-def stored_tensor(tensor: gguf.ReaderTensor) -> QuantWeight | None:
+def stored_tensor(tensor: gguf.ReaderTensor, file_bytes: torch.Tensor | None = None) -> QuantWeight | None:
     """A 2-D tensor in a format the native kernels run, as its blocks (a view of a copy-on-write mapping,
-    else a copy); else None."""
+    else a copy); else None. With `file_bytes` (the whole mapping as one tensor) the view is a slice of it, so
+    tensors stored back to back share one storage and can be fused without a copy (`concat_rows`)."""
     qtype = int(tensor.tensor_type)
     if qtype not in BLOCK_QTYPES or len(tensor.shape) != 2:
         return None
+    if file_bytes is not None:
+        start = int(tensor.data_offset)
+        data = file_bytes[start : start + int(tensor.n_bytes)].view(tensor.data.shape)
+        return QuantWeight(data, qtype, int(tensor.shape[0]))
     writable = tensor.data.flags.writeable
     data = torch.from_numpy(tensor.data if writable else np.array(tensor.data, dtype=np.uint8, copy=True))
     return QuantWeight(data, qtype, int(tensor.shape[0]))
@@ -214,11 +219,13 @@ def load_gguf_weights(
     # lm_head is listed even when tied so a stray output.weight is shape-checked too.
     expected = expected_weight_shapes(config) | {"lm_head.weight": (config.vocab_size, config.hidden_size)}
     weights: dict[str, torch.Tensor | QuantWeight] = {}
+    # The fast reader's copy-on-write mapping as one tensor: every stored tensor a slice of it.
+    file_bytes = torch.frombuffer(reader.mapping, dtype=torch.uint8) if isinstance(reader, GGUFFile) else None
     for tensor in tqdm(reader.tensors, desc=f"Loading {path.name}", unit="tensor", disable=not progress):
         try:
             name = hf_name(tensor.name)
             _check_shape(tensor, expected[name])
-            weight = (stored_tensor(tensor) if quantized else None) or dequantize_tensor(tensor)
+            weight = (stored_tensor(tensor, file_bytes) if quantized else None) or dequantize_tensor(tensor)
         except Exception as err:  # noqa: BLE001 - unsupported quant types, corrupt data, unknown names
             raise ValueError(f"{path}: cannot load tensor {tensor.name!r}: {err}") from err
         heads = {"q_proj.weight": config.num_heads, "k_proj.weight": config.num_kv_heads}.get(name[-13:])
