@@ -80,14 +80,10 @@ def concat_rows(weights: list[QuantWeight]) -> QuantWeight | None:
 def _back_to_back(weights: list[QuantWeight]) -> bool:
     """Whether the matrices are contiguous slices of one storage, each starting where the previous ends."""
     storage = weights[0].data.untyped_storage().data_ptr()
-    for previous, current in itertools.pairwise(weights):
-        if not (previous.data.is_contiguous() and current.data.is_contiguous()):
-            return False
-        if current.data.untyped_storage().data_ptr() != storage:
-            return False
-        if current.data.storage_offset() != previous.data.storage_offset() + previous.data.numel():
-            return False
-    return weights[-1].data.is_contiguous()
+    return all(w.data.is_contiguous() and w.data.untyped_storage().data_ptr() == storage for w in weights) and all(
+        current.data.storage_offset() == previous.data.storage_offset() + previous.data.numel()
+        for previous, current in itertools.pairwise(weights)
+    )
 
 
 def bf16_weight(dense: torch.Tensor) -> QuantWeight:
