@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import datetime as _dt
 import json
 import os
@@ -130,3 +131,11 @@ def best_cpu_ms(fn, reps: int) -> float:
         fn()
         best = min(best, time.process_time() - start)
     return best * 1e3
+
+
+def compile_c_loop(source: str, workdir: Path, name: str, flags: tuple[str, ...] = ("-mavx2",)) -> ctypes.CDLL:
+    """A benchmark's small C++ loop (membw.py, fp_rate.py) built with g++ into workdir and loaded."""
+    path, library = workdir / f"{name}.cpp", workdir / f"{name}.so"
+    path.write_text(source)
+    subprocess.run(["g++", "-O2", *flags, "-fopenmp", "-fPIC", "-shared", "-o", str(library), str(path)], check=True)
+    return ctypes.CDLL(str(library))

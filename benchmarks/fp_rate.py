@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import markdown_table, write_result  # noqa: E402
+from common import compile_c_loop, markdown_table, write_result  # noqa: E402
 from membw import step_bytes  # noqa: E402
 
 LOOPS = r"""
@@ -102,11 +101,7 @@ Q4_CONVERSIONS_PER_BLOCK = 4  # csrc/simd.h q4_1_block: the 32 nibbles as 4 vect
 
 
 def build(workdir: Path) -> ctypes.CDLL:
-    source, library = workdir / "rates.cpp", workdir / "rates.so"
-    source.write_text(LOOPS)
-    subprocess.run(["g++", "-O2", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared", "-o", str(library),
-                    str(source)], check=True)
-    lib = ctypes.CDLL(str(library))
+    lib = compile_c_loop(LOOPS, workdir, "rates", ("-mavx2", "-mfma"))
     lib.op_rate.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int]
     lib.op_rate.restype = ctypes.c_double
     lib.clock_ghz.argtypes = [ctypes.c_int64]

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import subprocess
 import sys
 import tempfile
 import time
@@ -26,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import markdown_table, write_result  # noqa: E402
+from common import compile_c_loop, markdown_table, write_result  # noqa: E402
 from kvserve.model.registry import resolve_model  # noqa: E402
 
 MIB = 1 << 20
@@ -56,11 +55,7 @@ extern "C" uint64_t stream_read(const uint8_t* p, int64_t n, int threads) {
 
 
 def build_reader(workdir: Path) -> ctypes.CDLL:
-    source, library = workdir / "read.cpp", workdir / "read.so"
-    source.write_text(READ_LOOP)
-    subprocess.run(["g++", "-O2", "-mavx2", "-fopenmp", "-fPIC", "-shared", "-o", str(library), str(source)],
-                   check=True)
-    lib = ctypes.CDLL(str(library))
+    lib = compile_c_loop(READ_LOOP, workdir, "read")
     lib.stream_read.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
     lib.stream_read.restype = ctypes.c_uint64
     return lib

@@ -62,15 +62,14 @@ class QuantWeight:
 
 
 def concat_rows(weights: list[QuantWeight]) -> QuantWeight | None:
-    """Stack matrices with the same format and width (fused q/k/v, gate/up); None if they differ. One
-    contiguous matrix is returned as it is: o_proj and down_proj stay views of the file's mapping (shared with
-    the page cache and every process that maps the file) instead of private copies."""
+    """Stack matrices with the same format and width (fused q/k/v, gate/up); None if they differ. Matrices
+    stored back to back in one storage (a lone o_proj or down_proj, gate then up) become one view of it: they
+    stay in the file's mapping (shared with the page cache and every process that maps the file) instead of
+    private copies."""
     first = weights[0]
-    if len(weights) == 1 and first.data.is_contiguous():
-        return first
     if any(w.qtype != first.qtype or w.in_features != first.in_features for w in weights):
         return None
-    if _back_to_back(weights):  # gate and up, stored adjacent in the file: one view spans them
+    if _back_to_back(weights):
         rows = sum(w.data.shape[0] for w in weights)
         return QuantWeight(first.data.as_strided((rows, first.data.shape[1]), first.data.stride()), first.qtype,
                            first.in_features)
