@@ -21,6 +21,7 @@ ORDER = [
     "router_2w_amx", "eviction", "structured",
     "tiers", "kernels", "kernels_avx2",
     "kernels_zen1", "kernels_zen1_decode", "configs_zen1", "qgemm_zen1", "membw_zen1", "fp_rate_zen1",
+    "load_footprint_zen1",
     "kernels_zen4", "kernels_zen4_decode", "kernels_zen4_avx2_decode",
     "kernels_zen4_avx2", "isa_pairing", "kernels_amx", "configs", "configs_amx", "amx", "amx_exact", "kernels_prefill",
     "kernels_amx_prefill",
@@ -57,6 +58,7 @@ SCRIPTS = {
     "qgemm_zen1": ("qgemm", ["--rows", "8,16,32,48,64,128,512", "--rounds", "3", "--out", "qgemm_zen1"]),
     "membw_zen1": ("membw", ["--out", "membw_zen1"]),
     "fp_rate_zen1": ("fp_rate", ["--out", "fp_rate_zen1"]),
+    "load_footprint_zen1": ("load_footprint", ["--out", "load_footprint_zen1"]),
     "kernels_avx2": ("native_kernels", ["--quick", "--skip-hf-bf16", "--out", "kernels_avx2"]),  # on an AVX2-only CPU
     "kernels_zen4": ("native_kernels", ["--quick", "--out", "kernels_zen4"]),  # on a Zen 4: AVX-512 + BF16, no AMX
     "kernels_zen4_decode": ("native_kernels", ["--decode-only", "5", "--out", "kernels_zen4"]),  # on a Zen 4
