@@ -213,7 +213,8 @@ BAD_INPUTS = [
     ("/v1/completions", completion_body(cache_salt="x" * 129), 400, "cache_salt"),
     ("/v1/completions", completion_body(stop=[""]), 400, "stop"),
     ("/v1/completions", completion_body(stream="yes"), 400, "stream"),
-    ("/v1/completions", completion_body(prompt_logprobs=1), 400, "prompt_logprobs"),
+    ("/v1/completions", completion_body(prompt_logprobs=1, stream=True), 400, "prompt_logprobs"),
+    ("/v1/completions", completion_body(max_tokens=0), 400, "max_tokens"),
 ]
 
 

@@ -2,7 +2,7 @@
 applies vLLM's formulas (repetition through transformers' own `RepetitionPenaltyLogitsProcessor`).
 
 Also: logit_bias bans and forces tokens, min_tokens holds EOS and stop ids back, stop_reason names the
-stop string or id, include_stop_str_in_output keeps it, prompt_logprobs is refused by name.
+stop string or id, include_stop_str_in_output keeps it, out-of-range values are refused by name.
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def test_stop_reason_and_include_stop_str(chat_model_dir):  # noqa: F811
 
 
 @pytest.mark.parametrize("fields, name", [
-    (dict(prompt_logprobs=1), "prompt_logprobs"), (dict(repetition_penalty=0.0), "repetition_penalty"),
+    (dict(prompt_logprobs=21), "prompt_logprobs"), (dict(repetition_penalty=0.0), "repetition_penalty"),
     (dict(presence_penalty=3.0), "presence_penalty"), (dict(min_tokens=20, max_tokens=5), "min_tokens"),
     (dict(logit_bias={5: 500.0}), "logit_bias"),
 ])

@@ -170,12 +170,14 @@ class LLM:
         return self.engine.make_request(prompt, params, namespace=make_namespace(cache_salt), lora=lora)
 
     def _with_vllm_logprobs(self, output: RequestOutput) -> RequestOutput:
-        """Fill each completion's vLLM-shaped `logprobs` (decoded tokens included)."""
+        """Fill each completion's vLLM-shaped `logprobs`, and the prompt's (decoded tokens included)."""
         tokenizer = self.tokenizer
         decode = None if tokenizer is None else (lambda token: tokenizer.decode([token], False))
         for completion in output.outputs:
             if completion.token_logprobs is not None:
                 completion.logprobs = vllm_logprobs(completion.token_logprobs, decode)
+        if output.prompt_token_logprobs is not None:  # vLLM: None for the first prompt token
+            output.prompt_logprobs = [None, *vllm_logprobs(output.prompt_token_logprobs, decode)]
         return output
 
     def _run_to_completion(

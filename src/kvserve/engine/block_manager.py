@@ -58,7 +58,7 @@ class BlockManager:
 
     def match_prefix(self, request: Request) -> list[int]:
         """Cached blocks for the request's leading whole blocks, leaving >= 1 token to compute."""
-        num_usable_blocks = (request.num_tokens - 1) // self.block_size
+        num_usable_blocks = request.num_reusable_blocks(self.block_size)
         if num_usable_blocks == 0:
             return []
         num_usable_tokens = num_usable_blocks * self.block_size

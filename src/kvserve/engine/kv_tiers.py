@@ -93,7 +93,7 @@ class EngineTiers:
     def extend_match(self, request: Request, matched: list[int]) -> list[int] | None:
         """The device match extended by host blocks, or None when the request went to WAITING_FOR_KV.
         `request.block_hashes` covers its usable blocks (`match_prefix` computed them)."""
-        num_usable_blocks = (request.num_tokens - 1) // self.block_manager.block_size
+        num_usable_blocks = request.num_reusable_blocks(self.block_manager.block_size)
         hashes = request.block_hashes[len(matched) : num_usable_blocks]
         if not hashes:
             return matched

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvserve.engine.prompt_logprobs import PromptSpan, prompt_spans, score_prompt_spans
 from kvserve.engine.scheduler import ScheduledRequest
 from kvserve.kv.attention import AttentionMetadata, PrefillSpan
 from kvserve.kv.cascade import plan_cascade
@@ -23,6 +24,7 @@ class BatchInputs:
     sample_rows: torch.Tensor  # flat-batch row of the last token of each sequence that samples
     sampling: list[ScheduledRequest]  # the scheduled requests those rows belong to, same order
     lora: LoRABatch | None = None  # per-row adapter slots; None when no row uses an adapter
+    prompt_spans: list[PromptSpan] | None = None  # rows whose logits score prompt tokens (prompt_logprobs)
 
 
 class ModelRunner:
@@ -60,6 +62,8 @@ class ModelRunner:
     def _run_one(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, list[ScheduledRequest]]:
         batch = self.prepare(scheduled)
         hidden = self.model.forward(batch.input_ids, batch.positions, self.kv_pool, batch.meta, batch.lora)
+        if batch.prompt_spans:
+            score_prompt_spans(batch.prompt_spans, hidden, self.model.compute_logits)
         if not batch.sampling:
             return torch.empty(0), []
         return self.model.compute_logits(hidden[batch.sample_rows]), batch.sampling
@@ -72,10 +76,12 @@ class ModelRunner:
         positions: list[int] = []
         sample_rows: list[int] = []
         sampling: list[ScheduledRequest] = []
+        spans: list[PromptSpan] = []
         for item in decodes + prefills:
             request = item.request
             start = request.num_computed_tokens
             end = start + item.num_new_tokens
+            spans += prompt_spans(request, start, end, first_row=len(input_ids))
             input_ids.extend(request.all_token_ids[start:end])
             positions.extend(range(start, end))
             if end == request.num_tokens:
@@ -99,6 +105,7 @@ class ModelRunner:
             sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=self.device),
             sampling=sampling,
             lora=self._lora_batch(decodes + prefills),
+            prompt_spans=spans,
         )
 
     def _lora_batch(self, ordered: list[ScheduledRequest]) -> LoRABatch | None:

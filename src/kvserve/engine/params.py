@@ -43,7 +43,9 @@ class SamplingParams:
     `repetition_penalty` (prompt + output tokens) divides positive logits and multiplies negative ones;
     `frequency_penalty` x count and `presence_penalty` (output tokens) are subtracted;
     `structured_outputs` masks every token its grammar forbids (engine/structured.py).
-    `prompt_logprobs` is refused: kvserve computes no logits for prompt positions.
+    `prompt_logprobs` (0..20): the log-prob of every prompt token after the first given the tokens before it,
+    plus the top N alternatives (vLLM's meaning). Those positions need logits, so such a request reuses
+    no cached prefix: its whole prompt is computed (and cached for others).
     """
 
     max_tokens: int = 16
@@ -117,8 +119,7 @@ class SamplingParams:
                 raise ValueError(f"logit_bias: token ids must be >= 0 and biases in [-100, 100], "
                                  f"got {token}: {bias}")
         if self.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs is not supported: kvserve computes no logits for prompt "
-                             "positions")
+            check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
         if self.structured_outputs is not None:
             self.structured_outputs.validate()
 

@@ -160,7 +160,10 @@ class RequestOutput:
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
     outputs: list[CompletionOutput] | None = None  # None given: one completion from the top-level fields
-    prompt_logprobs: None = None  # vLLM's field; kvserve refuses prompt_logprobs
+    # params.prompt_logprobs: kvserve's records for prompt tokens 1.. (`prompt_token_logprobs`) and vLLM's
+    # shape (`prompt_logprobs`: None for the first token, then a dict per token; filled by LLM)
+    prompt_token_logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     error: str | None = None  # the request failed inside the engine: a generic message naming its id
 
     def __post_init__(self) -> None:
@@ -208,6 +211,7 @@ class Request:
     seed: int | None = None  # what `generator` was seeded with (a parallel group derives its members')
     beam_params: BeamSearchParams | None = None  # a beam-search request as submitted (params: per beam)
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None  # entry i: prompt token i + 1 (params.prompt_logprobs)
     output_text: str = ""
     num_sent_tokens: int = 0  # outputs already reported through deltas
     num_sent_chars: int = 0
@@ -227,6 +231,8 @@ class Request:
         self.group_id = self.group_id or self.request_id
         if self.params.logprobs is not None:
             self.logprobs = []
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = []
 
     @property
     def num_tokens(self) -> int:
@@ -235,6 +241,25 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    def num_reusable_blocks(self, block_size: int) -> int:
+        """Leading whole blocks whose KV may come from a cache: all but the last token's, and while prompt
+        log-probs are still owed only those before the first unscored position (its logits are needed)."""
+        usable = (self.num_tokens - 1) // block_size
+        if self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens - 1:
+            usable = min(usable, len(self.prompt_logprobs) // block_size)
+        return usable
+
+    def prompt_positions_to_score(self, start: int, end: int) -> range:
+        """Of the positions [start, end) computed now, those whose logits score a prompt token not yet
+        scored (position p scores prompt token p + 1); empty when no prompt log-probs are asked."""
+        if self.prompt_logprobs is None:
+            return range(0)
+        scored = len(self.prompt_logprobs)
+        if start > scored and scored < self.num_prompt_tokens - 1:
+            raise RuntimeError(f"request {self.request_id}: positions from {start} computed before prompt "
+                               f"position {scored} was scored")  # num_reusable_blocks prevents it
+        return range(max(start, scored), min(end, self.num_prompt_tokens - 1))
 
     @property
     def num_output_tokens(self) -> int:

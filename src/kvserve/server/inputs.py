@@ -121,6 +121,18 @@ def completion_prompt_ids(tokenizer: Any, prompt: Any, vocab_size: int) -> list[
     return [_prompt_ids(tokenizer, p, vocab_size) for p in prompts]
 
 
+def echo_texts(tokenizer: Any, prompt: Any, prompts_ids: list[list[int]]) -> list[str]:
+    """Each prompt's text as echo returns it: a string as sent, token ids decoded (special tokens kept)."""
+    sent = prompt if isinstance(prompt, list) and all(isinstance(p, str) for p in prompt) else None
+    if isinstance(prompt, str):
+        sent = [prompt]
+    if sent is not None:
+        return list(sent)
+    if tokenizer is None:
+        return ["".join(f"token_id:{token}" for token in ids) for ids in prompts_ids]
+    return [tokenizer.decode(ids, skip_special_tokens=False) for ids in prompts_ids]
+
+
 def _prompt_ids(tokenizer: Any, prompt: str | list[int], vocab_size: int) -> list[int]:
     if isinstance(prompt, str):
         if not prompt:
@@ -156,6 +168,7 @@ def beam_width_of(body: CompletionRequest) -> int:
 
 def check_group_options(body: SamplingFields) -> None:
     """n / best_of / beam-search combinations the engine cannot run; a 400 naming the field."""
+    _check_prompt_scoring(body)
     if isinstance(body, CompletionRequest) and body.use_beam_search:
         _check_beam_search(body)
         return
@@ -168,6 +181,28 @@ def check_group_options(body: SamplingFields) -> None:
     if body.stream and body.best_of is not None and body.best_of > body.n:
         raise bad_request("best_of > n cannot be streamed: which samples are returned is known only at the "
                           "end", "best_of")
+
+
+def _check_prompt_scoring(body: SamplingFields) -> None:
+    """echo, max_tokens 0 and prompt_logprobs: what they can be combined with."""
+    echo = isinstance(body, CompletionRequest) and body.echo
+    if body.max_tokens == 0 and not echo:
+        raise bad_request("max_tokens 0 needs echo=true (the prompt, scored, is then the whole answer)", "max_tokens")
+    for name, asked in (("echo", echo), ("prompt_logprobs", body.prompt_logprobs is not None)):
+        if asked and isinstance(body, CompletionRequest) and body.use_beam_search:
+            raise bad_request(f"{name} is not supported with use_beam_search", name)
+        if asked and body.stream:
+            raise bad_request(f"{name} is not supported with stream=true", name)
+
+
+def prompt_logprobs_of(body: SamplingFields) -> int | None:
+    """How many alternatives each prompt token's score carries (None: no scores): prompt_logprobs, else
+    logprobs when an echoed prompt comes back with log-probs (as vLLM)."""
+    if body.prompt_logprobs is not None:
+        return body.prompt_logprobs
+    if isinstance(body, CompletionRequest) and body.echo and body.logprobs is not None:
+        return body.logprobs
+    return None
 
 
 def _check_beam_search(body: CompletionRequest) -> None:
@@ -233,7 +268,7 @@ def engine_params(
                 early_stopping=body.early_stopping, num_return_sequences=body.n,
             )
         return SamplingParams(
-            max_tokens=max_tokens,
+            max_tokens=max(max_tokens, 1),  # 0 (echo): one token is generated and not returned
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p,
             top_k=-1 if body.top_k in (None, 0) else body.top_k,
@@ -247,6 +282,7 @@ def engine_params(
             stop_token_ids=list(body.stop_token_ids or []),
             include_stop_str_in_output=body.include_stop_str_in_output,
             skip_special_tokens=body.skip_special_tokens, structured_outputs=structured,
+            prompt_logprobs=prompt_logprobs_of(body),
         )
     except ValueError as err:
         raise from_engine_value_error(err) from err

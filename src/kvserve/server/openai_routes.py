@@ -82,6 +82,7 @@ async def chat_completions(request: Request, caller: Caller) -> Response:
     ctx = responses.ResponseContext.new(
         "chatcmpl", body.model, body.n, [len(prompt_ids)], state.token_texts
     )
+    ctx.prompt_logprobs = body.prompt_logprobs is not None
     namespace = _namespace(caller, body.cache_salt)
     group = await submit(state, ctx, [prompt_ids], params, namespace, "messages", lora)
     fmt = StreamFormat(
@@ -109,6 +110,10 @@ async def completions(request: Request, caller: Caller) -> Response:
     )
     params = inputs.engine_params(body, max_tokens, body.logprobs)
     ctx = responses.ResponseContext.new("cmpl", body.model, body.n, prompt_lens, state.token_texts)
+    ctx.prompt_logprobs = body.prompt_logprobs is not None
+    if body.echo:
+        ctx.echo_texts = await state.off_loop(inputs.echo_texts, state.engine.tokenizer, body.prompt, prompts)
+        ctx.echo_only = body.max_tokens == 0
     namespace = _namespace(caller, body.cache_salt)
     group = await submit(state, ctx, prompts, params, namespace, "prompt", lora)
     want_logprobs = body.logprobs is not None

@@ -105,6 +105,7 @@ class SamplingFields(StrictModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     user: str | None = None  # accepted: identifies the end user to OpenAI; kvserve keeps no record
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's: each prompt token's, top N
 
     refused: ClassVar[dict[str, request_fields.Refused]] = request_fields.COMMON
 
@@ -143,7 +144,9 @@ class ChatCompletionRequest(SamplingFields):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=0, le=MAX_TOKENS_LIMIT)  # 0: with echo, score the prompt only
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False  # the prompt comes back before the completion (with its log-probs when logprobs is set)
     use_beam_search: bool = False
     # Beam search (with use_beam_search): the n best of `beam_width` beams come back, best first.
     beam_width: int | None = Field(None, ge=1, le=MAX_N)  # default: n
@@ -167,6 +170,17 @@ class Usage(BaseModel):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's `Logprob` as its server writes prompt_logprobs (keyed by token id)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]  # per prompt token; None for the first
 
 
 class TopLogprob(BaseModel):
@@ -214,6 +228,7 @@ class ChatCompletion(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = Field(None, exclude_if=lambda value: value is None)  # vLLM's
 
 
 class ChatDelta(BaseModel):
@@ -239,8 +254,8 @@ class ChatCompletionChunk(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]  # None: an echoed prompt's first token (nothing before it)
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 
@@ -258,6 +273,7 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     kvserve: BeamInfo | None = Field(None, exclude_if=lambda value: value is None)  # beam search only
+    prompt_logprobs: PromptLogprobs | None = Field(None, exclude_if=lambda value: value is None)
 
 
 class Completion(BaseModel):

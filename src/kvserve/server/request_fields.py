@@ -29,7 +29,6 @@ COMMON: dict[str, Refused] = {
     "prompt_cache_key": Refused("kvserve's prefix cache needs no key; use cache_salt to isolate callers"),
     "safety_identifier": Refused("kvserve runs no abuse monitoring"),
     # vLLM extras
-    "prompt_logprobs": Refused("kvserve computes no logits for prompt positions"),
     "allowed_token_ids": Refused("use logit_bias or structured_outputs to restrict tokens"),
     "bad_words": Refused("use logit_bias to ban tokens"),
     "truncate_prompt_tokens": Refused("prompts are never truncated: a prompt that does not fit is a 400"),
@@ -70,7 +69,6 @@ CHAT: dict[str, Refused] = {
 COMPLETION: dict[str, Refused] = {
     **COMMON,
     "add_special_tokens": Refused("prompts are tokenized without added special tokens", (None, False)),
-    "echo": Refused("the prompt is not repeated in the completion", (None, False)),
     "suffix": Refused("kvserve has no fill-in-the-middle completion"),
 }
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from kvserve.engine.request import CompletionOutput, RequestOutput, TokenLogprob
+from kvserve.engine.request import CompletionOutput, RequestOutput, TokenLogprob, vllm_logprobs
 from kvserve.server.constraints import ToolChoice, parse_auto_tool_calls, tool_calls_from_text
 from kvserve.server.protocol import (
     AssistantMessage,
@@ -28,6 +28,8 @@ from kvserve.server.protocol import (
     Completion,
     CompletionChoice,
     CompletionLogprobs,
+    PromptLogprob,
+    PromptLogprobs,
     PromptTokensDetails,
     TokenLogprobOut,
     ToolCall,
@@ -62,6 +64,9 @@ class ResponseContext:
     prompt_lens: list[int]
     token_texts: TokenTexts
     created: int = field(default_factory=lambda: int(time.time()))
+    echo_texts: list[str] | None = None  # /v1/completions echo: each prompt's text, returned before its answer
+    echo_only: bool = False  # echo with max_tokens 0: the generated token is not returned
+    prompt_logprobs: bool = False  # vLLM's prompt_logprobs field goes into the response
 
     @classmethod
     def new(
@@ -104,7 +109,7 @@ def final_choices(ctx: ResponseContext, finals: dict[int, RequestOutput]) -> lis
 def usage_of(ctx: ResponseContext, latest: dict[int, RequestOutput]) -> Usage:
     """Prompt and cached tokens count once per prompt (not per choice: its choices share one prefill);
     completion tokens are summed over the returned choices."""
-    completion = sum(len(c.token_ids) for output in latest.values() for c in output.completions)
+    completion = 0 if ctx.echo_only else sum(len(c.token_ids) for output in latest.values() for c in output.completions)
     cached = sum(output.num_cached_tokens for output in latest.values())
     by_source: dict[str, int] = {}
     for output in latest.values():
@@ -155,8 +160,9 @@ def chat_completion(
             index=index, message=message, finish_reason=finish_reason,
             logprobs=chat_logprobs(c.token_logprobs or [], ctx.token_texts) if logprobs else None,
         ))
+    prompt_logprobs = prompt_logprobs_out(finals[0], ctx.token_texts) if ctx.prompt_logprobs and finals else None
     return ChatCompletion(id=ctx.id, created=ctx.created, model=ctx.model, choices=choices,
-                          usage=usage_of(ctx, finals))
+                          usage=usage_of(ctx, finals), prompt_logprobs=prompt_logprobs)
 
 
 def _assistant_message(c: CompletionOutput, tool_choice: ToolChoice | None) -> tuple[AssistantMessage, str | None]:
@@ -203,30 +209,60 @@ def chat_usage_chunk(ctx: ResponseContext, usage: Usage) -> BaseModel:
 
 
 def completion_logprobs(
-    entries: Sequence[TokenLogprob], texts: TokenTexts, offset: int = 0
+    entries: Sequence[TokenLogprob], texts: TokenTexts, offset: int = 0, first_token: int | None = None
 ) -> CompletionLogprobs:
-    tokens = [texts(e.token_id) for e in entries]
+    """OpenAI's text-completion log-probs; `first_token`: an echoed prompt's first token, which has no
+    log-prob (nothing comes before it: null, as OpenAI and vLLM write it)."""
+    tokens = ([] if first_token is None else [texts(first_token)]) + [texts(e.token_id) for e in entries]
     offsets = []
     for token in tokens:
         offsets.append(offset)
         offset += len(token)
+    head: list[None] = [] if first_token is None else [None]
     return CompletionLogprobs(
-        tokens=tokens, token_logprobs=[e.logprob for e in entries], text_offset=offsets,
-        top_logprobs=[{texts(t): lp for t, lp in e.top} for e in entries],
+        tokens=tokens, token_logprobs=head + [e.logprob for e in entries], text_offset=offsets,
+        top_logprobs=head + [{texts(t): lp for t, lp in e.top} for e in entries],
     )
 
 
 def text_completion(ctx: ResponseContext, finals: dict[int, RequestOutput], logprobs: bool) -> Completion:
-    choices = [
-        CompletionChoice(
+    choices = []
+    for index, c in final_choices(ctx, finals):
+        output = finals[index // ctx.n]
+        choice = CompletionChoice(
             index=index, text=c.text, finish_reason=c.finish_reason,
             logprobs=completion_logprobs(c.token_logprobs or [], ctx.token_texts) if logprobs else None,
             kvserve=_beam_info(c),
+            prompt_logprobs=prompt_logprobs_out(output, ctx.token_texts) if ctx.prompt_logprobs else None,
         )
-        for index, c in final_choices(ctx, finals)
-    ]
+        if ctx.echo_texts is not None:
+            _echo(ctx, choice, output, c, logprobs)
+        choices.append(choice)
     return Completion(id=ctx.id, created=ctx.created, model=ctx.model, choices=choices,
                       usage=usage_of(ctx, finals))
+
+
+def _echo(ctx: ResponseContext, choice: CompletionChoice, output: RequestOutput, c: CompletionOutput,
+          logprobs: bool) -> None:
+    """The prompt before the answer (the answer dropped for max_tokens 0), log-probs likewise."""
+    generated = [] if ctx.echo_only else (c.token_logprobs or [])
+    choice.text = ctx.echo_texts[choice.index // ctx.n] + ("" if ctx.echo_only else c.text)
+    if ctx.echo_only:
+        choice.finish_reason = "length"
+    if logprobs:
+        prompt = output.prompt_token_logprobs or []
+        choice.logprobs = completion_logprobs([*prompt, *generated], ctx.token_texts,
+                                              first_token=output.prompt_token_ids[0])
+
+
+def prompt_logprobs_out(output: RequestOutput, texts: TokenTexts) -> PromptLogprobs | None:
+    """vLLM's `prompt_logprobs` as its server writes them: None for the first token, then per token
+    a dict (token id -> logprob, rank, decoded_token) of the prompt token and the top N."""
+    if output.prompt_token_logprobs is None:
+        return None
+    entries = vllm_logprobs(output.prompt_token_logprobs, texts)
+    return [None, *({str(token): PromptLogprob(logprob=lp.logprob, rank=lp.rank, decoded_token=lp.decoded_token)
+                     for token, lp in entry.items()} for entry in entries)]
 
 
 def completion_chunk(

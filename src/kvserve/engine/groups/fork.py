@@ -26,5 +26,6 @@ def fork_sequence(parent: Request, child_id: str) -> Request:
     child.num_preemptions = parent.num_preemptions  # a resumed parent's child re-matches as "preempted"
     child.cumulative_logprob = parent.cumulative_logprob
     child.logprobs = None if parent.logprobs is None else list(parent.logprobs)
+    child.prompt_logprobs = None if parent.prompt_logprobs is None else list(parent.prompt_logprobs)
     child.grammar = None if parent.grammar is None else parent.grammar.fork(parent.output_token_ids)
     return child

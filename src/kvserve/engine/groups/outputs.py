@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvserve.engine.request import CompletionOutput, Request, RequestOutput
+from kvserve.engine.request import CompletionOutput, Request, RequestOutput, TokenLogprob
 
 
 def plain_output(request: Request) -> RequestOutput:
@@ -46,4 +46,14 @@ def _request_output(root: Request, completions: list[CompletionOutput], finished
         delta_text=first.delta_text,
         delta_token_ids=first.delta_token_ids,
         outputs=completions,
+        prompt_token_logprobs=_complete_prompt_logprobs(root),
     )
+
+
+def _complete_prompt_logprobs(root: Request) -> list[TokenLogprob] | None:
+    """The prompt's scores once every prompt token after the first is scored (they never change after:
+    the same list each time, not a copy), else None."""
+    records = root.prompt_logprobs
+    if records is None or len(records) < root.num_prompt_tokens - 1:
+        return None
+    return records
