@@ -71,6 +71,21 @@ def test_echo_puts_the_prompt_before_an_unchanged_answer(client):
     assert choice.logprobs.tokens[prompt_tokens:] == plain.logprobs.tokens
 
 
+@pytest.mark.parametrize("max_tokens", [0, 3])
+def test_echo_streams_what_it_answers_whole(client, max_tokens):
+    kwargs = dict(model=MODEL, prompt=["One two three", "Four five"], n=2, max_tokens=max_tokens, temperature=0,
+                  logprobs=1, echo=True, extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kwargs)
+    chunks = list(client.completions.create(stream=True, **kwargs))
+    for choice in whole.choices:
+        parts = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == choice.index]
+        assert "".join(p.text for p in parts) == choice.text
+        assert [t for p in parts if p.logprobs for t in p.logprobs.tokens] == choice.logprobs.tokens
+        scores = [v for p in parts if p.logprobs for v in p.logprobs.token_logprobs]
+        assert scores[0] is None and scores[1:] == pytest.approx(choice.logprobs.token_logprobs[1:], abs=1e-5)
+        assert parts[-1].finish_reason == choice.finish_reason == "length"
+
+
 def test_prompt_logprobs_in_vllms_shape_on_both_endpoints(served, hf):
     model, tokenizer = hf
     url = served[0].url
@@ -95,7 +110,6 @@ def test_prompt_logprobs_in_vllms_shape_on_both_endpoints(served, hf):
 
 @pytest.mark.parametrize("fields, param", [
     ({"max_tokens": 0}, "max_tokens"),
-    ({"echo": True, "stream": True}, "echo"),
     ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
     ({"prompt_logprobs": 21}, "prompt_logprobs"),
     ({"echo": True, "use_beam_search": True, "n": 2, "temperature": 0}, "echo"),

@@ -51,6 +51,8 @@ class StreamFormat:
     first_chunks: Callable[[ResponseContext], list[BaseModel]]
     chunk: Callable[[ResponseContext, int, CompletionOutput], BaseModel | None]  # (ctx, choice index, ...)
     usage_chunk: Callable[[ResponseContext, Usage], BaseModel] | None  # None: usage not requested
+    # before a choice's first chunk (completions' echo: the prompt and its log-probs), given its prompt's output
+    choice_opening: Callable[[ResponseContext, int, RequestOutput], BaseModel] | None = None
 
 
 async def submit(
@@ -140,6 +142,7 @@ async def sse_stream(
     """
     latest: dict[int, RequestOutput] = {}
     finished_choices: set[int] = set()
+    opened_choices: set[int] = set()
     try:
         for chunk in fmt.first_chunks(ctx):
             yield _event(chunk)
@@ -151,6 +154,9 @@ async def sse_stream(
                     continue
                 if completion.finish_reason is not None:
                     finished_choices.add(index)
+                if fmt.choice_opening is not None and index not in opened_choices:
+                    opened_choices.add(index)
+                    yield _event(fmt.choice_opening(ctx, index, output))
                 chunk = fmt.chunk(ctx, index, completion)
                 if chunk is not None:
                     yield _event(chunk)

@@ -191,8 +191,8 @@ def _check_prompt_scoring(body: SamplingFields) -> None:
     for name, asked in (("echo", echo), ("prompt_logprobs", body.prompt_logprobs is not None)):
         if asked and isinstance(body, CompletionRequest) and body.use_beam_search:
             raise bad_request(f"{name} is not supported with use_beam_search", name)
-        if asked and body.stream:
-            raise bad_request(f"{name} is not supported with stream=true", name)
+    if body.prompt_logprobs is not None and body.stream:  # as vLLM
+        raise bad_request("prompt_logprobs is not supported with stream=true", "prompt_logprobs")
 
 
 def prompt_logprobs_of(body: SamplingFields) -> int | None:

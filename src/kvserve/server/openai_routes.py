@@ -121,6 +121,7 @@ async def completions(request: Request, caller: Caller) -> Response:
         first_chunks=lambda _: [],
         chunk=partial(responses.completion_chunk, logprobs=want_logprobs),
         usage_chunk=responses.completion_usage_chunk if body.include_usage else None,
+        choice_opening=partial(responses.echo_chunk, logprobs=want_logprobs) if body.echo else None,
     )
     final = partial(responses.text_completion, ctx, logprobs=want_logprobs)
     return await _respond(request, state, group, ctx, fmt if body.stream else None, final, (prompts, namespace))

@@ -268,15 +268,26 @@ def prompt_logprobs_out(output: RequestOutput, texts: TokenTexts) -> PromptLogpr
 def completion_chunk(
     ctx: ResponseContext, index: int, completion: CompletionOutput, logprobs: bool
 ) -> BaseModel | None:
-    """As `chat_chunk`; a beam-search choice comes whole in one chunk (with its `kvserve` scores)."""
-    entries = delta_logprobs(completion) if logprobs else []
-    if not completion.delta_text and not entries and completion.finish_reason is None:
+    """As `chat_chunk`; a beam-search choice comes whole in one chunk (with its `kvserve` scores). With
+    echo and max_tokens 0 the generated token is not sent: only the end, as "length"."""
+    entries = delta_logprobs(completion) if logprobs and not ctx.echo_only else []
+    text = "" if ctx.echo_only else completion.delta_text
+    finish_reason = "length" if ctx.echo_only and completion.finish_reason else completion.finish_reason
+    if not text and not entries and finish_reason is None:
         return None
     choice = CompletionChoice(
-        index=index, text=completion.delta_text, finish_reason=completion.finish_reason,
+        index=index, text=text, finish_reason=finish_reason,
         logprobs=completion_logprobs(entries, ctx.token_texts) if logprobs else None,
         kvserve=_beam_info(completion),
     )
+    return Completion(id=ctx.id, created=ctx.created, model=ctx.model, choices=[choice])
+
+
+def echo_chunk(ctx: ResponseContext, index: int, output: RequestOutput, logprobs: bool) -> BaseModel:
+    """A streamed choice's first chunk under echo: its prompt's text (and the prompt tokens' log-probs)."""
+    scored = completion_logprobs(output.prompt_token_logprobs or [], ctx.token_texts,
+                                 first_token=output.prompt_token_ids[0]) if logprobs else None
+    choice = CompletionChoice(index=index, text=ctx.echo_texts[index // ctx.n], logprobs=scored)
     return Completion(id=ctx.id, created=ctx.created, model=ctx.model, choices=[choice])
 
 
