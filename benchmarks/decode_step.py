@@ -144,6 +144,9 @@ class _Request:  # the fields ModelRunner reads of a scheduled request
         self.all_token_ids, self.num_computed_tokens, self.num_tokens = ids, computed, len(ids)
         self.block_table, self.lora = table, None
 
+    def prompt_positions_to_score(self, start: int, end: int) -> range:
+        return range(0)  # no prompt log-probs asked
+
 
 def mixed_step(model, prefill: int, cached: int = 0, decodes: int = 16, context: int = 128, block_size: int = 16):
     """A ModelRunner and one step: `decodes` rows at `context` tokens (random KV) and a prefill chunk of

@@ -86,6 +86,12 @@ def quantized_tiny_llama(tiny_model_dir, kernels: Kernels) -> LlamaModel:
     return LlamaModel(config, weights, torch.float32, kernels=kernels)
 
 
+def stub_request(prompt: list[int], block_table: list[int]) -> SimpleNamespace:
+    """What ModelRunner reads of a Request, for a prompt that asks no prompt log-probs."""
+    return SimpleNamespace(all_token_ids=list(prompt), num_computed_tokens=0, num_tokens=len(prompt),
+                           block_table=block_table, lora=None, prompt_positions_to_score=lambda start, end: range(0))
+
+
 def run_steps(model: LlamaModel, prompts: list[list[int]], block_size: int, steps: int,
               pool_dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
     """Prompt i prefills in step i beside the decodes of prompts before it (mixed steps), then all decode
@@ -99,8 +105,7 @@ def run_steps(model: LlamaModel, prompts: list[list[int]], block_size: int, step
     for prompt in prompts:
         needed = -(-(len(prompt) + len(prompts) + steps) // block_size)
         table, blocks = blocks[:needed], blocks[needed:]
-        requests.append(SimpleNamespace(all_token_ids=list(prompt), num_computed_tokens=0, num_tokens=len(prompt),
-                                        block_table=table, lora=None))
+        requests.append(stub_request(prompt, table))
     schedule = [requests[: i + 1] for i in range(len(requests))] + [requests] * steps
     all_logits = []
     for step in schedule:
@@ -181,7 +186,7 @@ def test_layer_loop_rejects_bad_slots(kernels, tiny_model_dir):
     model = quantized_tiny_llama(tiny_model_dir, kernels)
     config = model.config
     pool = KVPool(KVPoolShape(config.num_layers, 4, 4, config.num_kv_heads, config.head_dim), torch.float32, "cpu")
-    request = SimpleNamespace(all_token_ids=[5, 6], num_computed_tokens=0, num_tokens=2, block_table=[9], lora=None)
+    request = stub_request([5, 6], [9])
     with pytest.raises((ValueError, IndexError)):  # block 9 of a 4-block pool
         ModelRunner(model, pool).run([ScheduledRequest(request, 2)])
 
