@@ -126,6 +126,32 @@ def test_named_tool_and_round_trip(client):
     assert reply.choices[0].message.content is not None and not reply.choices[0].message.tool_calls
 
 
+def streamed_calls(client, **fields) -> tuple[list[dict], str, str]:
+    """A streamed chat's tool-call deltas assembled as the openai client's users do: calls by index."""
+    calls: dict[int, dict] = {}
+    content, finish = "", None
+    for chunk in chat(client, stream=True, **fields):
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            finish = choice.finish_reason or finish
+            for delta in choice.delta.tool_calls or []:
+                call = calls.setdefault(delta.index, {"id": delta.id, "name": None, "arguments": ""})
+                call["name"] = delta.function.name or call["name"]
+                call["arguments"] += delta.function.arguments or ""
+    return [calls[i] for i in sorted(calls)], content, finish
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_streamed_tool_calls_equal_the_whole_answer(client, tool_choice):
+    fields = {"tools": [WEATHER, TIME], "tool_choice": tool_choice, "temperature": 1.0, "seed": 4}
+    whole = chat(client, **fields).choices[0]
+    calls, content, finish = streamed_calls(client, **fields)
+    assert finish == whole.finish_reason == "tool_calls" and content == ""
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [
+        (c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls]
+    assert all(c["id"].startswith("call_") for c in calls)
+
+
 def test_auto_tools_need_a_tools_template(client):
     with pytest.raises(openai.BadRequestError) as error:
         chat(client, tools=[WEATHER])

@@ -7,7 +7,7 @@ Each becomes one `StructuredOutputsParams` for the engine (engine/structured.py 
   `guided_regex`, `guided_choice`, `guided_grammar`) -> itself;
 - `tool_choice` "required" -> a JSON array of one or more calls `{"name", "arguments"}` of the given tools
   (one call when `parallel_tool_calls` is false); a named function -> that function's arguments object.
-  The output is returned as OpenAI `tool_calls`, `finish_reason` "tool_calls".
+  The output is returned as OpenAI `tool_calls`, `finish_reason` "tool_calls" (streamed: tool_stream.py).
 - `tools` with `tool_choice` "auto" (the default when tools are given) need a chat template that renders
   tools (else a 400 saying so); the tools are rendered into the prompt, generation is free, and calls
   written as Hermes-style `<tool_call>{json}</tool_call>` blocks or as one bare JSON object
@@ -155,6 +155,7 @@ def tool_calls_from_text(text: str, choice: ToolChoice) -> list[dict[str, Any]] 
     return [_openai_call(call) for call in calls]
 
 
+TOOL_CALL_OPEN = "<tool_call>"
 _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
@@ -176,9 +177,18 @@ def parse_auto_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]] |
     return content, [_openai_call(call) for call in calls]
 
 
+def without_tool_call_blocks(text: str) -> str:
+    """`text` less its `<tool_call>` blocks, stripped (the content beside auto tool calls)."""
+    return _TOOL_CALL.sub("", text).strip()
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
 def _openai_call(call: dict[str, Any]) -> dict[str, Any]:
     arguments = call["arguments"]
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+    return {"id": new_call_id(), "type": "function",
             "function": {"name": call["name"],
                          "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments)}}
 
@@ -223,8 +233,6 @@ def _from_tools(body: Any, template: str | None) -> StructuredOutputsParams | No
         return None
     if not tools:
         raise ConstraintError("tool_choice needs tools", "tool_choice")
-    if body.stream:
-        raise ConstraintError("streaming tool calls is not supported: send stream=false", "stream")
     if choice == "auto":
         if not template_supports_tools(template):
             raise ConstraintError("tools with tool_choice 'auto' need a chat template that renders tools, "

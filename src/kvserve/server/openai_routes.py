@@ -27,6 +27,7 @@ from kvserve.server.protocol import (
     ModelList,
 )
 from kvserve.server.state import CLIENT_CLOSED_REQUEST, Caller, ServerState, parse_body, server_state
+from kvserve.server.tool_stream import ToolCallStreams
 from kvserve.serving.async_engine import RequestGroup
 
 router = APIRouter()
@@ -85,13 +86,15 @@ async def chat_completions(request: Request, caller: Caller) -> Response:
     ctx.prompt_logprobs = body.prompt_logprobs is not None
     namespace = _namespace(caller, body.cache_salt)
     group = await submit(state, ctx, [prompt_ids], params, namespace, "messages", lora)
+    tool_choice = effective_tool_choice(body) if body.tools else None
+    calls_tools = tool_choice is not None and tool_choice != "none"
     fmt = StreamFormat(
         first_chunks=responses.chat_role_chunks,
-        chunk=partial(responses.chat_chunk, logprobs=body.logprobs),
+        chunk=(ToolCallStreams(tool_choice, body.logprobs).chunk if calls_tools
+               else partial(responses.chat_chunk, logprobs=body.logprobs)),
         usage_chunk=responses.chat_usage_chunk if body.include_usage else None,
     )
-    final = partial(responses.chat_completion, ctx, logprobs=body.logprobs,
-                    tool_choice=effective_tool_choice(body) if body.tools else None)
+    final = partial(responses.chat_completion, ctx, logprobs=body.logprobs, tool_choice=tool_choice)
     return await _respond(request, state, group, ctx, fmt if body.stream else None, final, ([prompt_ids], namespace))
 
 

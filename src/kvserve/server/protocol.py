@@ -231,9 +231,24 @@ class ChatCompletion(BaseModel):
     prompt_logprobs: PromptLogprobs | None = Field(None, exclude_if=lambda value: value is None)  # vLLM's
 
 
+class FunctionCallDelta(BaseModel):
+    name: str | None = Field(None, exclude_if=lambda value: value is None)  # in a call's first chunk
+    arguments: str = ""  # a fragment of the arguments' JSON text
+
+
+class ToolCallDelta(BaseModel):
+    """One streamed piece of a tool call (OpenAI's `ChoiceDeltaToolCall`): `id` and `type` open the call."""
+
+    index: int
+    id: str | None = Field(None, exclude_if=lambda value: value is None)
+    type: Literal["function"] | None = Field(None, exclude_if=lambda value: value is None)
+    function: FunctionCallDelta
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = Field(None, exclude_if=lambda value: value is None)
 
 
 class ChatChunkChoice(BaseModel):
