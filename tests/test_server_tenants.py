@@ -86,3 +86,17 @@ def test_metrics_and_reset_are_admin_only(tenant_server):
     assert "alice" not in metrics.text and "bob" not in metrics.text  # no per-tenant labels
     wait_until_drained(tenant_server.url, headers=ADMIN)
     assert httpx.post(f"{tenant_server.url}/reset_prefix_cache", headers=ADMIN).json() == {"success": True}
+
+
+def test_stored_responses_are_kept_per_tenant(tenant_server):
+    alice1, alice2, bob = (client_for(tenant_server, key) for key in ("sk-alice-1", "sk-alice-2", "sk-bob"))
+    first = alice1.responses.create(model=MODEL, input="Hello, remember me.", max_output_tokens=4, temperature=0.0)
+    assert alice2.responses.retrieve(first.id).output_text == first.output_text  # same tenant, other key
+    with pytest.raises(openai.NotFoundError):
+        bob.responses.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError):  # bob cannot continue (or read through) alice's conversation
+        bob.responses.create(model=MODEL, input="What did I say?", previous_response_id=first.id)
+    bob_key = {"Authorization": "Bearer sk-bob"}
+    assert httpx.delete(f"{tenant_server.url}/v1/responses/{first.id}", headers=bob_key).status_code == 404
+    second = alice2.responses.create(model=MODEL, input="Again?", previous_response_id=first.id, max_output_tokens=4)
+    assert second.usage.input_tokens_details.cached_tokens > 0  # alice's own prefix

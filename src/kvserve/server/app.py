@@ -38,6 +38,7 @@ from kvserve.server.limits import ServerLimits
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.options import DEFAULT_MAX_QUEUE, GRACEFUL_SHUTDOWN_S, ServerOptions
 from kvserve.server.responses import TokenTexts
+from kvserve.server.responses_api import routes as responses_routes
 from kvserve.server.roles import RoleInfo, remote_offload
 from kvserve.server.state import Caller, ReplicaInfo, ServerState
 from kvserve.server.stats_log import StatsLogger, periodic_stats
@@ -96,6 +97,7 @@ def build_app(
     app.include_router(admin_routes.router)
     app.include_router(extra_routes.router)
     app.include_router(lora_routes.router)
+    app.include_router(responses_routes.router)
     _add_cors(app, options.allowed_origins)
     install_dashboard(app, app.state.server, enabled=dashboard)
     if limits.docs and api_keys is not None:

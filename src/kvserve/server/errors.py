@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvserve.server.request_fields import CHAT, COMPLETION
+from kvserve.server.request_fields import CHAT, COMPLETION, RESPONSES
 
 logger = logging.getLogger(__name__)
 RETRY_AFTER_S = 1  # seconds, on every 429 / 503
@@ -155,7 +155,7 @@ def _describe(value: object) -> str:
 def unsupported_field_message(loc: list) -> str:
     """Why a field the request model lacks is refused (request_fields.py), or that it is unknown."""
     name = str(loc[-1])
-    refused = CHAT.get(name) or COMPLETION.get(name) if len(loc) == 1 else None
+    refused = CHAT.get(name) or COMPLETION.get(name) or RESPONSES.get(name) if len(loc) == 1 else None
     if refused is not None:
         return f"{name} is not supported: {refused.reason}"
     return f"{_format_loc(list(loc))} is not supported: unknown field"

@@ -73,7 +73,23 @@ class ChatMessage(StrictModel):
         return "".join(part.text for part in self.content)
 
 
-class SamplingFields(StrictModel):
+class RefusingModel(StrictModel):
+    """A request body with a table of refused fields (request_fields.py): at their neutral value they are
+    dropped before validation, any other value fails as an unknown field, a 400 saying why."""
+
+    refused: ClassVar[dict[str, request_fields.Refused]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_neutral_refused(cls, data: Any) -> Any:
+        """Refused fields at their neutral value mean nothing: drop them; others fail as unknown fields."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items()
+                    if not (k in cls.refused and request_fields.refused_value(cls.refused, k, v) is None)}
+        return data
+
+
+class SamplingFields(RefusingModel):
     """Fields shared by chat and text completions."""
 
     model: str
@@ -108,15 +124,6 @@ class SamplingFields(StrictModel):
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's: each prompt token's, top N
 
     refused: ClassVar[dict[str, request_fields.Refused]] = request_fields.COMMON
-
-    @model_validator(mode="before")
-    @classmethod
-    def _drop_neutral_refused(cls, data: Any) -> Any:
-        """Refused fields at their neutral value mean nothing: drop them; others fail as unknown fields."""
-        if isinstance(data, dict):
-            return {k: v for k, v in data.items()
-                    if not (k in cls.refused and request_fields.refused_value(cls.refused, k, v) is None)}
-        return data
 
     @property
     def include_usage(self) -> bool:

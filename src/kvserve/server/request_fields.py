@@ -73,6 +73,23 @@ COMPLETION: dict[str, Refused] = {
 }
 
 
+RESPONSES: dict[str, Refused] = {
+    "reasoning": _NO_REASONING,
+    "include": Refused("kvserve adds no optional output data (reasoning, log-probs, hosted tools' results)",
+                       (None, [])),
+    "background": Refused("kvserve runs every response in the foreground", (None, False)),
+    "truncation": Refused("kvserve never drops a conversation's items: input that does not fit is a 400",
+                          (None, "disabled")),
+    "conversation": Refused("kvserve continues conversations by previous_response_id"),
+    "prompt": Refused("kvserve has no stored prompt templates"),
+    "top_logprobs": Refused("kvserve returns no log-probs on /v1/responses", (None, 0)),
+    "max_tool_calls": Refused("kvserve returns every call the model makes"),
+    "service_tier": COMMON["service_tier"],
+    "prompt_cache_key": COMMON["prompt_cache_key"],
+    "safety_identifier": COMMON["safety_identifier"],
+}
+
+
 def refused_value(table: dict[str, Refused], name: str, value: Any) -> str | None:
     """The 400 message for `name=value`, or None when the field is absent from `table` or neutral."""
     refused = table.get(name)

@@ -27,6 +27,7 @@ from kvserve.server.errors import ApiError, from_validation_error
 from kvserve.server.limits import ServerLimits
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.responses import TokenTexts
+from kvserve.server.responses_api.store import ResponseStore
 from kvserve.server.roles import RoleInfo
 from kvserve.serving.async_engine import AsyncEngine
 
@@ -64,6 +65,7 @@ class ServerState:
     served_model_names: tuple[str, ...] = ()  # every name requests may use; model_name is the first
     replica: ReplicaInfo = field(default_factory=ReplicaInfo)  # for a router: `GET /load`
     lora_adapters: dict[str, LoRAAdapter] = field(default_factory=dict)  # served adapters by name (event loop)
+    response_store: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses (event loop)
 
     @property
     def model_names(self) -> tuple[str, ...]:
