@@ -30,6 +30,7 @@ ALICE = {"Authorization": "Bearer sk-alice"}
 BOB = {"Authorization": "Bearer sk-bob"}
 OPS = {"Authorization": "Bearer sk-ops"}
 GREEDY = {"temperature": 0, "ignore_eos": True}
+CHAT = "/v1/chat/completions"
 
 
 def worker_args(model_dir: Path, keys: Path) -> list[str]:
@@ -237,6 +238,36 @@ def test_kv_events_keep_an_exact_index_and_route_by_it(workers, chat_model_dir, 
         assert metric(thread.url, "kvserve_router_matched_tokens_total") == matched
         assert httpx.post(holder + "/reset_prefix_cache", headers=OPS).status_code == 200
         wait_for(lambda: policy.index.num_blocks(holder) == 0)
+
+
+def test_responses_continue_on_the_worker_that_holds_them(workers, chat_model_dir, keys):  # noqa: F811
+    """round_robin alternates workers, and a worker keeps its responses in memory: without the router's
+    affinity every continuation would land on the other worker and be a 404."""
+    processes, _ = workers
+    config = RouterConfig(workers=[w.url for w in processes], model=str(chat_model_dir), api_keys=str(keys),
+                          policy="round_robin", poll_interval=0.2)
+    body = {"model": MODEL, "max_output_tokens": 4, "temperature": 0}
+    with RouterThread(config) as thread:
+        previous = post(thread.url, "/v1/responses", {**body, "input": "Hello, router."})
+        history = [{"role": "user", "content": "Hello, router."}]
+        for turn, stream in enumerate([False, True, False]):
+            history += [{"role": "assistant", "content": previous["output"][0]["content"][0]["text"]},
+                        {"role": "user", "content": f"Turn {turn}?"}]
+            follow = {**body, "input": f"Turn {turn}?", "previous_response_id": previous["id"]}
+            if stream:
+                events = sse_events(thread.url, "/v1/responses", follow)
+                previous = json.loads(events[-1])["response"]
+            else:
+                previous = post(thread.url, "/v1/responses", follow)
+            assert previous["usage"]["input_tokens_details"]["cached_tokens"] > 0  # the same worker's cache
+            direct = post(thread.url, CHAT, {"model": MODEL, "messages": history, "max_tokens": 4, "temperature": 0})
+            assert previous["output"][0]["content"][0]["text"] == direct["choices"][0]["message"]["content"]
+        assert metric(thread.url, "kvserve_router_decisions_total", {"reason": "response_affinity"}) == 3
+        stored = httpx.get(f"{thread.url}/v1/responses/{previous['id']}", headers=ALICE, timeout=30)
+        assert stored.status_code == 200 and stored.json()["id"] == previous["id"]
+        assert httpx.get(f"{thread.url}/v1/responses/{previous['id']}", headers=BOB).status_code == 404
+        assert httpx.delete(f"{thread.url}/v1/responses/{previous['id']}", headers=ALICE).status_code == 200
+        assert httpx.get(f"{thread.url}/v1/responses/{previous['id']}", headers=ALICE).status_code == 404
 
 
 def _streams(policy):

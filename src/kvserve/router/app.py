@@ -1,6 +1,9 @@
 """The router's ASGI app: the worker's OpenAI API, proxied to the worker a policy picks.
 
     POST /v1/chat/completions, /v1/completions   keyed (tokens + tenant namespace), routed, proxied
+    POST /v1/responses                            the same; a continuation (previous_response_id) goes to the
+                                                  worker that holds that response (affinity.py)
+    GET, DELETE /v1/responses/{id}                to the worker holding it (else each worker in turn)
     GET  /v1/models                               proxied to any healthy worker
     GET  /health                                  200 while at least one worker is in the pool
     GET  /metrics                                 the router's own Prometheus metrics (with API keys:
@@ -23,8 +26,9 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from kvserve.router.affinity import ResponseAffinity
 from kvserve.router.handoff import FallbackLog, run_prefill
-from kvserve.router.keys import CHAT_PATH, COMPLETIONS_PATH, RequestKeyer, RouteKey
+from kvserve.router.keys import CHAT_PATH, COMPLETIONS_PATH, RESPONSES_PATH, RequestKeyer, RouteKey
 from kvserve.router.metrics import RouterMetrics
 from kvserve.router.policies.base import Decision, Policy
 from kvserve.router.policies.pd import FALLBACK_REASONS, PdPolicy
@@ -54,6 +58,7 @@ class Router:
     metrics: RouterMetrics
     max_attempts: int = 3
     metrics_keys: ApiKeys | None = None  # /metrics needs an admin key from these (None: open)
+    affinity: ResponseAffinity = field(default_factory=ResponseAffinity)
     fallbacks: FallbackLog = field(init=False)
 
     def __post_init__(self) -> None:
@@ -73,6 +78,10 @@ class Router:
             if isinstance(planned, Response):
                 return planned
             first = planned
+        elif path == RESPONSES_PATH and isinstance(parsed, dict):
+            first = self.affinity.worker(parsed.get("previous_response_id"), self.pool.healthy())
+            if first is not None:
+                self.metrics.decisions.labels(self.policy.name, "response_affinity").inc()
         tried: set[Worker] = set()
         errors: list[str] = []
         for attempt in range(self.max_attempts):
@@ -88,8 +97,9 @@ class Router:
                 worker, prefill = decision.worker, decision.uncached(key)
                 route = route_header(decision, key, candidates)
             tried.add(worker)
+            learn = (lambda answer, at=worker: self.affinity.learn(at, answer)) if path == RESPONSES_PATH else None
             upstream = Upstream(self.client, worker, path, body, forward_headers(request), self.metrics,
-                                prefill, route)
+                                prefill, route, learn)
             try:
                 response = await (upstream.stream(request) if streaming else upstream.unary(request))
             except WorkerFailed as err:
@@ -140,6 +150,27 @@ class Router:
             self.metrics.routing.observe(time.perf_counter() - started)
         return decision
 
+    async def stored_response(self, request: Request, response_id: str) -> Response:
+        """GET / DELETE /v1/responses/{id}: the worker that created it, else each healthy worker until one
+        has it (a 404 from every worker is the answer)."""
+        healthy = self.pool.healthy()
+        holder = self.affinity.worker(response_id, healthy)
+        answer: httpx.Response | None = None
+        for worker in ([holder] if holder is not None else []) + [w for w in healthy if w is not holder]:
+            try:
+                answer = await self.client.request(request.method, f"{worker.url}{RESPONSES_PATH}/{response_id}",
+                                                   headers=forward_headers(request))
+            except httpx.TransportError as err:
+                self.pool.mark_down(worker, str(err))
+                continue
+            if answer.status_code != 404:
+                if request.method == "DELETE" and answer.status_code == 200:
+                    self.affinity.forget(response_id)
+                break
+        if answer is None:
+            return error_response(503, "no worker is in the pool", "no_worker_available")
+        return Response(answer.content, status_code=answer.status_code, media_type=answer.headers.get("content-type"))
+
     async def models(self, request: Request) -> Response:
         for worker in self.pool.healthy():
             try:
@@ -179,6 +210,14 @@ def build_router_app(router: Router) -> FastAPI:
     @app.post(COMPLETIONS_PATH)
     async def completions(request: Request) -> Response:
         return await router.route(request, COMPLETIONS_PATH)
+
+    @app.post(RESPONSES_PATH)
+    async def responses(request: Request) -> Response:
+        return await router.route(request, RESPONSES_PATH)
+
+    @app.api_route(RESPONSES_PATH + "/{response_id}", methods=["GET", "DELETE"])
+    async def stored_response(request: Request, response_id: str) -> Response:
+        return await router.stored_response(request, response_id)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

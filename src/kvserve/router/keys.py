@@ -26,9 +26,12 @@ from kvserve.server.auth import SINGLE_TENANT, ApiKeys, Principal, cache_namespa
 from kvserve.server.errors import ApiError
 from kvserve.server.inputs import chat_prompt_ids
 from kvserve.server.protocol import ChatCompletionRequest, ChatMessage
+from kvserve.server.responses_api.convert import chat_request
+from kvserve.server.responses_api.protocol import ResponsesRequest
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
+RESPONSES_PATH = "/v1/responses"
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +93,8 @@ class RequestKeyer:
     def _tokens(self, path: str, body: dict) -> tuple[tuple[int, ...] | None, bool]:
         if path == CHAT_PATH:
             return self._chat_tokens(body)
+        if path == RESPONSES_PATH:
+            return self._responses_tokens(body)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch: route by its first prompt
@@ -116,6 +121,18 @@ class RequestKeyer:
                 return None, False
         text = "\x1e".join(f"{m.role}\x1f{m.text()}" for m in parsed)
         return tuple(ord(char) for char in text), False
+
+
+    def _responses_tokens(self, body: dict) -> tuple[tuple[int, ...] | None, bool]:
+        """A new response's prompt as the worker renders it (the chat request it amounts to). A continued
+        one is not keyed: its history lives on the worker that holds it (affinity.py sends it there)."""
+        if body.get("previous_response_id") is not None:
+            return None, False
+        try:
+            chat = chat_request(ResponsesRequest.model_validate(body), [], None)
+        except ValidationError:
+            return None, False
+        return self._chat_tokens(chat.model_dump(mode="json", by_alias=True, exclude_none=True))
 
 
 def load_tokenizer(model: str) -> Tokenizer | None:

@@ -68,6 +68,7 @@ class Upstream:
     metrics: RouterMetrics
     prefill_tokens: int = 0  # the policy's estimate of the prompt tokens the worker must compute
     route_header: str | None = None  # ROUTE_HEADER's value for our caller (None: not sent)
+    on_answer: Callable[[bytes], None] | None = None  # sees a 200 body, or a stream's first bytes
 
     _start: PrefillStart | None = field(default=None, init=False)  # our entry in worker.starts, while pending
     _open: bool = field(default=False, init=False)  # counted in worker.in_flight
@@ -110,6 +111,8 @@ class Upstream:
         self.metrics.first_byte.observe(time.perf_counter() - started)
         if answer.status_code == 503:
             raise WorkerFailed(f"worker answered 503: {answer.text[:200]}")
+        if answer.status_code == 200 and self.on_answer is not None:
+            self.on_answer(answer.content)
         return Response(answer.content, status_code=answer.status_code,
                         headers=_response_headers(answer) | self._own_headers())
 
@@ -133,6 +136,8 @@ class Upstream:
             chunks = answer.aiter_raw()
             first = await _unless_disconnected(request, anext(chunks, b""))
             self._prefilled(answered=True)
+            if self.on_answer is not None:
+                self.on_answer(first)
         except BaseException as err:
             self._end()
             if answer is not None:
