@@ -17,8 +17,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 ORDER = [
     "throughput", "memory_efficiency", "prefix_cache", "prefix_lookup", "parallel_memory",
-    "server_load", "server_steps", "serve_sweep", "side_channel", "dashboard", "soak", "router", "router_2w",
-    "router_2w_amx", "eviction", "structured",
+    "server_load", "server_steps", "serve_sweep", "side_channel", "dashboard", "soak", "soak_paced", "router",
+    "router_2w", "router_2w_amx", "router_2w_zen4", "eviction", "structured",
     "tiers", "kernels", "kernels_avx2",
     "kernels_zen1", "kernels_zen1_decode", "configs_zen1", "qgemm_zen1", "membw_zen1", "fp_rate_zen1",
     "load_footprint_zen1",
@@ -46,6 +46,10 @@ SCRIPTS = {
     "router_2w_amx": ("router", ["--max-workers", "2", "--worker-counts", "2", "--workloads", "rag", "chat",
                                  "--no-single", "--policies", "round_robin", "cache_aware", "kv_events",
                                  "--out", "router_2w_amx"]),  # the same on the AMX Xeon
+    "router_2w_zen4": ("router", ["--max-workers", "2", "--worker-counts", "2", "--workloads", "rag", "chat",
+                                  "--no-single", "--policies", "round_robin", "cache_aware", "kv_events",
+                                  "--out", "router_2w_zen4"]),  # the same on a Zen 4
+    "soak_paced": ("soak", ["--think", "5", "--out", "soak_paced"]),  # the soak at a person's pace
     "step_rows_native": ("step_rows", ["--weights", "native"]),
     "int8_packed": ("int8_packed", ["--before", "d7500bc"]),  # the int8 kernels before the packed layout
     "int8_packed_avx2": ("int8_packed", ["--quick", "--out", "int8_packed_avx2"]),  # on an AVX2-only CPU

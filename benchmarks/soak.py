@@ -181,6 +181,8 @@ def main() -> int:
     parser.add_argument("--trace", default=None, metavar="DIR", help="write the server's step trace and the "
                         "clients' TTFTs there (benchmarks/soak_trace.py reads them)")
     parser.add_argument("--no-write", action="store_true", help="print only; leave results/ untouched")
+    parser.add_argument("--out", default="soak", metavar="NAME",
+                        help="results/NAME.md (soak_paced: the run at a person's pace, --think 5)")
     parser.add_argument("--tracemalloc", type=int, default=0, metavar="FRAMES",
                         help="the server logs the Python heap's growth at each heap trim (server/heap.py)")
     parser.add_argument("--server-log", default=None, metavar="PATH", help="keep the server's log there")
@@ -240,7 +242,8 @@ def main() -> int:
     print(table)
     print(notes)
     if not args.no_write:
-        print(f"wrote {write_result('soak', 'Soak: 64 clients, careless and adversarial', table, notes)}")
+        title = "Soak: 64 clients, careless and adversarial" + (f" ({args.out})" if args.out != "soak" else "")
+        print(f"wrote {write_result(args.out, title, table, notes)}")
     return 0 if ok and exit_code == 0 else 1
 
 
