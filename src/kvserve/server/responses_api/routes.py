@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +29,6 @@ from kvserve.server.constraints import ToolChoice, effective_tool_choice
 from kvserve.server.errors import ApiError, bad_request, from_validation_error
 from kvserve.server.generation import ClientDisconnected, collect, submit
 from kvserve.server.lora_routes import resolve_model
-from kvserve.server.protocol import ChatCompletionRequest
 from kvserve.server.responses_api import convert
 from kvserve.server.responses_api.protocol import Response as ResponseObject
 from kvserve.server.responses_api.protocol import ResponsesRequest, new_id
@@ -43,10 +42,9 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 @dataclass(slots=True)
 class Turn:
-    """One response being generated: its request, the chat it runs as, and where it will be stored."""
+    """One response being generated: its request, its engine context, and what will be stored of it."""
 
     body: ResponsesRequest
-    chat: ChatCompletionRequest
     ctx: responses.ResponseContext
     tool_choice: ToolChoice | None
     tenant: str | None
@@ -89,7 +87,7 @@ async def create_response(request: Request, caller: Caller) -> Response:
     except ValueError as err:
         raise bad_request(str(err), "cache_salt") from err
     group = await submit(state, ctx, [prompt_ids], params, namespace, "input", lora)
-    turn = Turn(body, chat, ctx, effective_tool_choice(chat) if chat.tools else None, caller.tenant,
+    turn = Turn(body, ctx, effective_tool_choice(chat) if chat.tools else None, caller.tenant,
                 history + convert.input_messages(body))
     if body.stream:
         return StreamingResponse(_events(state, group, turn), media_type="text/event-stream", headers=SSE_HEADERS)
@@ -174,7 +172,7 @@ async def _events(state: ServerState, group: RequestGroup, turn: Turn) -> AsyncI
         state.metrics.observe_aborted(num_aborted, group.request_ids)
 
 
-def _item_events(event: Any, index: int, item: dict[str, Any], announced: bool) -> list[str]:
+def _item_events(event: Callable[..., str], index: int, item: dict[str, Any], announced: bool) -> list[str]:
     """The events that close output item `index` (and open it first, unless the text stream already did)."""
     lines = []
     if item["type"] == "function_call":
