@@ -1,8 +1,9 @@
 """Fuzz a live server with hypothesis-generated request bodies: nothing a caller sends may be a 5xx,
 kill the engine, or leave a block in use once the engine drains.
 
-Bodies are valid-looking requests of three kinds (text completion with every sampling field and
-logprobs; beam search; chat) with edge values (n=16, top_p=1e-300, temperature=1e-45, unicode with
+Bodies are valid-looking requests of four kinds (text completion with every sampling field and
+logprobs; beam search; chat; a Responses API request with input items, instructions and a made-up
+previous_response_id) with edge values (n=16, top_p=1e-300, temperature=1e-45, unicode with
 lone surrogates, streaming read whole or hung up after the first event), and up to two fields set to
 something wild (NaN, infinities, 1e-45, 2**64, 1100, wrong JSON types). Valid requests are kept cheap
 (max_tokens <= 12, short prompts) so the run stays bounded (a tiny model and a 128-block pool).
@@ -51,24 +52,42 @@ BEAM = {
 CONTENT = st.one_of(TEXT, st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": TEXT}), max_size=2))
 MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant"]), "content": CONTENT})
 CHAT = {**SAMPLING, "logprobs": st.booleans(), "top_logprobs": st.integers(0, 5)}
-FIELDS = sorted({*COMPLETION, *BEAM, *CHAT, "prompt", "messages", "max_completion_tokens", "presence_penalty",
-                 "frequency_penalty", "echo", "model"})
+INPUT_ITEM = st.one_of(
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "developer", "assistant"]),
+                           "content": st.one_of(TEXT, st.lists(st.fixed_dictionaries(
+                               {"type": st.sampled_from(["input_text", "output_text"]), "text": TEXT}), max_size=2))}),
+    st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": TEXT, "output": TEXT}),
+    st.fixed_dictionaries({"type": st.just("function_call"), "call_id": TEXT, "name": TEXT, "arguments": TEXT}),
+)
+RESPONSES = {
+    "max_output_tokens": st.integers(1, 12), "temperature": SAMPLING["temperature"], "top_p": SAMPLING["top_p"],
+    "top_k": SAMPLING["top_k"], "seed": SAMPLING["seed"], "stream": st.booleans(), "store": st.booleans(),
+    "instructions": TEXT, "cache_salt": TEXT, "previous_response_id": st.text(max_size=12),
+    "text": st.sampled_from([{"format": {"type": "json_object"}}, {"format": {"type": "text"}}]),
+}
+FIELDS = sorted({*COMPLETION, *BEAM, *CHAT, *RESPONSES, "prompt", "messages", "input", "max_completion_tokens",
+                 "presence_penalty", "frequency_penalty", "echo", "model"})
+BUDGETS = ("max_tokens", "max_output_tokens")  # kept cheap when made wild
 
 
 @st.composite
 def bodies(draw: st.DrawFn) -> tuple[str, dict]:
     """A valid-looking body of one of three kinds, then maybe one or two fields set to something wild."""
-    kind = draw(st.sampled_from(["completion", "beam", "chat"]))
+    kind = draw(st.sampled_from(["completion", "beam", "chat", "responses"]))
+    budget = "max_tokens"
     if kind == "chat":
         path, fields = "/v1/chat/completions", {"messages": st.lists(MESSAGE, min_size=1, max_size=3)}
         optional = CHAT
+    elif kind == "responses":
+        path, fields = "/v1/responses", {"input": st.one_of(TEXT, st.lists(INPUT_ITEM, min_size=1, max_size=3))}
+        optional, budget = RESPONSES, "max_output_tokens"
     else:
         path, fields, optional = "/v1/completions", {"prompt": PROMPT}, COMPLETION if kind == "completion" else BEAM
-    required = {"model": st.just(MODEL), **fields, "max_tokens": optional["max_tokens"]}
+    required = {"model": st.just(MODEL), **fields, budget: optional[budget]}
     body = draw(st.fixed_dictionaries(required, optional={k: v for k, v in optional.items() if k not in required}))
     for name, value in draw(st.lists(st.tuples(st.sampled_from(FIELDS), WILD), max_size=2)):
-        if name != "max_tokens" or (isinstance(value, int) and not 0 < value <= 12):
-            body[name] = value  # a wild max_tokens stays cheap: refused, or small
+        if name not in BUDGETS or (isinstance(value, int) and not 0 < value <= 12):
+            body[name] = value  # a wild budget stays cheap: refused, or small
     return path, body
 
 
@@ -81,12 +100,15 @@ def fuzz_server(chat_model_dir) -> Iterator[ServerProcess]:  # noqa: F811
         assert counts["used"] == 0, counts
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 @given(request=bodies(), hang_up=st.booleans())
 @example(request=("/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 4, "use_beam_search": True,
                                       "n": 2, "length_penalty": 1100}), hang_up=False)  # the issue's killer
 @example(request=("/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 4, "use_beam_search": True,
                                       "n": 2, "length_penalty": -2000}), hang_up=False)
+@example(request=("/v1/responses", {"model": MODEL, "input": [{"type": "function_call_output", "call_id": "c",
+                                                                 "output": "x"}], "max_output_tokens": 4,
+                                     "previous_response_id": "resp_unknown", "stream": True}), hang_up=False)
 def test_no_body_is_a_5xx_or_kills_the_engine(fuzz_server, request, hang_up):
     path, body = request
     raw = json.dumps(body, allow_nan=True)  # NaN / Infinity literals on purpose
@@ -100,7 +122,7 @@ def test_no_body_is_a_5xx_or_kills_the_engine(fuzz_server, request, hang_up):
                 text = response.read().decode()
                 assert "server_error" not in text, (text, raw)  # no in-band engine error either
                 if response.status_code == 200 and body.get("stream") is not True:
-                    assert json.loads(text)["choices"]
+                    assert json.loads(text)["output" if path == "/v1/responses" else "choices"] is not None
         health = client.get("/health")
         assert health.status_code == 200, (health.text, raw, fuzz_server.log_tail())
 
