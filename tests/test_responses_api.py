@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from kvserve.server.responses_api.store import ResponseStore
-from test_server_support import wait_until_drained
+from test_server_support import metric_value, wait_until_drained
 from test_structured_server import TIME, WEATHER
 
 MODEL = "tiny-chat"
@@ -142,10 +142,13 @@ def test_bad_requests_name_the_field(server, fields, param):
     assert param in (error["param"] or "") or param in error["message"]
 
 
-def test_every_block_comes_back(client, server):
-    for _ in range(2):
-        client.responses.create(model=MODEL, input="One more thing.", **GREEDY)
+def test_every_block_comes_back_and_the_store_is_measured(client, server):
+    before = metric_value(server.url, "kvserve_responses_stored")
+    for store in (True, False):
+        client.responses.create(model=MODEL, input="One more thing.", store=store, **GREEDY)
     wait_until_drained(server.url)
+    assert metric_value(server.url, "kvserve_responses_stored") == before + 1
+    assert metric_value(server.url, "kvserve_responses_stored_chars") >= len("One more thing.")
 
 
 def test_the_store_is_bounded_and_keyed_by_tenant():

@@ -39,6 +39,7 @@ from kvserve.server.metrics import ServerMetrics
 from kvserve.server.options import DEFAULT_MAX_QUEUE, GRACEFUL_SHUTDOWN_S, ServerOptions
 from kvserve.server.responses import TokenTexts
 from kvserve.server.responses_api import routes as responses_routes
+from kvserve.server.responses_api.store import ResponseStoreCollector
 from kvserve.server.roles import RoleInfo, remote_offload
 from kvserve.server.state import Caller, ReplicaInfo, ServerState
 from kvserve.server.stats_log import StatsLogger, periodic_stats
@@ -92,6 +93,7 @@ def build_app(
         metrics=metrics, token_texts=TokenTexts(async_engine.tokenizer), served_model_names=names,
         limits=limits, workers=workers, replica=replica or ReplicaInfo(), lora_adapters=dict(lora_adapters or {}),
     )
+    metrics.registry.register(ResponseStoreCollector(app.state.server.response_store, names[0]))
     install_error_handlers(app)
     app.include_router(openai_routes.router)
     app.include_router(admin_routes.router)

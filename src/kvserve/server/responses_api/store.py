@@ -9,8 +9,12 @@ them, so `previous_response_id` there is a 404 naming it, and the client resends
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
+
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 DEFAULT_MAX_RESPONSES = 4096
 DEFAULT_MAX_CHARS = 64 * 2**20
@@ -60,3 +64,26 @@ class ResponseStore:
 
     def __len__(self) -> int:
         return len(self._items)
+
+    @property
+    def chars(self) -> int:
+        return self._chars
+
+
+class ResponseStoreCollector(Collector):
+    """`kvserve_responses_stored` and `kvserve_responses_stored_chars` at scrape time: what the store holds
+    (summed over tenants: a count reveals nothing of any one tenant's traffic beyond the total)."""
+
+    def __init__(self, store: ResponseStore, model_name: str) -> None:
+        self._store = store
+        self._model = model_name
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        for name, documentation, value in (
+            ("kvserve_responses_stored", "Responses kept for previous_response_id (kvserve).", len(self._store)),
+            ("kvserve_responses_stored_chars", "Characters of conversation history they hold (kvserve).",
+             self._store.chars),
+        ):
+            family = GaugeMetricFamily(name, documentation, labels=["model_name"])
+            family.add_metric([self._model], value)
+            yield family
