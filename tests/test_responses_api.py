@@ -134,6 +134,7 @@ def test_stored_responses_are_read_deleted_or_not_kept(client, server):
     ({"input": [{"role": "user", "content": 7}]}, "input"),
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
     ({"input": "x", "temperature": -1}, "temperature"),
+    ({"input": "x", "cache_salt": "a/b"}, "cache_salt"),
 ])
 def test_bad_requests_name_the_field(server, fields, param):
     answer = httpx.post(f"{server.url}/v1/responses", json={"model": MODEL, **fields}, timeout=30)

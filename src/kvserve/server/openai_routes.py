@@ -84,7 +84,7 @@ async def chat_completions(request: Request, caller: Caller) -> Response:
         "chatcmpl", body.model, body.n, [len(prompt_ids)], state.token_texts
     )
     ctx.prompt_logprobs = body.prompt_logprobs is not None
-    namespace = _namespace(caller, body.cache_salt)
+    namespace = request_namespace(caller, body.cache_salt)
     group = await submit(state, ctx, [prompt_ids], params, namespace, "messages", lora)
     tool_choice = effective_tool_choice(body) if body.tools else None
     calls_tools = tool_choice is not None and tool_choice != "none"
@@ -117,7 +117,7 @@ async def completions(request: Request, caller: Caller) -> Response:
     if body.echo:
         ctx.echo_texts = await state.off_loop(inputs.echo_texts, state.engine.tokenizer, body.prompt, prompts)
         ctx.echo_only = body.max_tokens == 0
-    namespace = _namespace(caller, body.cache_salt)
+    namespace = request_namespace(caller, body.cache_salt)
     group = await submit(state, ctx, prompts, params, namespace, "prompt", lora)
     want_logprobs = body.logprobs is not None
     fmt = StreamFormat(
@@ -137,7 +137,8 @@ def _check_request(state: ServerState, body: ChatCompletionRequest | CompletionR
     return lora
 
 
-def _namespace(caller: Principal, cache_salt: str | None) -> Namespace:
+def request_namespace(caller: Principal, cache_salt: str | None) -> Namespace:
+    """The caller's cache namespace; a bad `cache_salt` is a 400 naming it."""
     try:
         return cache_namespace(caller, cache_salt)
     except ValueError as err:

@@ -24,11 +24,12 @@ from pydantic import ValidationError
 
 from kvserve.engine.request import RequestOutput
 from kvserve.server import inputs, responses
-from kvserve.server.auth import Principal, cache_namespace
+from kvserve.server.auth import Principal
 from kvserve.server.constraints import ToolChoice, effective_tool_choice
-from kvserve.server.errors import ApiError, bad_request, from_validation_error
+from kvserve.server.errors import ApiError, from_validation_error
 from kvserve.server.generation import ClientDisconnected, collect, submit
 from kvserve.server.lora_routes import resolve_model
+from kvserve.server.openai_routes import request_namespace
 from kvserve.server.responses_api import convert
 from kvserve.server.responses_api.protocol import Response as ResponseObject
 from kvserve.server.responses_api.protocol import ResponsesRequest, new_id
@@ -82,10 +83,7 @@ async def create_response(request: Request, caller: Caller) -> Response:
     template = getattr(tokenizer, "chat_template", None)
     params = inputs.engine_params(chat, max_tokens, None, template)
     ctx = responses.ResponseContext(new_id("resp"), body.model, 1, [len(prompt_ids)], state.token_texts)
-    try:
-        namespace = cache_namespace(caller, body.cache_salt)
-    except ValueError as err:
-        raise bad_request(str(err), "cache_salt") from err
+    namespace = request_namespace(caller, body.cache_salt)
     group = await submit(state, ctx, [prompt_ids], params, namespace, "input", lora)
     turn = Turn(body, ctx, effective_tool_choice(chat) if chat.tools else None, caller.tenant,
                 history + convert.input_messages(body))
