@@ -114,14 +114,12 @@ class RequestKeyer:
             parsed = [ChatMessage.model_validate(message) for message in messages]
         except ValidationError:
             return None, False
-        if self.tokenizer is not None and (self.tokenizer.chat_template or body.get("chat_template")):
-            try:  # rendered exactly as the worker renders it (template, tools, template kwargs)
-                return tuple(chat_prompt_ids(self.tokenizer, ChatCompletionRequest.model_validate(body))), True
-            except (ApiError, ValidationError):
+        if self._renders(body.get("chat_template")):
+            try:
+                return self._rendered(ChatCompletionRequest.model_validate(body))
+            except ValidationError:
                 return None, False
-        text = "\x1e".join(f"{m.role}\x1f{m.text()}" for m in parsed)
-        return tuple(ord(char) for char in text), False
-
+        return _code_points(parsed), False
 
     def _responses_tokens(self, body: dict) -> tuple[tuple[int, ...] | None, bool]:
         """A new response's prompt as the worker renders it (the chat request it amounts to). A continued
@@ -132,7 +130,24 @@ class RequestKeyer:
             chat = chat_request(ResponsesRequest.model_validate(body), [], None)
         except ValidationError:
             return None, False
-        return self._chat_tokens(chat.model_dump(mode="json", by_alias=True, exclude_none=True))
+        if self._renders(chat.chat_template):
+            return self._rendered(chat)
+        return _code_points(chat.messages), False
+
+    def _renders(self, chat_template: object) -> bool:
+        return self.tokenizer is not None and bool(self.tokenizer.chat_template or chat_template)
+
+    def _rendered(self, chat: ChatCompletionRequest) -> tuple[tuple[int, ...] | None, bool]:
+        """Rendered exactly as the worker renders it (template, tools, template kwargs)."""
+        try:
+            return tuple(chat_prompt_ids(self.tokenizer, chat)), True
+        except ApiError:
+            return None, False
+
+
+def _code_points(messages: list[ChatMessage]) -> tuple[int, ...]:
+    """Without a tokenizer: the conversation's text by code points (good enough for the approximate tree)."""
+    return tuple(ord(char) for char in "\x1e".join(f"{m.role}\x1f{m.text()}" for m in messages))
 
 
 def load_tokenizer(model: str) -> Tokenizer | None:
