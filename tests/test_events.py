@@ -6,6 +6,7 @@ worker's index is rebuilt, and the periodic catch-up that finds what the live fe
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import msgpack
 import pytest
@@ -230,6 +231,17 @@ def test_publisher_reports_a_busy_endpoint():
     first = KVEventPublisher(endpoint)
     try:
         with pytest.raises(ValueError, match="cannot bind"):
-            KVEventPublisher(endpoint)
+            KVEventPublisher(endpoint, bind_patience_s=0.2)
     finally:
         first.close()
+
+
+def test_publisher_waits_out_a_port_that_frees_soon():
+    """A restarted worker whose port is held for a moment (see publisher._bind) still starts."""
+    endpoint, _ = endpoints()
+    first = KVEventPublisher(endpoint)
+    closer = threading.Timer(0.3, first.close)
+    closer.start()
+    second = KVEventPublisher(endpoint, bind_patience_s=5.0)
+    closer.join()
+    second.close()

@@ -31,14 +31,17 @@ logger = logging.getLogger("kvserve.events")
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
+BIND_PATIENCE_S = 5.0  # how long a busy endpoint port is retried before the server refuses to start
+
 class KVEventPublisher:
     """Bind `endpoint` (e.g. `tcp://127.0.0.1:5557`); `publish(events)` sends one batch."""
 
     def __init__(
         self, endpoint: str, replay_endpoint: str | None = None, topic: str = "", buffer_steps: int = 10_000,
-        max_queue: int = 100_000,
+        max_queue: int = 100_000, bind_patience_s: float = BIND_PATIENCE_S,
     ) -> None:
         self.endpoint = endpoint
+        self._bind_patience_s = bind_patience_s
         self.replay_endpoint = replay_endpoint
         self._topic = topic.encode("utf-8")
         self._queue: queue.Queue[KVEventBatch | None] = queue.Queue(maxsize=max_queue)
@@ -78,9 +81,9 @@ class KVEventPublisher:
         pub = context.socket(zmq.PUB)
         replay = context.socket(zmq.ROUTER) if self.replay_endpoint else None
         try:
-            pub.bind(self.endpoint)
+            _bind(pub, self.endpoint, self._bind_patience_s)
             if replay is not None:
-                replay.bind(self.replay_endpoint)
+                _bind(replay, self.replay_endpoint, self._bind_patience_s)
         except zmq.ZMQError as err:
             self._error = err
             pub.close(linger=0)
@@ -122,3 +125,19 @@ class KVEventPublisher:
             if seq >= start:
                 replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
         replay.send_multipart((client, b"", END_SEQ, self.epoch))
+
+
+def _bind(socket: zmq.Socket, endpoint: str, patience_s: float) -> None:
+    """Bind, waiting out a port that is briefly busy (EADDRINUSE) for up to `patience_s`. A worker restarted
+    on its fixed endpoints can find its port held for a moment: a subscriber reconnecting to a loopback port
+    in the ephemeral range while nothing listens can connect to itself through that very port (TCP
+    simultaneous open) until the handshake fails. Seen once in CI's restart test; any other error is final."""
+    deadline = time.monotonic() + patience_s
+    while True:
+        try:
+            socket.bind(endpoint)
+            return
+        except zmq.ZMQError as err:
+            if err.errno != zmq.EADDRINUSE or time.monotonic() >= deadline:
+                raise
+            time.sleep(0.05)
