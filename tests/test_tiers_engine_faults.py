@@ -113,3 +113,38 @@ def test_late_load_falls_back_to_recompute(tiny_model_dir, tiny_hf_model, redis_
     finally:
         llm.engine.close()
         proxy.close()
+
+
+def test_a_queue_blocked_behind_a_load_waits_for_it_instead_of_spinning(tiny_model_dir, tiny_hf_model, redis_server,
+                                                                        redis_url):
+    """A request that cannot be admitted until a slow load gives its blocks back: each step that schedules
+    nothing waits for the load (CI once spun 5,000 empty steps past a load still in flight)."""
+    cold = random_prompts(1, 33, 33, seed=43)[0]
+    big = random_prompts(1, 120, 120, seed=47)[0]  # 30 of the 32 blocks: only once the load is done
+    writer = make_llm(tiny_model_dir, redis_url)
+    writer.generate([cold], GREEDY)
+    writer.engine.tiers.policy.flush()
+    writer.engine.close()
+    proxy = DelayProxy(redis_server.port, delay_s=0.3)
+    llm = make_llm(tiny_model_dir, f"redis://127.0.0.1:{proxy.port}/0", kv_load_timeout=10.0)
+    try:
+        engine = llm.engine
+        cold_request, big_request = engine.make_request(cold, GREEDY), engine.make_request(big, GREEDY)
+        engine.add(cold_request)
+        engine.add(big_request)
+        steps_while_loading = 0
+        finished = {}
+        while engine.has_unfinished_requests():
+            loading = cold_request.status is RequestStatus.WAITING_FOR_KV
+            for output in engine.step():
+                if output.finished:
+                    finished[output.request_id] = output
+            steps_while_loading += loading
+        assert steps_while_loading > 0  # the load was slow (0.6 s: probe + MGET) ...
+        assert steps_while_loading < 200, steps_while_loading  # ... and the steps waited on it (~10 ms each)
+        assert finished[cold_request.request_id].token_ids == hf_greedy(tiny_hf_model, cold, 6)
+        assert finished[big_request.request_id].token_ids == hf_greedy(tiny_hf_model, big, 6)
+        assert finished[cold_request.request_id].cached_tokens_by_source["remote"] == 32
+    finally:
+        llm.engine.close()
+        proxy.close()

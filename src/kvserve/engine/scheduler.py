@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
 LPM_MAX_WAITING = 128  # beyond this many waiting requests, lpm's per-step matching costs too much
 PROTECT_WAITING = 4  # head-of-queue requests whose cached prefixes are refreshed before running ones grow
-IDLE_LOAD_WAIT_S = 0.01  # nothing to run but loads in flight: wait this long for one before returning
+IDLE_LOAD_WAIT_S = 0.01  # a step that scheduled nothing while loads are in flight waits this long for one
 
 
 def unserved_groups_first(waiting: deque[Request], running: list[Request]) -> deque[Request]:
@@ -159,6 +159,8 @@ class Scheduler:
         self.rotation.record((item.request for item in output.scheduled), self.running, self.num_steps)
         output.blocks_to_copy = self.block_manager.take_pending_copies()
         self._assert_end_of_step(output)
+        if self.tiers is not None and not output.scheduled:
+            self.tiers.wait_any(IDLE_LOAD_WAIT_S)  # only loads can unblock the queue: wait for one, do not spin
         if self.trace is not None:
             self.trace.step(output.scheduled, len(self.waiting))
         return output
@@ -301,8 +303,6 @@ class Scheduler:
 
     def _requeue_loaded(self) -> None:
         """Requests whose tier load landed (or failed) go back to the head of the queue, in order."""
-        if not self.running and not self.waiting:
-            self.tiers.wait_any(IDLE_LOAD_WAIT_S)
         for request in reversed(self.tiers.poll()):
             self.waiting.appendleft(request)
 
