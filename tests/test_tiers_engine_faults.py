@@ -77,17 +77,17 @@ def test_slow_redis_does_not_stall_other_requests(tiny_model_dir, tiny_hf_model,
         engine.add(warm_request)
         start = time.monotonic()
         finished: dict[str, object] = {}
-        saw_loading_while_warm_ran = False
+        warm_done_while_cold_loaded = False
         while engine.has_unfinished_requests():
             for output in engine.step():
-                if output.request_id == warm_request.request_id:
-                    saw_loading_while_warm_ran |= cold_request.status is RequestStatus.WAITING_FOR_KV
                 if output.finished:
                     finished[output.request_id] = (output, time.monotonic() - start)
+                    if output.request_id == warm_request.request_id:
+                        warm_done_while_cold_loaded = cold_request.status is RequestStatus.WAITING_FOR_KV
         warm_output, warm_seconds = finished[warm_request.request_id]
         cold_output, cold_seconds = finished[cold_request.request_id]
-        assert saw_loading_while_warm_ran
-        assert warm_seconds < 0.3 < 0.6 < cold_seconds, (warm_seconds, cold_seconds)  # probe + MGET: 2 trips
+        assert warm_done_while_cold_loaded  # the warm request never waited on the cold one's load
+        assert warm_seconds < 0.6 < cold_seconds, (warm_seconds, cold_seconds)  # probe + MGET: 2 trips
         assert warm_output.token_ids == hf_greedy(tiny_hf_model, warm, 6)
         assert cold_output.token_ids == hf_greedy(tiny_hf_model, cold, 6)
         assert cold_output.cached_tokens_by_source["remote"] == 32
@@ -102,12 +102,12 @@ def test_late_load_falls_back_to_recompute(tiny_model_dir, tiny_hf_model, redis_
     writer.generate([prompt], GREEDY)
     writer.engine.tiers.policy.flush()
     writer.engine.close()
-    proxy = DelayProxy(redis_server.port, delay_s=0.6)
+    proxy = DelayProxy(redis_server.port, delay_s=1.5)
     llm = make_llm(tiny_model_dir, f"redis://127.0.0.1:{proxy.port}/0", kv_load_timeout=0.2)
     try:
         output, seconds = generate_timed(llm, prompt)
         assert output.token_ids == hf_greedy(tiny_hf_model, prompt, 6)
-        assert output.num_cached_tokens == 0 and seconds < 0.6
+        assert output.num_cached_tokens == 0 and seconds < 1.2
         assert llm.stats()["tiers"]["policy"]["timed_out_loads"] == 1
         assert llm.stats()["used_blocks"] == 0  # the abandoned load's blocks came back
     finally:

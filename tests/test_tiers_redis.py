@@ -50,7 +50,7 @@ def _assert_down_then_skipped(store: RedisStore) -> None:
     assert store.breaker.state == OPEN
     for op, arg, empty in ((store.get, keys(3), [None] * 3), (store.longest_prefix, keys(3), 0)):
         result, elapsed = timed(op, arg)
-        assert result == empty and elapsed < 0.02  # skipped, no network wait
+        assert result == empty and elapsed < TIMEOUT_S / 2  # skipped: no network wait (a hung call takes the timeout)
     store.put([(keys(1)[0], b"y")])
     stats = store.stats()
     assert stats.errors >= 2 and stats.extra["skipped"] >= 3 and stats.extra["breaker_state"] == OPEN
