@@ -172,3 +172,14 @@ def test_prompt_logprobs_match_hf(llm, hf_model, prompts):
         assert output.prompt_logprobs[0] is None
         assert got == pytest.approx(want, abs=2e-4)  # measured: 4.6e-5 at most over 1,024 tokens
     assert_pool_drained(llm.engine)
+
+
+def test_speculative_decoding(prompts, reference, default_variant):
+    """Prompt-lookup drafts checked row by row: the same tokens as transformers, with drafts accepted
+    (the raw prompts repeat themselves: the dragon one, fibonacci's code) and rejected."""
+    spec = LLM("smollm2-135m", progress=False, num_blocks=512, speculative_config={"method": "ngram"},
+               **default_variant)
+    assert [o.token_ids for o in spec.generate(prompts, GREEDY)] == reference
+    stats = spec.stats()
+    assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]
+    assert_pool_drained(spec.engine)

@@ -87,6 +87,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                        help="admit a request at once even while a running one is computing the prefix it shares")
     group.add_argument("--disable-cascade-attn", action="store_true",
                        help="decode attention never reads shared prefix blocks once for all their sharers")
+    group.add_argument("--speculative-config", default=None, metavar="JSON",
+                       help='speculative decoding by prompt lookup, vLLM\'s form: \'{"method": "ngram", '
+                       '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\' (outputs unchanged); None: off')
     add_tier_flags(parser)
 
 

@@ -6,6 +6,7 @@ import os
 import re
 from dataclasses import dataclass, fields
 
+from kvserve.engine.speculative import parse_speculative_config
 from kvserve.prefix.factory import PREFIX_CACHE_KINDS, PREFIX_HASH_KINDS
 from kvserve.prefix.policies import DEFAULT_EVICTION, ONLINE_POLICIES
 
@@ -88,6 +89,7 @@ class EngineConfig:
     max_lora_rank: int = 16
     disable_prefix_hold: bool = False  # admit requests sharing a prefix being computed without waiting for it
     disable_cascade_attn: bool = False  # vLLM's name: no shared-prefix (cascade) decode attention
+    speculative_config: dict | str | None = None  # vLLM's: {"method": "ngram", ...} (engine/speculative.py)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -130,6 +132,7 @@ class EngineConfig:
             self.max_num_batched_tokens >= 1,
             f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}",
         )
+        parse_speculative_config(self.speculative_config)
         _require(self.eviction in ONLINE_POLICIES, f"eviction must be one of {ONLINE_POLICIES}, got {self.eviction!r}")
         if self.max_blocks_per_request is not None:
             _require(self.max_blocks_per_request >= 1,

@@ -23,8 +23,9 @@ import torch
 
 from kvserve.config import EngineConfig
 from kvserve.engine.block_manager import BlockManager
-from kvserve.engine.failures import FailureStreak, StepFailures, failed_output
+from kvserve.engine.failures import FailureStreak, StepFailures, failed_output, run_attributed
 from kvserve.engine.groups import Decision, Drop, Extend, Finish, Fork, Sample, SequenceGroup, make_group
+from kvserve.engine.groups.single import SingleSequence
 from kvserve.engine.kv_tiers import make_engine_tiers
 from kvserve.engine.limits import check_block_cap
 from kvserve.engine.model_runner import ModelRunner
@@ -41,6 +42,7 @@ from kvserve.engine.setup import (
     resolve_long_prefill_threshold,
     resolve_max_model_len,
 )
+from kvserve.engine.speculative import make_speculator
 from kvserve.engine.stats import engine_stats
 from kvserve.engine.step_cost import make_auto_row_cap
 from kvserve.engine.step_threads import StepThreads
@@ -99,6 +101,7 @@ class LLMEngine:
         self.tiers = make_engine_tiers(config, self.model_config, tensor_shapes, weights_path, self.block_manager,
                                        self.kv_pool.tensor, bf16_weights)
         self.scheduler.tiers = self.tiers
+        self.scheduler.speculator = self.speculator = make_speculator(config.speculative_config, self.max_model_len)
         self.scheduler.prefix_hold = make_prefix_hold(not config.disable_prefix_hold, config.prefix_cache,
                                                       config.block_size)
         self.groups: dict[str, SequenceGroup] = {}  # open requests, by id as submitted
@@ -180,6 +183,7 @@ class LLMEngine:
         if request.request_id in self.groups:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         group = make_group(request, request.beam_params, request.seed, self.tokenizer)
+        request.speculate = self.speculator is not None and isinstance(group, SingleSequence)
         self.groups[request.request_id] = group
         self.scheduler.add(request)
         return request.request_id
@@ -234,13 +238,21 @@ class LLMEngine:
         if scheduler_output.blocks_to_copy:
             self.runner.copy_blocks(scheduler_output.blocks_to_copy)
         failures = StepFailures()
-        logits, sampling = self._forward(scheduler_output.scheduled, failures)
+        logits, sampling = run_attributed(self.runner.run, scheduler_output.scheduled, failures)
         for item in scheduler_output.scheduled:
-            failures.guard(item.request.group_id, lambda item=item: self._advance(item))
+            if not item.draft:  # a drafted request advances by what its check accepts (_verify)
+                failures.guard(item.request.group_id, lambda item=item: self._advance(item))
         rows: dict[str, list[tuple[Request, int]]] = {}  # by group, in batch order
+        drafted: dict[str, tuple[ScheduledRequest, list[int]]] = {}  # plain requests that carried drafts
         for row, item in enumerate(sampling):
-            if item.request.group_id not in failures:
+            if item.request.group_id in failures:
+                continue
+            if item.draft:
+                drafted.setdefault(item.request.group_id, (item, []))[1].append(row)
+            else:
                 rows.setdefault(item.request.group_id, []).append((item.request, row))
+        for group_id, (item, draft_rows) in drafted.items():
+            failures.guard(group_id, lambda i=item, r=draft_rows: self._verify(i, logits[r]))
         groups = [self.groups[group_id] for group_id in rows]
         decided = []
         for group in groups:
@@ -248,36 +260,25 @@ class LLMEngine:
             if decisions is not None:
                 decided.append((group, decisions))
         self._apply(decided, logits, failures)
+        groups += [self.groups[group_id] for group_id in drafted]
         outputs = self._collect([g for g in groups if g.request_id not in failures], failures)
         outputs += [self._fail_group(group_id) for group_id in failures.errors]
         num_groups = len({item.request.group_id for item in scheduler_output.scheduled})
         self._failure_streak.record(num_groups, len(failures.errors))
         return outputs
 
-    def _forward(self, scheduled: list[ScheduledRequest], failures: StepFailures
-                 ) -> tuple[torch.Tensor, list[ScheduledRequest]]:
-        """The batched forward; if it raises, each group's part is run alone, and only the groups
-        whose own forward raises fail (K/V slots written twice get the same values)."""
-        try:
-            return self.runner.run(scheduled)
-        except Exception as exc:  # noqa: BLE001 - attributed below, group by group
-            by_group: dict[str, list[ScheduledRequest]] = {}
-            for item in scheduled:
-                by_group.setdefault(item.request.group_id, []).append(item)
-            if len(by_group) == 1:
-                failures.fail(next(iter(by_group)), exc)
-                return torch.empty(0), []
-            logger.warning("batched forward failed (%r); running its %d requests one by one", exc, len(by_group))
-        parts = [failures.guard(group_id, lambda items=items: self.runner.run(items))
-                 for group_id, items in by_group.items()]
-        parts = [part for part in parts if part is not None and part[1]]
-        if not parts:
-            return torch.empty(0), []
-        return torch.cat([logits for logits, _ in parts]), [item for _, items in parts for item in items]
-
     def _advance(self, item: ScheduledRequest) -> None:
         item.request.num_computed_tokens += item.num_new_tokens
         self.block_manager.publish_full_blocks(item.request)
+
+    def _verify(self, item: ScheduledRequest, logits: torch.Tensor) -> None:
+        """Check a drafted step's rows (engine/speculative.py); finish the request if a token ends it."""
+        now = time.monotonic()
+        append = lambda r, t, lp: append_sampled_token(r, t, lp, now, self.tokenizer, self.max_model_len)  # noqa: E731
+        publish = self.block_manager.publish_full_blocks
+        reason = self.speculator.verify(item.request, item.draft, logits, append, publish)
+        if reason is not None:
+            self._finish(item.request, reason)
 
     def _apply(self, decided: list[tuple[SequenceGroup, list[Decision]]], logits: torch.Tensor,
                failures: StepFailures) -> None:
@@ -381,7 +382,7 @@ class LLMEngine:
     # --- introspection -------------------------------------------------------------------------------
 
     def stats(self) -> dict[str, float | int]:
-        """Pool, scheduler, prefix-cache and tier counters (see README for each field)."""
+        """Pool, scheduler, prefix-cache, tier and speculative-decoding counters (see README for each field)."""
         return engine_stats(self.block_manager, self.scheduler, self.tiers)
 
     def reset_prefix_cache(self) -> bool:

@@ -18,9 +18,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
+
+import torch
 
 from kvserve.engine.request import Request, RequestOutput
+
+if TYPE_CHECKING:
+    from kvserve.engine.scheduler import ScheduledRequest
+
+    Forward = Callable[[list[ScheduledRequest]], tuple[torch.Tensor, list[ScheduledRequest]]]
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -88,3 +95,24 @@ def failed_output(root: Request) -> RequestOutput:
         num_cached_tokens=root.num_cached_tokens, metrics=root.metrics,
         error=internal_error_message(root.request_id),
     )
+
+
+def run_attributed(forward: Forward, scheduled: list[ScheduledRequest], failures: StepFailures
+                   ) -> tuple[torch.Tensor, list[ScheduledRequest]]:
+    """The batched forward; if it raises, each group's part is run alone, and only the groups whose own
+    forward raises fail (K/V slots written twice get the same values)."""
+    try:
+        return forward(scheduled)
+    except Exception as exc:  # noqa: BLE001 - attributed below, group by group
+        by_group: dict[str, list[ScheduledRequest]] = {}
+        for item in scheduled:
+            by_group.setdefault(item.request.group_id, []).append(item)
+        if len(by_group) == 1:
+            failures.fail(next(iter(by_group)), exc)
+            return torch.empty(0), []
+        logger.warning("batched forward failed (%r); running its %d requests one by one", exc, len(by_group))
+    parts = [failures.guard(group_id, lambda items=items: forward(items)) for group_id, items in by_group.items()]
+    parts = [part for part in parts if part is not None and part[1]]
+    if not parts:
+        return torch.empty(0), []
+    return torch.cat([logits for logits, _ in parts]), [item for _, items in parts for item in items]

@@ -69,7 +69,8 @@ class ModelRunner:
         return self.model.compute_logits(hidden[batch.sample_rows]), batch.sampling
 
     def prepare(self, scheduled: list[ScheduledRequest]) -> BatchInputs:
-        # Single-token work (decodes) first, so the decode group is one contiguous slice.
+        # Single-token work (decodes) first, so the decode group is one contiguous slice. A decode that
+        # carries drafts is a short prefill chunk over its cached context (engine/speculative.py).
         decodes = [item for item in scheduled if item.num_new_tokens == 1]
         prefills = [item for item in scheduled if item.num_new_tokens > 1]
         input_ids: list[int] = []
@@ -84,7 +85,11 @@ class ModelRunner:
             spans += prompt_spans(request, start, end, first_row=len(input_ids))
             input_ids.extend(request.all_token_ids[start:end])
             positions.extend(range(start, end))
-            if end == request.num_tokens:
+            if item.draft:  # the last token and its drafts: every row's logits are checked in order
+                input_ids.extend(item.draft)
+                sample_rows.extend(range(len(input_ids) - len(item.draft) - 1, len(input_ids)))
+                sampling.extend([item] * (len(item.draft) + 1))
+            elif end == request.num_tokens:
                 sample_rows.append(len(input_ids) - 1)
                 sampling.append(item)
         positions_tensor = torch.tensor(positions, dtype=torch.long, device=self.device)

@@ -225,6 +225,7 @@ class Request:
     lora: LoRAAdapter | None = None  # the adapter it runs under (its id is also in `namespace`)
     held_since_step: int = 0  # scheduler step at which it last got blocks (admission or fork): fair preemption
     table_version: int = 0  # renumbered by the block manager on every change to `block_table` (engine/pool_share.py)
+    speculate: bool = False  # a plain request on an engine with speculative_config: steps may carry drafts
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

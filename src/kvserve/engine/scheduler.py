@@ -35,6 +35,7 @@ from kvserve.tiers.offload import SOURCES
 
 if TYPE_CHECKING:
     from kvserve.engine.kv_tiers import EngineTiers
+    from kvserve.engine.speculative import Speculator
     from kvserve.engine.step_trace import StepTrace
 
 LPM_MAX_WAITING = 128  # beyond this many waiting requests, lpm's per-step matching costs too much
@@ -70,6 +71,7 @@ def oldest_group_first(waiting: deque[Request], running: list[Request]) -> deque
 class ScheduledRequest:
     request: Request
     num_new_tokens: int
+    draft: list[int] = field(default_factory=list)  # speculated tokens after its last one (in num_new_tokens)
 
 
 @dataclass(slots=True)
@@ -134,6 +136,7 @@ class Scheduler:
         self.tiers: EngineTiers | None = None  # set by the engine when a lower tier is configured
         self.prefix_hold: PrefixHold | None = None  # set by the engine: in-batch prefix sharing at admission
         self.trace: StepTrace | None = None  # set by the server under KVSERVE_STEP_TRACE
+        self.speculator: Speculator | None = None  # set by the engine under speculative_config
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -188,6 +191,13 @@ class Scheduler:
             self._adopt_cached_continuation(request)
             num_new = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
             if num_new == 0:  # holding its logits until the rest of its group has theirs
+                index += 1
+                continue
+            draft = self.speculator.draft(request, budget) if self.speculator is not None else []
+            if draft and self.block_manager.can_grow(request, num_new + len(draft)):  # drafts never preempt
+                self.block_manager.grow(request, num_new + len(draft))
+                output.scheduled.append(ScheduledRequest(request, num_new + len(draft), draft))
+                budget -= num_new + len(draft)
                 index += 1
                 continue
             while not self.block_manager.can_grow(request, num_new):
@@ -263,9 +273,9 @@ class Scheduler:
         at least every other step however many newcomers arrive. Decode rows stay: letting them sit out
         too was tried and measured (benchmarks/results/soak.md): on a CPU a step's fixed cost dominates at
         a few rows, so the extra steps and the larger step after each yield made the tail no better; the
-        row cap (`step_rows.RowRotation`) bounds how many there are instead."""
+        row cap (`step_rows.RowRotation`) bounds how many there are instead. A decode with drafts is one."""
         fresh = any(item.request.metrics.first_token_time is None for item in output.scheduled[num_running_before:])
-        yielding = [item for item in output.scheduled[:num_running_before] if item.num_new_tokens > 1]
+        yielding = [i for i in output.scheduled[:num_running_before] if i.num_new_tokens > 1 and not i.draft]
         if not fresh or not yielding or self._yielded_last_step:
             self._yielded_last_step = False
             return

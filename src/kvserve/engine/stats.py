@@ -34,4 +34,5 @@ def engine_stats(manager: BlockManager, scheduler: Scheduler, tiers: EngineTiers
         **{f"prefix_cache_hits_{source}": tokens for source, tokens in counters.hits_by_source.items()},
         "num_loading": len(tiers.loading) if tiers is not None else 0,
         "tiers": tiers.stats() if tiers is not None else {},
+        **(scheduler.speculator.counters.stats() if scheduler.speculator is not None else {}),
     }

@@ -81,6 +81,12 @@ class EngineStatsCollector(Collector):
         )
         for name, documentation, key in gauges:
             yield self._family(GaugeMetricFamily, name, documentation, stats[key])
+        if "spec_drafts" in stats:  # vLLM's spec_decode counters, under speculative_config
+            counters += (
+                ("spec_decode_num_drafts", "Steps that carried draft tokens.", "spec_drafts"),
+                ("spec_decode_num_draft_tokens", "Draft tokens proposed.", "spec_draft_tokens"),
+                ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", "spec_accepted_tokens"),
+            )
         for name, documentation, key in counters:
             yield self._family(CounterMetricFamily, name, documentation, stats[key])  # exposed as NAME_total
         blocks = GaugeMetricFamily("kvserve_kv_cache_blocks", "KV blocks by state (kvserve).",
