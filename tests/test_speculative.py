@@ -5,7 +5,9 @@ land where they would, and the pool accounting holds under random operations."""
 from __future__ import annotations
 
 import argparse
+import json
 
+import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -14,9 +16,17 @@ from conftest import assert_pool_drained, hf_greedy, random_prompts
 from kvserve import LLM, SamplingParams
 from kvserve.cli import add_engine_flags, engine_config_from_args
 from kvserve.config import EngineConfig
-from kvserve.engine.speculative import SpeculativeConfig, parse_speculative_config, propose_ngram
+from kvserve.engine.request import Request
+from kvserve.engine.speculative import (
+    SpeculativeConfig,
+    Speculator,
+    back_off,
+    parse_speculative_config,
+    propose_ngram,
+)
 from kvserve.server.metrics import EngineStatsCollector
 from test_engine_pool_properties import apply_step_or_abort, check_pool, drain_checking, operation
+from test_server_support import chat_model_dir, metric_value, start_server  # noqa: F401
 
 MAX_NEW = 32
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
@@ -49,6 +59,8 @@ def test_the_longest_tail_match_wins_and_its_latest_occurrence():
     assert propose_ngram(tokens, config, 0) == []
     assert propose_ngram([1, 2, 3, 4], config, 3) == []  # no earlier occurrence of any tail
     assert propose_ngram([7, 7, 7], config, 3) == [7]  # the tail overlapping itself: what follows, up to now
+    assert propose_ngram([7] * 8, config, 3) == [7, 7, 7]  # an occurrence followed by all 3 beats the latest
+    assert propose_ngram([5, 1, 2, 8, 9, 6, 1, 2], config, 3) == [8, 9, 6]  # "1 2" at 1 has 3 followers, at 6 none
     strict = SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_max=4, prompt_lookup_min=2)
     assert propose_ngram([1, 2, 3, 4, 0, 9, 4], strict, 2) == []  # only 1-token matches: below the minimum
 
@@ -69,6 +81,33 @@ def test_a_draft_is_what_followed_a_match_of_the_tail(tokens, k, low, extra, lim
             if tokens[start : start + n] == tail and tokens[start + n : start + n + len(draft)] == draft:
                 found = True
     assert found
+
+
+def test_one_lookup_bound_given_sets_the_other_as_vllm_does():
+    assert parse_speculative_config('{"prompt_lookup_max": 2}').prompt_lookup_min == 2
+    default_min = SpeculativeConfig().prompt_lookup_min
+    assert parse_speculative_config('{"prompt_lookup_max": 6}').prompt_lookup_min == default_min
+    assert parse_speculative_config('{"prompt_lookup_min": 6}').prompt_lookup_max == 6
+    assert parse_speculative_config("{}") == SpeculativeConfig()
+
+
+def test_drafts_that_miss_back_off_and_a_hit_resumes_them():
+    request = Request("r", [1, 2, 3, 1, 2, 3, 1, 2], SamplingParams(max_tokens=100), speculate=True)
+    request.num_computed_tokens = request.num_tokens - 1
+    speculator = Speculator(SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_min=1), max_model_len=64)
+    assert speculator.draft(request, budget=8) == [3, 1]
+    waits = []
+    for _ in range(6):  # every draft misses: 1, 2, 4, 8, 16, 16 outputs decoded plainly before the next
+        back_off(request, matched=0)
+        waits.append(request.drafts_resume_at - request.num_output_tokens)
+    assert waits == [1, 2, 4, 8, 16, 16]
+    assert speculator.draft(request, budget=8) == []
+    for token in [3] * 16:
+        request.append_token(token)
+    request.num_computed_tokens = request.num_tokens - 1
+    assert speculator.draft(request, budget=8) == [3, 3]  # resumed
+    back_off(request, matched=1)
+    assert request.draft_backoff == 0
 
 
 def test_configs_are_checked_and_named():
@@ -121,7 +160,8 @@ def test_chunked_prefill_and_preemption_keep_the_tokens(tiny_model_dir, prompts,
 def test_sampling_logprobs_and_stops_equal_plain_decoding(tiny_model_dir, prompts):
     """Each row is sampled as a plain step would be, with the request's own generator: seeded sampling,
     log-probs, penalties, stop ids and max_tokens land exactly where they would without drafts."""
-    plain, spec = make_llm(tiny_model_dir), make_llm(tiny_model_dir, speculative_config={"num_speculative_tokens": 4})
+    plain = make_llm(tiny_model_dir)
+    spec = make_llm(tiny_model_dir, speculative_config={"num_speculative_tokens": 4, "prompt_lookup_min": 1})
     greedy_plain = plain.generate(prompts, GREEDY)
     stop_ids = [o.token_ids[5] for o in greedy_plain]  # each stops at its 6th token (or earlier)
     cases = [
@@ -186,3 +226,17 @@ def test_random_operations_with_drafts_keep_the_pool_consistent(spec_engine, ops
             apply_step_or_abort(spec_engine, op, ids)
         check_pool(spec_engine)
     drain_checking(spec_engine, check_pool)
+
+
+def test_serve_takes_the_flag_and_answers_as_offline_decoding(chat_model_dir):  # noqa: F811
+    """`kvserve serve --speculative-config JSON`: a completion equals plain offline decoding of the same
+    model, and /metrics counts the drafts."""
+    prompt = [token % 300 + 10 for token in repeating_prompts(1, seed=13)[0]]  # within the chat model's vocabulary
+    expected = LLM(str(chat_model_dir), progress=False, num_blocks=64).generate([prompt], GREEDY)[0].text
+    config = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
+    with start_server(chat_model_dir, "--speculative-config", config) as server:
+        body = {"model": "tiny-chat", "prompt": prompt, "max_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
+        reply = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["text"] == expected
+        assert metric_value(server.url, "kvserve_spec_decode_num_drafts_total") > 0

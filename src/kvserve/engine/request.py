@@ -226,6 +226,8 @@ class Request:
     held_since_step: int = 0  # scheduler step at which it last got blocks (admission or fork): fair preemption
     table_version: int = 0  # renumbered by the block manager on every change to `block_table` (engine/pool_share.py)
     speculate: bool = False  # a plain request on an engine with speculative_config: steps may carry drafts
+    draft_backoff: int = 0  # after drafts that all missed: outputs to decode plainly before drafting again
+    drafts_resume_at: int = 0  # ... counted from here (num_output_tokens), see engine/speculative.py
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
