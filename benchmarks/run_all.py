@@ -30,7 +30,7 @@ ORDER = [
     "decode_step_batch",
     "decode_attention", "decode_step_mixed_2t",
     "decode_step_mixed_1t", "decode_step_mixed_1t_cached1024", "qgemm", "qgemm_avx2", "avx2_exact_gemm", "qgemm_zen4",
-    "qgemm_end_to_end",
+    "qgemm_end_to_end", "crossover_zen4",
     "llama_cpp_peers", "int8", "int8_packed_avx2", "int8_packed", "perplexity", "kv_dtype", "step_profile",
     "shared_prefix", "speculative", "vmm",
     "disagg", "lora",
@@ -50,6 +50,7 @@ SCRIPTS = {
                                   "--no-single", "--policies", "round_robin", "cache_aware", "kv_events",
                                   "--out", "router_2w_zen4"]),  # the same on a Zen 4
     "soak_paced": ("soak", ["--think", "5", "--out", "soak_paced"]),  # the soak at a person's pace
+    "crossover_zen4": ("crossover", ["--out", "crossover_zen4"]),  # on a Zen 4: its own crossovers
     "step_rows_native": ("step_rows", ["--weights", "native"]),
     "int8_packed": ("int8_packed", ["--before", "d7500bc"]),  # the int8 kernels before the packed layout
     "int8_packed_avx2": ("int8_packed", ["--quick", "--out", "int8_packed_avx2"]),  # on an AVX2-only CPU

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import ctypes
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from kvserve.kernels import crossover
 from kvserve.kernels.cascade_plan import CASCADE_FIELDS, CascadeTensors, check_cascade_plan
 from kvserve.kernels.i8pack import PACKED_BLOCK_BYTES, PackedI8Weight, packed_groups
 from kvserve.kernels.native_checks import check, check_pool, check_range, ok
@@ -85,6 +86,7 @@ class NativeLibrary:
     lib: ctypes.CDLL
     isa: str
     features: frozenset[str]
+    qgemm_min_rows: dict[int, int] = field(default_factory=dict)  # weight type -> wide GEMM from (crossover.py)
 
     @classmethod
     def load(cls, path: Path, isa: str | None = None) -> NativeLibrary:
@@ -113,6 +115,7 @@ class NativeLibrary:
         if chosen not in features:
             raise RuntimeError(f"ISA {chosen} requested but this CPU supports only {sorted(features)}")
         library = cls(lib, chosen, frozenset(features))
+        crossover.apply(library)
         tiles = os.environ.get(AMX_ENV, "1") != "0"
         library.set_amx(tiles)
         library.set_amx_exact(tiles)

@@ -35,7 +35,8 @@ ISA_ENV = "KVSERVE_ISA"
 # Up to this many activation rows the per-row kernel (csrc/impl.h) runs the layer loop's matmuls.
 NATIVE_QMATMUL_MAX_ROWS = 16
 # Which quantized matmul `Kernels.linear` runs by row count (benchmarks/qgemm.py measures the crossovers):
-# the per-row kernel converts each weight block once per 4 rows and wins below QGEMM_MIN_ROWS; the wide
+# the per-row kernel converts each weight block once per 4 rows and wins below QGEMM_MIN_ROWS (or the CPU's
+# measured crossover for the weight type, kernels/crossover.py); the wide
 # GEMM (csrc/qgemm.h; qgemm_wide.h on AVX2 from 48 rows) dequantizes each weight panel once per call and wins
 # from there up to QGEMM_MAX_ROWS; beyond, dequantizing the whole weight for torch's GEMM does (on AVX2 the two
 # are even from 512 to 2,048 rows) -- except for very large weights (the 49k-row lm head), where a float32 copy
@@ -145,7 +146,7 @@ class Kernels:
             return reference.qlinear(x, weight).to(x.dtype)
         x32 = x.float().contiguous()
         rows = x32.shape[0]
-        if rows < QGEMM_MIN_ROWS:
+        if rows < self.native.qgemm_min_rows.get(weight.qtype, QGEMM_MIN_ROWS):  # the CPU's crossover
             out = self.native.qmatmul(x32, weight.data, weight.qtype, weight.in_features)
         elif (rows <= QGEMM_MAX_ROWS or weight.out_features * weight.in_features >= ALWAYS_NATIVE_ELEMENTS
               or self.native.amx_exact):  # on AMX tiles the wide GEMM beats torch's at every row count

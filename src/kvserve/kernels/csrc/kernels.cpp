@@ -58,6 +58,16 @@ static inline const float* kv_half_table() { return g_half_table.value; }
 // qgemm.h's tiles: set by kv_qgemm_wide_rows (benchmarks and tests compare both in one process).
 static int64_t g_wide_rows = 48;
 static inline int64_t kv_wide_rows() { return g_wide_rows; }
+// From how many activation rows the exact wide GEMM (qgemm.h) runs a weight type's matmuls in the layer loop
+// instead of the per-row kernel (impl.h), by build (0: AVX2, 1: AVX-512) and GGUF type code; 0: the default,
+// 5. Set by kv_qgemm_min_rows (kernels/crossover.py picks it for the CPU at load: the crossover moves with the
+// CPU's FMA width).
+constexpr int KV_QGEMM_MIN_ROWS_DEFAULT = 5;
+static int64_t g_qgemm_min_rows[2][32] = {};
+static inline int64_t kv_qgemm_min_rows_for(int wide_isa, int qt) {
+    const int64_t rows = qt >= 0 && qt < 32 ? g_qgemm_min_rows[wide_isa ? 1 : 0][qt] : 0;
+    return rows > 0 ? rows : KV_QGEMM_MIN_ROWS_DEFAULT;
+}
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
@@ -175,6 +185,16 @@ int kv_amx_exact(int on) {
     if (on == 0) return g_amx_exact = false;
     if (!KV_HAS_AMX || !cpu_has_amx_bf16() || !amx_permitted()) return -1;
     return g_amx_exact = true;
+}
+
+// The layer loop's crossover from the per-row kernel to the wide GEMM for weight type qt in build isa: rows >= 1
+// sets it, anything else leaves it; returns the value it had before (-1: no such build or type code).
+int64_t kv_qgemm_min_rows(int isa, int qt, int64_t rows) {
+    if (qt < 0 || qt >= 32 || (isa != ISA_AVX2 && isa != ISA_AVX512)) return -1;
+    const int wide = isa == ISA_AVX512;
+    const int64_t previous = kv_qgemm_min_rows_for(wide, qt);
+    if (rows >= 1) g_qgemm_min_rows[wide][qt] = rows;
+    return previous;
 }
 
 // The AVX2 exact wide GEMM's crossover to qgemm_wide.h: rows >= 1 sets it (a huge value keeps qgemm.h's tiles

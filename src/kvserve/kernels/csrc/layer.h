@@ -33,14 +33,13 @@ struct LayerModel {
 
 // Every matmul of the layer loop goes through here. act_quant 0: float32 activations (qmatmul); 1: int8
 // activation blocks (qmatmul_i8, `--activation-quant int8`).
-// From this many rows the wide GEMM (qgemm.h) beats the per-row kernel: kernels/ops.py's QGEMM_MIN_ROWS,
-// measured by benchmarks/qgemm.py; both run the same arithmetic up to summation order.
-constexpr int64_t LAYER_QGEMM_MIN_ROWS = 5;
+// From kv_qgemm_min_rows_for(type) rows the wide GEMM (qgemm.h) beats the per-row kernel (kernels/crossover.py,
+// measured by benchmarks/qgemm.py); both run the same arithmetic up to summation order.
 
 static inline int layer_qmatmul(int act_quant, const float* x, int64_t rows, int64_t k, const LayerMatrix& m,
                                 float* y) {
     if (act_quant) return qmatmul_i8(static_cast<int>(m.qtype), x, rows, k, m.data, m.rows, m.row_bytes, y, m.rows);
-    if (rows >= LAYER_QGEMM_MIN_ROWS)
+    if (rows >= kv_qgemm_min_rows_for(KV_AVX512, static_cast<int>(m.qtype)))
         return qgemm(static_cast<int>(m.qtype), x, rows, k, m.data, m.rows, m.row_bytes, y, m.rows);
     return qmatmul(static_cast<int>(m.qtype), x, rows, k, m.data, m.rows, m.row_bytes, y, m.rows);
 }
