@@ -21,6 +21,18 @@ def make_llm(model_dir, url: str, **extra) -> LLM:
                **extra)
 
 
+def behind_a_slow_redis(model_dir, redis_server, redis_url: str, prompt: list[int], delay_s: float,
+                        **extra) -> tuple[LLM, DelayProxy]:
+    """`prompt`'s blocks written to Redis by another engine, and an engine that reaches that Redis through a
+    proxy holding every request `delay_s` (the caller closes both)."""
+    writer = make_llm(model_dir, redis_url)
+    writer.generate([prompt], GREEDY)
+    writer.engine.tiers.policy.flush()
+    writer.engine.close()
+    proxy = DelayProxy(redis_server.port, delay_s=delay_s)
+    return make_llm(model_dir, f"redis://127.0.0.1:{proxy.port}/0", **extra), proxy
+
+
 def generate_timed(llm: LLM, prompt: list[int]):
     start = time.monotonic()
     output = llm.generate([prompt], GREEDY)[0]
@@ -62,12 +74,7 @@ def test_slow_redis_does_not_stall_other_requests(tiny_model_dir, tiny_hf_model,
     """A request whose prefix is on the device is served while another waits on a Redis that takes 0.3 s
     per round trip (under the client's 0.5 s timeout, so the load succeeds, slowly)."""
     warm, cold = random_prompts(2, 33, 33, seed=37)
-    writer = make_llm(tiny_model_dir, redis_url)
-    writer.generate([cold], GREEDY)
-    writer.engine.tiers.policy.flush()
-    writer.engine.close()
-    proxy = DelayProxy(redis_server.port, delay_s=0.3)
-    llm = make_llm(tiny_model_dir, f"redis://127.0.0.1:{proxy.port}/0", kv_load_timeout=10.0)
+    llm, proxy = behind_a_slow_redis(tiny_model_dir, redis_server, redis_url, cold, 0.3, kv_load_timeout=10.0)
     try:
         llm.generate([warm], GREEDY)  # warm is now on the device
         engine = llm.engine
@@ -98,12 +105,7 @@ def test_slow_redis_does_not_stall_other_requests(tiny_model_dir, tiny_hf_model,
 
 def test_late_load_falls_back_to_recompute(tiny_model_dir, tiny_hf_model, redis_server, redis_url):
     prompt = random_prompts(1, 33, 33, seed=41)[0]
-    writer = make_llm(tiny_model_dir, redis_url)
-    writer.generate([prompt], GREEDY)
-    writer.engine.tiers.policy.flush()
-    writer.engine.close()
-    proxy = DelayProxy(redis_server.port, delay_s=1.5)
-    llm = make_llm(tiny_model_dir, f"redis://127.0.0.1:{proxy.port}/0", kv_load_timeout=0.2)
+    llm, proxy = behind_a_slow_redis(tiny_model_dir, redis_server, redis_url, prompt, 1.5, kv_load_timeout=0.2)
     try:
         output, seconds = generate_timed(llm, prompt)
         assert output.token_ids == hf_greedy(tiny_hf_model, prompt, 6)
@@ -121,12 +123,7 @@ def test_a_queue_blocked_behind_a_load_waits_for_it_instead_of_spinning(tiny_mod
     nothing waits for the load (CI once spun 5,000 empty steps past a load still in flight)."""
     cold = random_prompts(1, 33, 33, seed=43)[0]
     big = random_prompts(1, 120, 120, seed=47)[0]  # 30 of the 32 blocks: only once the load is done
-    writer = make_llm(tiny_model_dir, redis_url)
-    writer.generate([cold], GREEDY)
-    writer.engine.tiers.policy.flush()
-    writer.engine.close()
-    proxy = DelayProxy(redis_server.port, delay_s=0.3)
-    llm = make_llm(tiny_model_dir, f"redis://127.0.0.1:{proxy.port}/0", kv_load_timeout=10.0)
+    llm, proxy = behind_a_slow_redis(tiny_model_dir, redis_server, redis_url, cold, 0.3, kv_load_timeout=10.0)
     try:
         engine = llm.engine
         cold_request, big_request = engine.make_request(cold, GREEDY), engine.make_request(big, GREEDY)
