@@ -240,3 +240,13 @@ def test_serve_takes_the_flag_and_answers_as_offline_decoding(chat_model_dir):  
         assert reply.status_code == 200, reply.text
         assert reply.json()["choices"][0]["text"] == expected
         assert metric_value(server.url, "kvserve_spec_decode_num_drafts_total") > 0
+
+
+def test_drafts_take_free_blocks_only_never_a_cached_one(tiny_model_dir):
+    llm = make_llm(tiny_model_dir, num_blocks=8, prefix_cache="radix")
+    llm.generate([list(range(3, 67)), list(range(100, 164))], SamplingParams(max_tokens=1, temperature=0.0))
+    manager = llm.engine.block_manager
+    assert manager.allocator.num_free == 0 and manager.prefix_cache.num_evictable_blocks == 8  # all cached
+    request = llm.engine.make_request(list(range(200, 210)), GREEDY)
+    assert manager.can_grow(request, 10)  # a plain step may evict a cached block ...
+    assert not manager.can_grow_from_free(request, 10)  # ... a drafted one may not

@@ -118,6 +118,12 @@ class BlockManager:
             num_needed += self._tail_is_shared(request)
         return num_needed <= self.num_available_blocks()
 
+    def can_grow_from_free(self, request: Request, num_new_tokens: int) -> bool:
+        """Whether growing needs only free blocks: no cached block evicted, no tail copy (speculative drafts,
+        a guess that must not cost the prefix cache anything)."""
+        missing = self._num_missing_blocks(request, num_new_tokens)
+        return not request.may_share_tail and missing <= self.allocator.num_free
+
     def grow(self, request: Request, num_new_tokens: int) -> None:
         """Allocate blocks so the next `num_new_tokens` tokens have slots; evicts cached blocks if needed."""
         if request.may_share_tail:

@@ -194,7 +194,7 @@ class Scheduler:
                 index += 1
                 continue
             draft = self.speculator.draft(request, budget) if self.speculator is not None else []
-            if draft and self.block_manager.can_grow(request, num_new + len(draft)):  # drafts never preempt
+            if draft and self.block_manager.can_grow_from_free(request, num_new + len(draft)):  # never preempt
                 self.block_manager.grow(request, num_new + len(draft))
                 output.scheduled.append(ScheduledRequest(request, num_new + len(draft), draft))
                 budget -= num_new + len(draft)

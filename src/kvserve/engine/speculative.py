@@ -14,7 +14,8 @@ computed again (`num_computed_tokens` moves back; nothing unverified is ever pub
 cache).
 
 Scope: plain requests (groups of one); n / best_of samples and beams decode one token at a time. Drafts
-are proposed only when they fit the step's token budget and the pool without preempting anyone.
+are proposed only when they fit the step's token budget and the pool's free blocks (no preemption, no
+cached block evicted for a guess).
 """
 
 from __future__ import annotations
@@ -45,9 +46,11 @@ class SpeculativeConfig:
     followed the longest match (from `prompt_lookup_max` down to `prompt_lookup_min` tokens) of the
     sequence's tail, searched in its own prompt and output."""
 
-    num_speculative_tokens: int = 3  # 4 rows a step: the per-row matmul kernels; from 5 the wide GEMM
+    # Defaults measured on a Zen 4 (benchmarks/results/speculative.md): 3 drafts beat 2, 4 and 6; matches
+    # shorter than 3 tokens draft often and miss often.
+    num_speculative_tokens: int = 3
     prompt_lookup_max: int = 4
-    prompt_lookup_min: int = 3  # shorter matches draft often and miss often (measured: docs/reference.md)
+    prompt_lookup_min: int = 3
     method: str = "ngram"
 
     def __post_init__(self) -> None:
@@ -174,7 +177,7 @@ class Speculator:
 def back_off(request: Request, matched: int) -> None:
     """Drafts that all missed cost a wider step for one token: decode the next 1, 2, 4 ... `MAX_BACKOFF`
     outputs plainly before drafting again; any accepted draft ends the back-off. (Open questions, where a
-    tail n-gram recurs but what followed it does not: measured in docs/reference.md.)"""
+    tail n-gram recurs but what followed it does not: benchmarks/results/speculative.md.)"""
     if matched:
         request.draft_backoff = 0
         return
