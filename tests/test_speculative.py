@@ -250,3 +250,41 @@ def test_drafts_take_free_blocks_only_never_a_cached_one(tiny_model_dir):
     request = llm.engine.make_request(list(range(200, 210)), GREEDY)
     assert manager.can_grow(request, 10)  # a plain step may evict a cached block ...
     assert not manager.can_grow_from_free(request, 10)  # ... a drafted one may not
+
+
+def test_structured_output_with_drafts_equals_plain_decoding(chat_model_dir):  # noqa: F811
+    """A grammar masks each drafted row in the state its earlier rows left (the matcher advances as tokens
+    are appended), so constrained outputs do not move either."""
+    from kvserve import StructuredOutputsParams
+
+    plain = LLM(str(chat_model_dir), progress=False, num_blocks=128)
+    spec = LLM(str(chat_model_dir), progress=False, num_blocks=128,
+               speculative_config={"num_speculative_tokens": 4, "prompt_lookup_min": 1})
+    prompts = ["ab ab ab cd cd", "yes yes yes yes", '{"a": "b"} {"a": "b"}']
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}
+    for constraint in (StructuredOutputsParams(regex="(ab|cd){3,8}"), StructuredOutputsParams(json=schema),
+                       StructuredOutputsParams(choice=["yes yes yes", "no no no no"])):
+        params = SamplingParams(max_tokens=40, temperature=0.0, structured_outputs=constraint)
+        assert [o.token_ids for o in spec.generate(prompts, params)] == [
+            o.token_ids for o in plain.generate(prompts, params)]
+    assert spec.stats()["spec_accepted_tokens"] > 0
+    assert_pool_drained(spec.engine)
+
+
+def test_lora_rows_with_drafts_equal_plain_decoding(tiny_model_dir, tmp_path, prompts):
+    """Every drafted row of a request runs under its adapter (a mixed batch: one adapter, another, none)."""
+    from kvserve.lora.adapter import LoRARequest
+    from lora_util import make_peft_adapter
+
+    adapters = [LoRARequest(name, index + 1, str(make_peft_adapter(tiny_model_dir, tmp_path / name, seed=index + 1,
+                                                                   rank=4)))
+                for index, name in enumerate(("a", "b"))]
+    chosen = [adapters[0], adapters[1], None] * 2
+    engine_args = {"enable_lora": True, "max_loras": 2, "max_lora_rank": 4}
+    plain = make_llm(tiny_model_dir, **engine_args)
+    spec = make_llm(tiny_model_dir, speculative_config={"prompt_lookup_min": 1}, **engine_args)
+    batch = prompts[:6]
+    expected = [o.token_ids for o in plain.generate(batch, GREEDY, lora_request=chosen)]
+    assert [o.token_ids for o in spec.generate(batch, GREEDY, lora_request=chosen)] == expected
+    assert spec.stats()["spec_accepted_tokens"] > 0
+    assert_pool_drained(spec.engine)
