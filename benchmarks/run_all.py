@@ -100,9 +100,9 @@ picks float32 and the native kernels take their AVX-512 + VNNI path). Sections f
 Re-run everything with `python benchmarks/run_all.py` (or `make bench`); plots are redrawn from the
 result tables by `benchmarks/plot_results.py`.
 **Speculative decoding** (section "Speculative decoding by prompt lookup": Zen 4, idle, 2026-12-04, one
-chat request at a time, beside the peers' own prompt lookup): drafts make kvserve's exact decoding 1.52x
-faster on code edits and RAG quotes with the same tokens (259 / 244 tok/s; int8 397 / 454), 1.9x / 1.7x
-llama.cpp's prompt-lookup decoding; **on open questions they cost 3%** (169 against 175 tok/s).
+chat request at a time, beside the peers' own prompt lookup): drafts make kvserve's exact decoding 1.51x
+faster on code edits and RAG quotes with the same tokens (243 / 224 tok/s; int8 370 / 392), 2.5x / 2.0x
+llama.cpp's prompt-lookup decoding; **on open questions they cost 2.5%** (158 against 162 tok/s).
 `benchmarks/native_kernels.py` was `benchmarks/kernels.py` until 2026-12-03 (renamed: that name hid Hugging Face's
 `kernels` package, which transformers 5.25 imports); the commands below use the new name.
 

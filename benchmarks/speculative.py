@@ -7,7 +7,10 @@ sentence of the document) and open questions (little to copy: what drafts cost w
 decode tokens/s = (tokens - 1) / (time after the first token), summed over the workload's prompts; for
 kvserve also the share of drafts accepted, and a check that drafts changed no token (float32 activations).
 
-    python benchmarks/speculative.py [--max-tokens 160] [--k 3] [--no-peers]
+    python benchmarks/speculative.py [--max-tokens 160] [--k 3] [--no-peers] [--batches 1 2 4 9]
+
+Then the same prompts sent together (kvserve exact): plain, drafts in every step, and the default, which
+stops drafting while more than `disable_by_batch_size` (2) requests run.
 """
 
 from __future__ import annotations
@@ -194,6 +197,33 @@ def measure(all_runners: list, prompts: dict[str, list[list[int]]], max_tokens: 
     return results
 
 
+def batched(sizes: list[int], k: int, max_tokens: int, rounds: int = 2) -> str:
+    """Requests sent together (the workloads' prompts in turn): wall seconds of plain decoding, of drafts in
+    every step, and of the default (no drafts while more than `disable_by_batch_size` requests run)."""
+    configs = {"plain": None, "drafts in every step": {"num_speculative_tokens": k, "disable_by_batch_size": 64},
+               "drafts, default batch limit": {"num_speculative_tokens": k}}
+    llms = {name: LLM("smollm2-135m", progress=False, kv_cache_memory="512MiB", speculative_config=config)
+            for name, config in configs.items()}
+    texts = [text for items in workloads().values() for text in items]
+    render = llms["plain"].render_chat
+    rows = []
+    for size in sizes:
+        prompts = [render([{"role": "user", "content": texts[i % len(texts)]}]) for i in range(size)]
+        seconds = {name: [] for name in llms}
+        for _ in range(rounds):
+            for name, llm in llms.items():
+                with Timer() as timer:
+                    llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0),
+                                 cache_salt=str(time.perf_counter()))
+                seconds[name].append(timer.seconds)
+        best = {name: min(values) for name, values in seconds.items()}
+        rows.append([size, *best.values(), *(best["plain"] / best[name] for name in list(llms)[1:])])
+        print(f"batch {size}: {best}", flush=True)
+    header = ["requests at once", *(f"{name} s" for name in configs), "speed-up, drafts in every step",
+              "speed-up, default"]
+    return markdown_table(header, rows)
+
+
 def cell_text(cell: list) -> str:
     """tok/s, and for a runner that reports its drafts, the share accepted."""
     rate = f"{cell[0] / cell[1]:,.1f}"
@@ -225,6 +255,8 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=3, help="draft tokens per step (every runner)")
     parser.add_argument("--no-peers", action="store_true", help="kvserve only")
     parser.add_argument("--out", default="speculative")
+    parser.add_argument("--batches", nargs="*", type=int, default=[1, 2, 4, 9],
+                        help="also send this many requests at once (kvserve exact only); none: skip")
     args = parser.parse_args()
     all_runners = runners(args)
     render = all_runners[0].llm.render_chat
@@ -241,6 +273,10 @@ def main() -> None:
              f"first / time after the first, summed over the prompts; {args.k} draft tokens per step for every "
              f"runner. kvserve exact with drafts gave the same tokens as without: {same}. In brackets: kvserve's draft "
              "tokens accepted / proposed in that workload; `tokens` columns: tokens after the first, summed.")
+    if args.batches:
+        notes += ("\n\nRequests sent together (kvserve exact, the workloads' 9 prompts in turn, best of 2 "
+                  "alternating rounds, wall seconds including prefill):\n\n"
+                  + batched(args.batches, args.k, args.max_tokens))
     print(write_result(args.out, "Speculative decoding by prompt lookup", markdown_table(header, rows), notes))
 
 

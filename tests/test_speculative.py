@@ -30,6 +30,7 @@ from test_server_support import chat_model_dir, metric_value, start_server  # no
 
 MAX_NEW = 32
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+IN_BATCHES = {"disable_by_batch_size": 64}  # drafts in every step however many run: the mixed batches under test
 
 
 def repeating_prompts(count: int, seed: int) -> list[list[int]]:
@@ -95,17 +96,18 @@ def test_drafts_that_miss_back_off_and_a_hit_resumes_them():
     request = Request("r", [1, 2, 3, 1, 2, 3, 1, 2], SamplingParams(max_tokens=100), speculate=True)
     request.num_computed_tokens = request.num_tokens - 1
     speculator = Speculator(SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_min=1), max_model_len=64)
-    assert speculator.draft(request, budget=8) == [3, 1]
+    assert speculator.draft(request, budget=8, num_running=3) == []  # more than disable_by_batch_size run
+    assert speculator.draft(request, budget=8, num_running=2) == [3, 1]
     waits = []
     for _ in range(6):  # every draft misses: 1, 2, 4, 8, 16, 16 outputs decoded plainly before the next
         back_off(request, matched=0)
         waits.append(request.drafts_resume_at - request.num_output_tokens)
     assert waits == [1, 2, 4, 8, 16, 16]
-    assert speculator.draft(request, budget=8) == []
+    assert speculator.draft(request, budget=8, num_running=1) == []
     for token in [3] * 16:
         request.append_token(token)
     request.num_computed_tokens = request.num_tokens - 1
-    assert speculator.draft(request, budget=8) == [3, 3]  # resumed
+    assert speculator.draft(request, budget=8, num_running=1) == [3, 3]  # resumed
     back_off(request, matched=1)
     assert request.draft_backoff == 0
 
@@ -116,7 +118,8 @@ def test_configs_are_checked_and_named():
     for bad, words in (('{"method": "eagle"}', "no draft models"), ('{"num_speculative_tokens": 0}', "1..16"),
                        ('{"prompt_lookup_min": 3, "prompt_lookup_max": 2}', "prompt_lookup_min"),
                        ('{"model": "x"}', "unknown keys"), ("[1]", "JSON object"), ("{", "not JSON"),
-                       ('{"num_speculative_tokens": "3"}', "integer")):
+                       ('{"num_speculative_tokens": "3"}', "integer"),
+                       ('{"disable_by_batch_size": 0}', "disable_by_batch_size")):
         with pytest.raises(ValueError, match=words):
             EngineConfig(speculative_config=bad)
     parser = argparse.ArgumentParser()
@@ -142,7 +145,7 @@ def reference(tiny_hf_model, prompts) -> list[list[int]]:
                          [("radix", 1), ("radix", 3), ("radix", 6), ("hash", 3), ("off", 3)])
 def test_greedy_equals_transformers(tiny_model_dir, prompts, reference, prefix_cache, num_speculative_tokens):
     llm = make_llm(tiny_model_dir, prefix_cache=prefix_cache,
-                   speculative_config={"num_speculative_tokens": num_speculative_tokens})
+                   speculative_config={"num_speculative_tokens": num_speculative_tokens, **IN_BATCHES})
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == reference  # batched
     assert [llm.generate([p], GREEDY)[0].token_ids for p in prompts[:4]] == reference[:4]  # alone
     stats = llm.stats()
@@ -151,7 +154,7 @@ def test_greedy_equals_transformers(tiny_model_dir, prompts, reference, prefix_c
 
 
 def test_chunked_prefill_and_preemption_keep_the_tokens(tiny_model_dir, prompts, reference):
-    llm = make_llm(tiny_model_dir, num_blocks=12, max_num_batched_tokens=24, speculative_config={})
+    llm = make_llm(tiny_model_dir, num_blocks=12, max_num_batched_tokens=24, speculative_config=IN_BATCHES)
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == reference
     assert llm.stats()["num_preemptions"] > 0 and llm.stats()["spec_accepted_tokens"] > 0
     assert_pool_drained(llm.engine)
@@ -161,7 +164,8 @@ def test_sampling_logprobs_and_stops_equal_plain_decoding(tiny_model_dir, prompt
     """Each row is sampled as a plain step would be, with the request's own generator: seeded sampling,
     log-probs, penalties, stop ids and max_tokens land exactly where they would without drafts."""
     plain = make_llm(tiny_model_dir)
-    spec = make_llm(tiny_model_dir, speculative_config={"num_speculative_tokens": 4, "prompt_lookup_min": 1})
+    config = {"num_speculative_tokens": 4, "prompt_lookup_min": 1, **IN_BATCHES}
+    spec = make_llm(tiny_model_dir, speculative_config=config)
     greedy_plain = plain.generate(prompts, GREEDY)
     stop_ids = [o.token_ids[5] for o in greedy_plain]  # each stops at its 6th token (or earlier)
     cases = [
@@ -207,7 +211,7 @@ def test_the_server_exports_vllms_spec_decode_counters():
 @pytest.fixture(scope="module")
 def spec_engine(tiny_model_dir):
     llm = LLM(str(tiny_model_dir), progress=False, num_blocks=10, block_size=16, max_num_batched_tokens=40,
-              speculative_config={"num_speculative_tokens": 5, "prompt_lookup_max": 3})
+              speculative_config={"num_speculative_tokens": 5, "prompt_lookup_max": 3, **IN_BATCHES})
     return llm.engine
 
 
@@ -259,7 +263,7 @@ def test_structured_output_with_drafts_equals_plain_decoding(chat_model_dir):  #
 
     plain = LLM(str(chat_model_dir), progress=False, num_blocks=128)
     spec = LLM(str(chat_model_dir), progress=False, num_blocks=128,
-               speculative_config={"num_speculative_tokens": 4, "prompt_lookup_min": 1})
+               speculative_config={"num_speculative_tokens": 4, "prompt_lookup_min": 1, **IN_BATCHES})
     prompts = ["ab ab ab cd cd", "yes yes yes yes", '{"a": "b"} {"a": "b"}']
     schema = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}
     for constraint in (StructuredOutputsParams(regex="(ab|cd){3,8}"), StructuredOutputsParams(json=schema),
@@ -282,7 +286,7 @@ def test_lora_rows_with_drafts_equal_plain_decoding(tiny_model_dir, tmp_path, pr
     chosen = [adapters[0], adapters[1], None] * 2
     engine_args = {"enable_lora": True, "max_loras": 2, "max_lora_rank": 4}
     plain = make_llm(tiny_model_dir, **engine_args)
-    spec = make_llm(tiny_model_dir, speculative_config={"prompt_lookup_min": 1}, **engine_args)
+    spec = make_llm(tiny_model_dir, speculative_config={"prompt_lookup_min": 1, **IN_BATCHES}, **engine_args)
     batch = prompts[:6]
     expected = [o.token_ids for o in plain.generate(batch, GREEDY, lora_request=chosen)]
     assert [o.token_ids for o in spec.generate(batch, GREEDY, lora_request=chosen)] == expected

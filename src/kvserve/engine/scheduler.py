@@ -193,7 +193,7 @@ class Scheduler:
             if num_new == 0:  # holding its logits until the rest of its group has theirs
                 index += 1
                 continue
-            draft = self.speculator.draft(request, budget) if self.speculator is not None else []
+            draft = self.speculator.draft(request, budget, len(self.running)) if self.speculator else []
             if draft and self.block_manager.can_grow_from_free(request, num_new + len(draft)):  # never preempt
                 self.block_manager.grow(request, num_new + len(draft))
                 output.scheduled.append(ScheduledRequest(request, num_new + len(draft), draft))
