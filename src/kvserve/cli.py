@@ -89,7 +89,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                        help="decode attention never reads shared prefix blocks once for all their sharers")
     group.add_argument("--speculative-config", default=None, metavar="JSON",
                        help='speculative decoding by prompt lookup, vLLM\'s form: \'{"method": "ngram", '
-                       '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\' (outputs unchanged); None: off')
+                       '"num_speculative_tokens": 3, "prompt_lookup_max": 4}\' (outputs unchanged); None: off')
     add_tier_flags(parser)
 
 
