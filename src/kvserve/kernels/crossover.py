@@ -9,8 +9,9 @@ with two 512-bit FMA units the wide GEMM wins from 5 rows (the default); on a Ze
 on 256-bit units, the per-row kernel stays ahead up to 12 rows for Q4_1 (8 rows: 0.54 against 0.62 ms at 2
 threads, 1.06 against 1.08 at 1; 16 rows: 0.95 against 0.89) and up to 5 for Q8_0 (6 rows at 1 thread:
 1.07 against 1.04); end to end (`benchmarks/crossover.py`) steps of 14 rows still ran 1.17x faster on
-the per-row kernel and 16 rows at par, hence Q4_1 from 16. Other CPUs keep the default until measured. Both kernels are exact to the dequantized
-weights up to summation order, so the choice moves no token beyond what summation order may.
+the per-row kernel and 16 rows at par, hence Q4_1 from 16. Other CPUs keep the default until measured.
+Both kernels are exact to the dequantized weights up to summation order, so the choice moves no token
+beyond what summation order may.
 """
 
 from __future__ import annotations
