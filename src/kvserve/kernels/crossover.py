@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from kvserve.kernels.native import NativeLibrary
 
-DEFAULT_MIN_ROWS = 5
+DEFAULT_MIN_ROWS = 5  # the C default too (csrc/kernels.cpp KV_QGEMM_MIN_ROWS_DEFAULT)
 Q4_1, Q8_0 = 3, 8  # GGUF type codes (csrc/impl.h)
 # (vendor_id, cpu family) -> {weight type: first row count for the wide GEMM}. AMD family 25 with AVX-512
 # is Zen 4 (Zen 3 has no AVX-512; Zen 5 is family 26, with full-width 512-bit units: not measured).

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from kvserve.kernels import reference
 from kvserve.kernels.cascade_plan import CascadeTensors, check_cascade_plan
+from kvserve.kernels.crossover import DEFAULT_MIN_ROWS
 from kvserve.kernels.i8pack import PACKED_BLOCK_BYTES, PackedI8Weight
 from kvserve.kernels.native import NativeLibrary, cpu_flags
 from kvserve.kernels.native_checks import KV_DTYPE_CODES
@@ -41,7 +42,7 @@ NATIVE_QMATMUL_MAX_ROWS = 16
 # from there up to QGEMM_MAX_ROWS; beyond, dequantizing the whole weight for torch's GEMM does (on AVX2 the two
 # are even from 512 to 2,048 rows) -- except for very large weights (the 49k-row lm head), where a float32 copy
 # costs more than it saves.
-QGEMM_MIN_ROWS = 5
+QGEMM_MIN_ROWS = DEFAULT_MIN_ROWS  # where no measured crossover applies (one definition: crossover.py)
 QGEMM_MAX_ROWS = 256
 ALWAYS_NATIVE_ELEMENTS = 8 * 1024 * 1024
 
