@@ -33,6 +33,9 @@ requests direct vs. through the router.
     python benchmarks/router.py --workloads chat-private --worker-counts 2 4   # adds the private-system rows
     python benchmarks/router.py --max-workers 2 --worker-counts 2 --workloads rag chat --no-single \
         --policies round_robin cache_aware kv_events --out router_2w        # results/router_2w.md
+    python benchmarks/router.py --max-workers 2 --worker-counts 2 --workloads rag --num-blocks 192 \
+        --host-cache 0 --queries 256 --policies round_robin cache_aware kv_events --out router_rag_bounded
+        # each worker's cache below the working set (3 of the 4 documents), no host tier: where routing pays
     python benchmarks/router.py --max-workers 2 --worker-counts 2 --workloads rag --no-single --out x \
         --policies round_robin kv_events kv_events:queue_model=shared:max_share=1 --dump samples.json
 
@@ -369,6 +372,17 @@ def kept_notes() -> str:
     return text[text.index(KEPT_MARKER):] if KEPT_MARKER in text else KEPT_MARKER + "\n"
 
 
+def host_note(args: argparse.Namespace) -> str:
+    return "" if args.host_cache is None else f" (host tier {args.host_cache})"
+
+
+def worker_argv(args: argparse.Namespace, threads: int) -> list[str]:
+    """One worker's flags: the pool, the host tier when --host-cache is given (the server's default
+    otherwise), the torch threads."""
+    host = ["--host-cache", args.host_cache] if args.host_cache is not None else []
+    return ["--model", args.model, "--num-blocks", str(args.num_blocks), *host, "--num-threads", str(threads)]
+
+
 def sizes_note(args: argparse.Namespace) -> str:
     return (
         f"Sizes: chat {args.users} users × {args.turns} turns (chat: one system prompt shared by all users; "
@@ -376,7 +390,8 @@ def sizes_note(args: argparse.Namespace) -> str:
         f"questions of {args.user}, replies of {args.reply} carried into the history; users start within "
         f"{args.ramp:g} s and think {args.think:g} s on average between turns); RAG {args.queries} questions of "
         f"{args.user} tokens over {args.docs} shared documents of {args.doc_len} tokens; at most {args.concurrency} "
-        f"requests in flight; {args.max_tokens} output tokens per request; {args.num_blocks} KV blocks and 1 torch "
+        f"requests in flight; {args.max_tokens} output tokens per request; {args.num_blocks} KV blocks"
+        f"{host_note(args)} and 1 torch "
         f"thread per cluster worker, {args.single_threads} threads for the single worker; model {args.model}. All "
         "workers share the same 2 cores, so more workers add no compute here: TTFT differences come from cache "
         "hits and queueing, not from parallel hardware."
@@ -470,9 +485,7 @@ def _histogram_mean(url: str, name: str) -> float:
 
 def partial_run(args: argparse.Namespace, began: float) -> None:
     """--out: the policy table alone, in its own result file."""
-    argv = ["--model", args.model, "--num-blocks", str(args.num_blocks), "--num-threads", "1"]
-    single_argv = ["--model", args.model, "--num-blocks", str(args.num_blocks), "--num-threads",
-                   str(args.single_threads)]
+    argv, single_argv = worker_argv(args, 1), worker_argv(args, args.single_threads)
     tails: list[list[object]] = []
     with Cluster.start_args(argv, args.max_workers, kv_events=True) as cluster, \
             (contextlib.nullcontext() if args.no_single else Cluster.start_args(single_argv, 1)) as single:
@@ -495,6 +508,7 @@ def main() -> None:
     parser.add_argument("--num-blocks", type=int, default=2048,
                         help="KV blocks per worker (16 tokens each: room for every conversation, no eviction, "
                              "with private system prompts too)")
+    parser.add_argument("--host-cache", help="each worker's host RAM tier (e.g. 0: off); default: the server's")
     parser.add_argument("--single-threads", type=int, default=2,
                         help="torch threads of the single worker (the cluster's workers have 1 each)")
     parser.add_argument("--users", type=int, default=16)
@@ -547,9 +561,7 @@ def main() -> None:
 
     decisions = decision_latency(args.tree_tokens)
     progress(began, f"decision latency: {decisions}")
-    argv = ["--model", args.model, "--num-blocks", str(args.num_blocks), "--num-threads", "1"]
-    single_argv = ["--model", args.model, "--num-blocks", str(args.num_blocks), "--num-threads",
-                   str(args.single_threads)]
+    argv, single_argv = worker_argv(args, 1), worker_argv(args, args.single_threads)
     with Cluster.start_args(argv, args.max_workers, kv_events=True) as cluster, \
             Cluster.start_args(single_argv, 1) as single:
         model = httpx.get(f"{cluster.urls[0]}/v1/models").json()["data"][0]["id"]

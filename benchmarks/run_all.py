@@ -18,7 +18,8 @@ ROOT = HERE.parent
 ORDER = [
     "throughput", "memory_efficiency", "prefix_cache", "prefix_lookup", "parallel_memory",
     "server_load", "server_steps", "serve_sweep", "side_channel", "dashboard", "soak", "soak_paced", "router",
-    "router_2w", "router_2w_amx", "router_2w_zen4", "eviction", "structured",
+    "router_2w", "router_2w_amx", "router_2w_zen4", "router_rag_bounded", "router_rag_bounded192",
+    "router_chat_bounded", "eviction", "structured",
     "tiers", "kernels", "kernels_avx2",
     "kernels_zen1", "kernels_zen1_decode", "configs_zen1", "qgemm_zen1", "membw_zen1", "fp_rate_zen1",
     "load_footprint_zen1",
@@ -49,6 +50,16 @@ SCRIPTS = {
     "router_2w_zen4": ("router", ["--max-workers", "2", "--worker-counts", "2", "--workloads", "rag", "chat",
                                   "--no-single", "--policies", "round_robin", "cache_aware", "kv_events",
                                   "--out", "router_2w_zen4"]),  # the same on a Zen 4
+    # replicas whose cache holds less than the working set (host tier off)
+    "router_rag_bounded": ("router", ["--max-workers", "2", "--worker-counts", "2", "--workloads", "rag", "--policies",
+                                      "round_robin", "cache_aware", "kv_events", "--num-blocks", "192", "--host-cache",
+                                      "0", "--queries", "256", "--out", "router_rag_bounded"]),
+    "router_rag_bounded192": ("router", ["--max-workers", "2", "--worker-counts", "2", "--workloads", "rag",
+                                         "--policies", "round_robin", "cache_aware", "kv_events", "--num-blocks",
+                                         "192", "--host-cache", "0", "--out", "router_rag_bounded192"]),
+    "router_chat_bounded": ("router", ["--max-workers", "2", "--worker-counts", "2", "--workloads", "chat",
+                                       "--policies", "round_robin", "cache_aware", "kv_events", "--num-blocks", "960",
+                                       "--host-cache", "0", "--out", "router_chat_bounded"]),
     "soak_paced": ("soak", ["--think", "5", "--out", "soak_paced"]),  # the soak at a person's pace
     "crossover_zen4": ("crossover", ["--out", "crossover_zen4"]),  # on a Zen 4: its own crossovers
     "kernels_zen4_crossover": ("native_kernels", ["--quick", "--out", "kernels_zen4_crossover"]),  # after it
