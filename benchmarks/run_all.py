@@ -23,7 +23,8 @@ ORDER = [
     "tiers", "kernels", "kernels_avx2",
     "kernels_zen1", "kernels_zen1_decode", "configs_zen1", "qgemm_zen1", "membw_zen1", "fp_rate_zen1",
     "load_footprint_zen1",
-    "kernels_zen4", "kernels_zen4_decode", "kernels_zen4_crossover", "kernels_zen4_avx2_decode",
+    "kernels_zen4", "kernels_zen4_decode", "kernels_zen4_crossover", "kernels_zen4_prefetch", "long_decode",
+    "kernels_zen4_avx2_decode",
     "kernels_zen4_avx2", "isa_pairing", "kernels_amx", "configs", "configs_amx", "amx", "amx_exact", "kernels_prefill",
     "kernels_amx_prefill",
     "membw",
@@ -63,6 +64,8 @@ SCRIPTS = {
     "soak_paced": ("soak", ["--think", "5", "--out", "soak_paced"]),  # the soak at a person's pace
     "crossover_zen4": ("crossover", ["--out", "crossover_zen4"]),  # on a Zen 4: its own crossovers
     "kernels_zen4_crossover": ("native_kernels", ["--quick", "--out", "kernels_zen4_crossover"]),  # after it
+    "kernels_zen4_prefetch": ("native_kernels", ["--quick", "--out", "kernels_zen4_prefetch"]),  # decode prefetch
+    "long_decode": ("long_decode", ["--before", "94f32b9"]),  # decode by context, before / after the prefetch
     "step_rows_native": ("step_rows", ["--weights", "native"]),
     "int8_packed": ("int8_packed", ["--before", "d7500bc"]),  # the int8 kernels before the packed layout
     "int8_packed_avx2": ("int8_packed", ["--quick", "--out", "int8_packed_avx2"]),  # on an AVX2-only CPU
