@@ -24,7 +24,7 @@ ORDER = [
     "kernels_zen1", "kernels_zen1_decode", "configs_zen1", "qgemm_zen1", "membw_zen1", "fp_rate_zen1",
     "load_footprint_zen1",
     "kernels_zen4", "kernels_zen4_decode", "kernels_zen4_crossover", "kernels_zen4_prefetch", "long_decode",
-    "kernels_zen4_avx2_decode",
+    "batch_decode", "kernels_zen4_avx2_decode",
     "kernels_zen4_avx2", "isa_pairing", "kernels_amx", "configs", "configs_amx", "amx", "amx_exact", "kernels_prefill",
     "kernels_amx_prefill",
     "membw",

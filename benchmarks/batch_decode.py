@@ -1,0 +1,81 @@
+"""Batched decode at the workload's own length: 8 and 32 requests x 128 new tokens, paired rounds.
+
+native_kernels.py --quick gives each batch request 32 new tokens, so its batch figures are mostly prefill
+(32 prompts of 68-128 tokens). The peers' batch figures (benchmarks/data/PEERS.md) and issue 12's target
+(batch 32 >= 3x transformers' faster dtype, >= 1,000 tok/s on a Zen 4) are for the `batch` workload as
+written: 128 new tokens per request. This runs exactly that, generated tokens / wall second (prefill
+included), for kvserve with native Q4_1 weights -- exact activations, int8 activations, and int8 with a bf16
+KV cache (llama.cpp's own precision class: 8-bit activation blocks, a 16-bit KV cache) -- beside
+transformers (bf16 by default: the faster dtype on a CPU with native bf16; `--hf-dtypes float32 bfloat16`
+for both) and llama-cpp-python (one request at a time: its Python API has no batch), every runner once per
+round in turn; medians.
+
+    python benchmarks/batch_decode.py                   # ~6 minutes on 2 idle cores
+    python benchmarks/batch_decode.py --batches 32 --rounds 5 --no-llama-cpp
+
+Writes benchmarks/results/batch_decode.md (or --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import load_workloads, markdown_table, write_result  # noqa: E402
+from native_kernels import VARIANTS, HFRunner, KvserveRunner, llama_cpp_python_runner, load_average  # noqa: E402
+
+KVSERVE = {
+    "kvserve native Q4_1": VARIANTS["kvserve native Q4_1"],
+    "kvserve native Q4_1 int8": VARIANTS["kvserve native Q4_1 int8"],
+    "kvserve native Q4_1 int8, bf16 KV": {**VARIANTS["kvserve native Q4_1 int8"], "kv_cache_dtype": "bfloat16"},
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", default="8,32", help="batch sizes of the `batch` workload")
+    parser.add_argument("--new", type=int, default=128, help="new tokens per request (the workload's: 128)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--hf-dtypes", nargs="*", default=["bfloat16"], help="transformers runners (none: skip)")
+    parser.add_argument("--no-llama-cpp", action="store_true")
+    parser.add_argument("--out", default="batch_decode")
+    args = parser.parse_args()
+    workloads = load_workloads()["batch"]
+    batches = [int(b) for b in args.batches.split(",")]
+    notes = [f"Load average (1 / 5 / 15 min) before: {load_average()}."]
+    runners: list = [KvserveRunner(name, variant) for name, variant in KVSERVE.items()]
+    runners += [HFRunner(getattr(torch, dtype)) for dtype in args.hf_dtypes]
+    runners += [] if args.no_llama_cpp else llama_cpp_python_runner(notes)
+    for runner in runners:
+        runner.batch(workloads["8"]["prompts"][:2], 4)  # warm-up
+    samples = {runner.name: {b: [] for b in batches} for runner in runners}
+    for round_index in range(args.rounds):
+        for batch in batches:
+            for runner in runners:
+                samples[runner.name][batch].append(runner.batch(workloads[str(batch)]["prompts"], args.new))
+            print(f"round {round_index + 1}, batch {batch}: "
+                  + ", ".join(f"{name} {v[batch][-1]:.1f}" for name, v in samples.items()), flush=True)
+    median = {name: {b: statistics.median(v) for b, v in by_batch.items()} for name, by_batch in samples.items()}
+    header = ["runner", *(f"batch {b} tok/s" for b in batches), *(f"batch {b} min-max" for b in batches)]
+    rows = [[name, *by_batch.values(), *(f"{min(samples[name][b]):.0f}-{max(samples[name][b]):.0f}" for b in batches)]
+            for name, by_batch in median.items()]
+    peers = [name for name in median if not name.startswith("kvserve")]
+    for peer in peers:
+        rows += [[f"{name} / {peer}", *(median[name][b] / median[peer][b] for b in batches), *([""] * len(batches))]
+                 for name in KVSERVE]
+    notes.append(f"Load average after: {load_average()}. {args.rounds} rounds; {args.new} greedy new tokens per "
+                 f"request, EOS ignored; tok/s = generated tokens / wall seconds of the whole batch (prefill "
+                 f"included); threads: {torch.get_num_threads()}; every runner once per round and batch, in turn; "
+                 "medians. transformers batches with left padding; llama-cpp-python runs the requests one at a time.")
+    table = markdown_table(header, rows)
+    write_result(args.out, "Batched decode at the workload's 128 new tokens, paired rounds", table, "\n\n".join(notes))
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
