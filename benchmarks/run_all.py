@@ -161,7 +161,9 @@ it (1,475 / 902, 251). Exact prefill is at the float32 FMA limit on that CPU (se
 **Decode as the context grows** (section "Single-request decode as the context grows", Zen 4, 2026-12-05):
 since decode attention prefetches three tiles ahead into L2, one request decodes 1.21-1.43x llama.cpp exact
 and 1.60-1.87x int8 after 128 to 2,000 tokens (112 / 132 against 83 tok/s at 2,000; exact was 0.93x there
-before). **Router where a replica's cache is the limit** (section "... (router_rag_bounded)"): hit rate
+before). Batches at the workload's 128 new tokens (section "Batched decode at the workload's 128 new tokens"):
+batch 32 int8 2.6x transformers bf16, 2.8x with a bf16 KV cache (3x in one round of three), exact 1.14x.
+**Router where a replica's cache is the limit** (section "... (router_rag_bounded)"): hit rate
 85-90% against round_robin's 63-69%, median TTFT 2.8-5.5x lower, p90 only 1.4-1.6x (2.0-2.1x at 160 blocks).
 **On a CPU with AMX and native bf16** (section "... (kernels_amx)": Intel Xeon with AVX-512 VNNI/BF16,
 AMX-INT8/BF16, 2 threads, idle, 2026-12-01 23:48 UTC, every runner in one run; llama.cpp built without its
