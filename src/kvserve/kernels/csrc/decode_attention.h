@@ -8,7 +8,7 @@
 // then one vector exp per W keys (sums as vectors), then P x V as register-blocked broadcast-FMAs over D
 // (V streamed once) -- no per-tile rescale or horizontal max. Tiles follow the token order through the
 // block table (any block size: a tile may span blocks; a short last tile repeats its last key with
-// probability exactly 0), and each tile prefetches the next one's rows.
+// probability exactly 0), and each tile prefetches the rows of the next DA_AHEAD tiles into L2.
 //
 // A task is a row's queries for a range of KV heads: a whole row (every KV head, so its blocks are read
 // front to back once) when rows number at least twice the threads, one KV head otherwise (a single row
@@ -169,11 +169,12 @@ static inline void da_rows(const int64_t* table, int64_t bs, int64_t kstride, co
     for (int64_t i = n; i < W; ++i) { krow[i] = krow[n - 1]; vrow[i] = vrow[n - 1]; }
 }
 
-// Prefetches elements [off, off + len) of the W pool rows (one line per 64 bytes) into L2: the next tile's,
-// while this one computes, and (da_prefetch_tokens) the tiles up to DA_AHEAD ahead. A tile's rows sit in up
-// to W different blocks, which the hardware prefetchers do not follow across, and one tile of lead time
-// into L1 hid too little of DRAM's latency: 32 rows x 204 tokens over a 4 GiB pool, 30 layers, one Zen 4
-// core, ran at 6.5 GB/s that way (46 ms), 11 GB/s with these (27 ms; 2 threads 24.6 -> 15 ms).
+// Prefetches elements [off, off + len) of the W pool rows (one line per 64 bytes) with prefetcht2 (into L2,
+// not L1): the next tile's, while this one computes, and (da_prefetch_tokens) the tiles up to DA_AHEAD
+// ahead. A tile's rows sit in up to W different blocks, which the hardware prefetchers do not follow across,
+// and one tile of lead time into L1 hid too little of DRAM's latency: 32 rows x 204 tokens over a 4 GiB
+// pool, 30 layers, one Zen 4 core, ran at 6.5 GB/s that way (46 ms), 11 GB/s with these (27 ms; 2 threads
+// 24.6 -> 15 ms; one request after 2,000 tokens decodes 1.47x faster, benchmarks/results/long_decode.md).
 template <typename KT>
 static inline void da_prefetch(const KT* const* rows, int64_t off, int64_t len) {
     constexpr int64_t line = 64 / sizeof(KT);
