@@ -19,7 +19,7 @@ ORDER = [
     "throughput", "memory_efficiency", "prefix_cache", "prefix_lookup", "parallel_memory",
     "server_load", "server_steps", "serve_sweep", "side_channel", "dashboard", "soak", "soak_paced", "router",
     "router_2w", "router_2w_amx", "router_2w_zen4", "router_rag_bounded", "router_rag_bounded_4w",
-    "router_rag_bounded192", "router_chat_bounded", "eviction", "structured",
+    "router_rag_bounded192", "router_chat_bounded", "router_chat_bounded_4w", "eviction", "structured",
     "tiers", "kernels", "kernels_avx2",
     "kernels_zen1", "kernels_zen1_decode", "configs_zen1", "qgemm_zen1", "membw_zen1", "fp_rate_zen1",
     "load_footprint_zen1",
@@ -65,6 +65,9 @@ SCRIPTS = {
     "router_chat_bounded": ("router", ["--max-workers", "2", "--worker-counts", "2", "--workloads", "chat",
                                        "--policies", "round_robin", "cache_aware", "kv_events", "--num-blocks", "960",
                                        "--host-cache", "0", "--out", "router_chat_bounded"]),
+    "router_chat_bounded_4w": ("router", ["--max-workers", "4", "--worker-counts", "4", "--workloads", "chat",
+                                          "--policies", "round_robin", "cache_aware", "kv_events", "--num-blocks",
+                                          "960", "--host-cache", "0", "--out", "router_chat_bounded_4w"]),
     "soak_paced": ("soak", ["--think", "5", "--out", "soak_paced"]),  # the soak at a person's pace
     "crossover_zen4": ("crossover", ["--out", "crossover_zen4"]),  # on a Zen 4: its own crossovers
     "kernels_zen4_crossover": ("native_kernels", ["--quick", "--out", "kernels_zen4_crossover"]),  # after it
@@ -169,7 +172,8 @@ before). Batches at the workload's 128 new tokens (section "Batched decode at th
 batch 32 int8 2.6x transformers bf16, 2.8x with a bf16 KV cache (3x in one round of three), exact 1.14x.
 **Router where a replica's cache is the limit** (section "... (router_rag_bounded)"): hit rate
 85-90% against round_robin's 63-69%, median TTFT 2.8-5.5x lower, p90 only 1.4-1.6x (2.0-2.1x at 160 blocks)
-over 2 workers; over 4, hit rate 94% against 66.5% and **p90 9.1x / 8.8x** (section "... (router_rag_bounded_4w)").
+over 2 workers; over 4, hit rate 94% against 66.5% and **p90 9.1x / 8.8x** (section "... (router_rag_bounded_4w)");
+chat over 4 workers of 960 blocks: hit rate 80% against 57.6%, p90 3.0x / 3.1x.
 **On a CPU with AMX and native bf16** (section "... (kernels_amx)": Intel Xeon with AVX-512 VNNI/BF16,
 AMX-INT8/BF16, 2 threads, idle, 2026-12-01 23:48 UTC, every runner in one run; llama.cpp built without its
 AMX backend, which segfaulted in `ggml_backend_amx_mul_mat` on this model): single-request decode 171 tok/s
