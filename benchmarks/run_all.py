@@ -115,9 +115,10 @@ HEADER = """# Benchmarks
 Every number below was produced by the command printed under its heading, on the machine named there
 (2-core VM, shared and noisy: compare ratios measured side by side in one run, not absolute numbers
 across sections). Peer baselines for the same workloads: `benchmarks/data/PEERS.md`.
-The dev VM this session's sections ran on (`lscpu`): Intel(R) Xeon(R) Processor, 2 cores; SIMD flags
-fma f16c avx2 avx512f avx512dq avx512bw avx512vl avx512_vnni -- no avx512_bf16, no amx (so `--dtype auto`
-picks float32 and the native kernels take their AVX-512 + VNNI path). Sections from another machine say so.
+Sections ran on several 2-core VMs over the project's sessions, and each names its CPU under its command:
+until 2026-12-02 mostly an Intel Xeon with AVX-512 VNNI but no bf16 or AMX (`--dtype auto` picks float32
+there), then an AMX Xeon, a Zen 1, a Zen 3 (AVX2 only) and AMD EPYC Zen 4s (AVX-512 VNNI/BF16, no AMX: the
+machine of `benchmarks/data/PEERS.md`; every section of 2026-12-04 and 2026-12-05).
 Re-run everything with `python benchmarks/run_all.py` (or `make bench`); plots are redrawn from the
 result tables by `benchmarks/plot_results.py`.
 **Speculative decoding** (section "Speculative decoding by prompt lookup": Zen 4, idle, 2026-12-04, one
