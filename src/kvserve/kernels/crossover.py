@@ -19,11 +19,14 @@ from __future__ import annotations
 import ctypes
 from typing import TYPE_CHECKING
 
+from kvserve.kernels.quant import QTYPES
+
 if TYPE_CHECKING:
     from kvserve.kernels.native import NativeLibrary
 
 DEFAULT_MIN_ROWS = 5  # the C default too (csrc/kernels.cpp KV_QGEMM_MIN_ROWS_DEFAULT)
-Q4_1, Q8_0 = 3, 8  # GGUF type codes (csrc/impl.h)
+_CODES = {name: code for code, (name, _) in QTYPES.items()}
+Q4_1, Q8_0 = _CODES["Q4_1"], _CODES["Q8_0"]  # GGUF type codes
 # (vendor_id, cpu family) -> {weight type: first row count for the wide GEMM}. AMD family 25 with AVX-512
 # is Zen 4 (Zen 3 has no AVX-512; Zen 5 is family 26, with full-width 512-bit units: not measured).
 MEASURED = {("AuthenticAMD", 25): {Q4_1: 16, Q8_0: 6}}
@@ -61,9 +64,8 @@ def set_min_rows(library: NativeLibrary, qtype: int, rows: int) -> int:
     switch = getattr(library.lib, "kv_qgemm_min_rows", None)
     if switch is None:
         raise RuntimeError("this native library predates per-type crossovers (no kv_qgemm_min_rows)")
-    previous = library.qgemm_min_rows.get(qtype, DEFAULT_MIN_ROWS)
-    switch(library.code, qtype, rows)
-    library.qgemm_min_rows[qtype] = rows
+    previous = switch(library.code, qtype, rows)  # the library's value (its default when never set)
+    library.qgemm_min_rows[qtype] = rows  # mirrored for Kernels.linear: no ctypes call per matmul
     return previous
 
 

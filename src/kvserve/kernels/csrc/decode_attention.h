@@ -176,21 +176,22 @@ static inline void da_rows(const int64_t* table, int64_t bs, int64_t kstride, co
 // pool, 30 layers, one Zen 4 core, ran at 6.5 GB/s that way (46 ms), 11 GB/s with these (27 ms; 2 threads
 // 24.6 -> 15 ms; one request after 2,000 tokens decodes 1.47x faster, benchmarks/results/long_decode.md).
 template <typename KT>
-static inline void da_prefetch(const KT* const* rows, int64_t off, int64_t len) {
+static inline void da_prefetch_row(const KT* row, int64_t len) {
     constexpr int64_t line = 64 / sizeof(KT);
-    for (int i = 0; i < W; ++i)
-        for (int64_t e = 0; e < len; e += line) __builtin_prefetch(rows[i] + off + e, 0, 1);
+    for (int64_t e = 0; e < len; e += line) __builtin_prefetch(row + e, 0, 1);
+}
+
+template <typename KT>
+static inline void da_prefetch(const KT* const* rows, int64_t off, int64_t len) {
+    for (int i = 0; i < W; ++i) da_prefetch_row(rows[i] + off, len);
 }
 
 // As da_prefetch, for the pool rows of tokens [tok, tok + n) of the table (n <= 0: nothing).
 template <typename KT>
 static inline void da_prefetch_tokens(const int64_t* table, int64_t bs, int64_t kstride, const KT* pool,
                                       int64_t tok, int64_t n, int64_t off, int64_t len) {
-    constexpr int64_t line = 64 / sizeof(KT);
-    for (int64_t i = 0; i < n; ++i) {
-        const KT* row = pool + (table[(tok + i) / bs] * bs + (tok + i) % bs) * kstride + off;
-        for (int64_t e = 0; e < len; e += line) __builtin_prefetch(row + e, 0, 1);
-    }
+    for (int64_t i = 0; i < n; ++i)
+        da_prefetch_row(pool + (table[(tok + i) / bs] * bs + (tok + i) % bs) * kstride + off, len);
 }
 
 // The M queries in w.qs (query m belongs to KV head g0 + m / G) attend to tokens [tok0, tok1) of the
