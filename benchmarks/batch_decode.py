@@ -33,6 +33,7 @@ KVSERVE = {
     "kvserve native Q4_1": VARIANTS["kvserve native Q4_1"],
     "kvserve native Q4_1 int8": VARIANTS["kvserve native Q4_1 int8"],
     "kvserve native Q4_1 int8, bf16 KV": {**VARIANTS["kvserve native Q4_1 int8"], "kv_cache_dtype": "bfloat16"},
+    "kvserve native Q4_1 int8, bf16 KV + attention": VARIANTS["kvserve native Q4_1 int8, bf16 KV + attention"],
 }
 
 

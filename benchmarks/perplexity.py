@@ -50,6 +50,8 @@ KVSERVE_VARIANTS = {
     "kvserve native Q4_1, fp32 activations": {"weights": "native"},
     "kvserve native Q4_1, int8 activations": {"weights": "native", "activation_quant": "int8"},
     "kvserve native Q4_1, bf16 KV cache": {"weights": "native", "kv_cache_dtype": "bfloat16"},
+    "kvserve native Q4_1, int8 activations, bf16 KV + attention": {
+        "weights": "native", "activation_quant": "int8", "kv_cache_dtype": "bfloat16", "attention_dtype": "bfloat16"},
 }
 Logits = Callable[[list[int]], np.ndarray]  # a chunk's token ids -> float32 logits [len(chunk), vocab]
 

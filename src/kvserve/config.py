@@ -11,7 +11,7 @@ from kvserve.prefix.factory import PREFIX_CACHE_KINDS, PREFIX_HASH_KINDS
 from kvserve.prefix.policies import DEFAULT_EVICTION, ONLINE_POLICIES
 
 __all__ = [
-    "ACTIVATION_QUANTS", "DTYPES", "KV_CACHE_DTYPES", "PREFIX_CACHE_KINDS", "PREFIX_HASH_KINDS",
+    "ACTIVATION_QUANTS", "ATTENTION_DTYPES", "DTYPES", "KV_CACHE_DTYPES", "PREFIX_CACHE_KINDS", "PREFIX_HASH_KINDS",
     "SCHEDULE_POLICIES", "EngineConfig", "parse_size",
 ]
 SCHEDULE_POLICIES = ("fcfs", "lpm")
@@ -19,6 +19,9 @@ DTYPES = ("float32", "bfloat16", "float16", "auto")  # auto: bf16 only where the
 KERNEL_BACKENDS = ("native", "torch")  # C++ kernels (falling back to torch if unavailable) or torch only
 WEIGHT_FORMATS = ("dense", "native")  # float32 weights, or a GGUF's quantized tensors kept as stored
 ACTIVATION_QUANTS = ("none", "int8")  # int8: quantized-weight matmuls take int8 activation blocks (Q8_1)
+# bfloat16: prefill and shared-prefix attention multiply bf16 queries and probabilities by the bf16 KV cache's keys
+# and values, summing in float32 (llama.cpp's 16-bit KV path; twice the float32 FMA rate with AVX512-BF16).
+ATTENTION_DTYPES = ("float32", "bfloat16")
 # What the KV pool stores: auto = the model's dtype; bfloat16 halves the pool's bytes per token under float32
 # arithmetic (twice the cached tokens in the same memory; attention reads the rounded keys/values).
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
@@ -84,6 +87,7 @@ class EngineConfig:
     kernels: str = "native"
     weights: str = "native"  # a quantized GGUF runs as stored; "dense": float32, the transformers-exact reference
     activation_quant: str = "none"  # int8 needs quantized weights (weights="native")
+    attention_dtype: str = "float32"  # bfloat16: bf16 products in prefill attention (needs a bfloat16 KV cache)
     enable_lora: bool = False
     max_loras: int = 4
     max_lora_rank: int = 16
@@ -149,6 +153,11 @@ class EngineConfig:
         _require(self.max_lora_rank >= 1, f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
         _require(self.kernels in KERNEL_BACKENDS, f"kernels must be one of {KERNEL_BACKENDS}, got {self.kernels!r}")
         _require(self.weights in WEIGHT_FORMATS, f"weights must be one of {WEIGHT_FORMATS}, got {self.weights!r}")
+        _require(self.attention_dtype in ATTENTION_DTYPES,
+                 f"attention_dtype must be one of {ATTENTION_DTYPES}, got {self.attention_dtype!r}")
+        _require(self.attention_dtype == "float32" or self.kv_cache_dtype == "bfloat16",
+                 f"attention_dtype={self.attention_dtype!r} multiplies bf16 keys and values: it needs "
+                 f"kv_cache_dtype='bfloat16', got {self.kv_cache_dtype!r}")
         _require(self.activation_quant in ACTIVATION_QUANTS,
                  f"activation_quant must be one of {ACTIVATION_QUANTS}, got {self.activation_quant!r}")
         _require(self.activation_quant == "none" or self.weights != "dense",

@@ -75,7 +75,8 @@ class LLMEngine:
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         check_activation_quant(config, loaded.weights)
-        kernels = Kernels.create(config.kernels, activation_quant=config.activation_quant)
+        kernels = Kernels.create(config.kernels, activation_quant=config.activation_quant,
+                                  attention_dtype=config.attention_dtype)
         dtype, loaded.weights, bf16_weights = model_weights(kernels, config, loaded.weights)
         self.model = LlamaModel(loaded.config, loaded.weights, dtype, config.device, kernels)
         tensor_shapes = {name: tuple(tensor.shape) for name, tensor in loaded.weights.items()}

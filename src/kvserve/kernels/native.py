@@ -22,7 +22,7 @@ from kvserve.kernels.scratch import bind_scratch, scratch_call
 ISA_CODES = {"avx2": 1, "avx512": 2}
 FEATURE_BITS = {"avx2": 1, "avx512": 2, "avx512_vnni": 4, "avx512_bf16": 8, "amx_bf16": 16, "amx_int8": 32}
 AMX_ENV = "KVSERVE_AMX"  # "0": never use AMX tiles (the tests compare both paths in one process)
-ABI_VERSION = 4  # 4: the pool's element type on every pool call; 3: kv_pack_i8, the int8 path's packed weights
+ABI_VERSION = 5  # 5: attention products (prefill / cascade calls, the layer model); 4: the pool's element type
 
 _P, _I, _F, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {
@@ -43,8 +43,8 @@ _SIGNATURES = {
                          _P],
     "kv_layer_forward_spans": [_C, _C, _P, _C, _P, _I, _P, _P, _P, _I, _I, _P, _I, _P, _I, _P, _P, _P,
                                _P, _I, _I, _P, _P, _P, _P, _I, _P],
-    "kv_cascade_attention": [_C, _C, _P, _I, _I, _I, _I, _P, _P, _I, _P, _I, _P, _I, _P, _P, _P, _P, _F, _P],
-    "kv_prefill_attention": [_C, _C, _P, _I, _I, _I, _P, _P, _I, _I, _P, _P, _P, _P, _I, _F, _P],
+    "kv_cascade_attention": [_C, _C, _P, _I, _I, _I, _I, _P, _P, _I, _P, _I, _P, _I, _P, _P, _P, _P, _F, _C, _P],
+    "kv_prefill_attention": [_C, _C, _P, _I, _I, _I, _P, _P, _I, _I, _P, _P, _P, _P, _I, _F, _C, _P],
 }
 # Optional too (older builds lack it): the int8 path's AMX tiles where they pay (1), for every packed weight
 # type (2: measurements, tests), off (0) or unchanged (-1); returns the mode, -1 where the CPU or the kernel
@@ -288,8 +288,11 @@ class NativeLibrary:
     def cascade_attention(
         self, queries: torch.Tensor, key_blocks: torch.Tensor, value_blocks: torch.Tensor,
         block_tables: torch.Tensor, context_lens: torch.Tensor, plan: CascadeTensors, scale: float,
+        bf16_products: bool = False,
     ) -> torch.Tensor:
-        """As `reference.cascade_attention` (the plan's tensors checked against the rows and tables)."""
+        """As `reference.cascade_attention` (the plan's tensors checked against the rows and tables).
+        `bf16_products` (a bf16 pool): the shared parts on prefill.h's tiles round queries and probabilities
+        to bf16 (csrc/prefill.h, ATTN_BF16)."""
         check(queries, torch.float32, "queries")
         kvt = check_pool(key_blocks, value_blocks)
         for tensor, name in ((block_tables, "block_tables"), (context_lens, "context_lens"),
@@ -304,19 +307,20 @@ class NativeLibrary:
             value_blocks.data_ptr(), block_size, block_tables.data_ptr(), block_tables.shape[1],
             context_lens.data_ptr(), plan.group_shared_blocks.shape[0], plan.group_offsets.data_ptr(),
             plan.group_rows.data_ptr(), plan.group_shared_blocks.data_ptr(), plan.row_shared_blocks.data_ptr(),
-            scale, out.data_ptr(),
+            scale, int(bf16_products), out.data_ptr(),
         ), "cascade_attention")
         return out
 
     def prefill_attention(
         self, queries: torch.Tensor, key_blocks: torch.Tensor, value_blocks: torch.Tensor, spans: torch.Tensor,
-        block_tables: torch.Tensor, scale: float, out: torch.Tensor | None = None,
+        block_tables: torch.Tensor, scale: float, out: torch.Tensor | None = None, bf16_products: bool = False,
     ) -> torch.Tensor:
         """Prefill chunks attending causally through the pool (csrc/prefill.h). ``spans [S, 3]`` int64 rows
         (first query row, tokens, context length once written): the span's row i sits at position
         ``context - tokens + i``; ``block_tables [S, max_blocks]``. Writes the spans' rows of `out`
         (``[T, heads, D]``, a new tensor when None; other rows untouched) and returns it. Equals
-        `paged_attention` with one row per token over its span's table up to summation order."""
+        `paged_attention` with one row per token over its span's table up to summation order; with
+        `bf16_products` (a bf16 pool) `reference.paged_attention`'s bf16 products (csrc/prefill.h, ATTN_BF16)."""
         check(queries, torch.float32, "queries")
         kvt = check_pool(key_blocks, value_blocks)
         check(spans, torch.int64, "spans")
@@ -339,7 +343,8 @@ class NativeLibrary:
         ok(self.lib.kv_prefill_attention(
             self.code, kvt, queries.data_ptr(), num_heads, num_kv_heads, head_dim, key_blocks.data_ptr(),
             value_blocks.data_ptr(), block_size, spans.shape[0], spans_t[0].data_ptr(), spans_t[1].data_ptr(),
-            spans_t[2].data_ptr(), block_tables.data_ptr(), block_tables.shape[1], scale, out.data_ptr(),
+            spans_t[2].data_ptr(), block_tables.data_ptr(), block_tables.shape[1], scale, int(bf16_products),
+            out.data_ptr(),
         ), "prefill_attention")
         return out
 

@@ -29,5 +29,6 @@ def check(tensor: torch.Tensor, dtype: torch.dtype, name: str) -> None:
 
 def ok(status: int, kernel: str) -> None:
     if status != 0:
-        reasons = {-1: "unsupported quantization type", -2: "unsupported shape", -3: "unknown ISA", -4: "KV dtype"}
+        reasons = {-1: "unsupported quantization type", -2: "unsupported shape", -3: "unknown ISA", -4: "KV dtype",
+                   -5: "bf16 attention products need a bfloat16 KV pool"}
         raise ValueError(f"native {kernel}: {reasons.get(status, f'error {status}')}")

@@ -32,6 +32,9 @@ from kvserve.kernels.quant import BLOCK_QTYPES, QuantWeight
 
 KERNEL_BACKENDS = ("native", "torch")
 ACTIVATION_QUANTS = ("none", "int8")  # int8: quantized weights see int8 activation blocks (llama.cpp's Q8_1)
+# bfloat16: prefill and shared-prefix attention round queries and probabilities to bf16 against a bf16 KV pool
+# (csrc/prefill.h's ATTN_BF16; AVX512-BF16 pair products where the CPU has them); decode rows stay float32.
+ATTENTION_DTYPES = ("float32", "bfloat16")
 ISA_ENV = "KVSERVE_ISA"
 # Up to this many activation rows the per-row kernel (csrc/impl.h) runs the layer loop's matmuls.
 NATIVE_QMATMUL_MAX_ROWS = 16
@@ -54,26 +57,35 @@ class Kernels:
     backend: str  # what actually runs: "native" or "torch"
     native: NativeLibrary | None = None
     activation_quant: str = "none"  # one of ACTIVATION_QUANTS
+    attention_dtype: str = "float32"  # one of ATTENTION_DTYPES
 
     def __post_init__(self) -> None:
         if self.activation_quant not in ACTIVATION_QUANTS:
             raise ValueError(f"activation_quant must be one of {ACTIVATION_QUANTS}, got {self.activation_quant!r}")
+        if self.attention_dtype not in ATTENTION_DTYPES:
+            raise ValueError(f"attention_dtype must be one of {ATTENTION_DTYPES}, got {self.attention_dtype!r}")
 
     @classmethod
-    def create(cls, requested: str = "native", isa: str | None = None, activation_quant: str = "none") -> Kernels:
+    def create(cls, requested: str = "native", isa: str | None = None, activation_quant: str = "none",
+               attention_dtype: str = "float32") -> Kernels:
         if requested not in KERNEL_BACKENDS:
             raise ValueError(f"kernels must be one of {KERNEL_BACKENDS}, got {requested!r}")
         if requested == "torch":
-            return cls("torch", activation_quant=activation_quant)
+            return cls("torch", activation_quant=activation_quant, attention_dtype=attention_dtype)
         try:
             from kvserve.kernels.build import build
 
             library = NativeLibrary.load(build(), isa or os.environ.get(ISA_ENV) or None)
         except (RuntimeError, OSError, ValueError, AttributeError) as err:
             logger.warning("native kernels unavailable, using the torch kernels instead: %s", err)
-            return cls("torch", activation_quant=activation_quant)
+            return cls("torch", activation_quant=activation_quant, attention_dtype=attention_dtype)
         logger.info("native kernels: %s (CPU features: %s)", library.isa, ", ".join(sorted(library.features)))
-        return cls("native", library, activation_quant)
+        return cls("native", library, activation_quant, attention_dtype)
+
+    @property
+    def bf16_products(self) -> bool:
+        """Whether prefill and shared-prefix attention run bf16 products (ATTENTION_DTYPES)."""
+        return self.attention_dtype == "bfloat16"
 
     @property
     def isa(self) -> str | None:
@@ -81,11 +93,12 @@ class Kernels:
 
     def describe(self) -> str:
         backend = f"native ({self.isa})" if self.native else "torch"
+        attention = ", bf16 attention products" if self.bf16_products else ""
         if self.activation_quant == "none":
             exact_tiles = self.native is not None and self.native.amx_exact
-            return backend + (", wide matmuls on AMX tiles" if exact_tiles else "")
+            return backend + (", wide matmuls on AMX tiles" if exact_tiles else "") + attention
         tiles = " on AMX tiles" if self.native is not None and self.native.amx else ""
-        return f"{backend}, {self.activation_quant} activations{tiles}"
+        return f"{backend}, {self.activation_quant} activations{tiles}{attention}"
 
     def native_bf16(self) -> bool:
         """Whether this CPU computes bf16 natively (AVX512_BF16 or AMX); without it bf16 runs emulated."""
@@ -196,10 +209,12 @@ class Kernels:
         its members (see `reference.cascade_attention`); the result equals `paged_attention`'s."""
         if self.supports_paged_attention(queries, key_blocks):
             return self.native.cascade_attention(
-                queries.contiguous(), key_blocks, value_blocks, block_tables.contiguous(), context_lens, plan, scale
+                queries.contiguous(), key_blocks, value_blocks, block_tables.contiguous(), context_lens, plan, scale,
+                self.bf16_products,
             )
         check_cascade_plan(plan, block_tables, context_lens, key_blocks.shape[1], queries.shape[0])
-        out = reference.cascade_attention(queries, key_blocks, value_blocks, block_tables, context_lens, plan, scale)
+        out = reference.cascade_attention(queries, key_blocks, value_blocks, block_tables, context_lens, plan, scale,
+                                          self.bf16_products)
         return out.to(queries.dtype)
 
     def rms_norm(

@@ -84,10 +84,13 @@ def qlinear_i8(x: torch.Tensor, weight: QuantWeight, row_chunk: int = 64) -> tor
 
 def paged_attention(
     queries: torch.Tensor, key_blocks: torch.Tensor, value_blocks: torch.Tensor, block_tables: torch.Tensor,
-    context_lens: torch.Tensor, scale: float,
+    context_lens: torch.Tensor, scale: float, bf16_products: bool = False,
 ) -> torch.Tensor:
     """Row t of ``queries [T, heads, D]`` attends to the first ``context_lens[t]`` tokens of the blocks in
     ``block_tables[t]`` (pool layout ``[num_blocks, block_size, kv_heads, D]``). Float32 ``[T, heads, D]``.
+    `bf16_products`: csrc/prefill.h's ATTN_BF16 -- the scaled queries and the unnormalised probabilities
+    rounded to bf16 before their products (the kernel rounds against its running max, this against the
+    row's max: the same up to bf16 rounding of a few probabilities).
     """
     num_rows, num_heads, head_dim = queries.shape
     num_kv_heads = key_blocks.shape[2]
@@ -96,11 +99,41 @@ def paged_attention(
     group = num_heads // num_kv_heads
     keys = keys.float().repeat_interleave(group, dim=2)  # [T, L, heads, D]
     values = values.float().repeat_interleave(group, dim=2)
-    scores = torch.einsum("thd,tlhd->thl", queries.float(), keys) * scale
+    if bf16_products:  # the kernels scale the queries first, then round
+        scores = torch.einsum("thd,tlhd->thl", _bf16(queries.float() * scale), keys)
+    else:
+        scores = torch.einsum("thd,tlhd->thl", queries.float(), keys) * scale
     positions = torch.arange(keys.shape[1], device=queries.device)
     mask = positions.unsqueeze(0) < context_lens.unsqueeze(1)  # [T, L]
     scores = scores.masked_fill(~mask.unsqueeze(1), float("-inf"))
-    return torch.einsum("thl,tlhd->thd", torch.softmax(scores, dim=-1), values)
+    if not bf16_products:
+        return torch.einsum("thl,tlhd->thd", torch.softmax(scores, dim=-1), values)
+    probs = torch.exp(scores - scores.amax(dim=-1, keepdim=True))
+    return torch.einsum("thl,tlhd->thd", _bf16(probs), values) / probs.sum(dim=-1, keepdim=True)
+
+
+def causal_attention(
+    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, first: int, scale: float,
+    bf16_products: bool = False,
+) -> torch.Tensor:
+    """Row i of ``queries [T, heads, D]`` sits at position ``first + i`` and attends to ``keys`` / ``values``
+    ``[L, kv_heads, D]`` up to it: one prefill chunk over its sequence's keys, as `paged_attention` rows would
+    (without gathering a context per row). Float32 ``[T, heads, D]``."""
+    group = queries.shape[1] // keys.shape[1]
+    keys = keys.float().repeat_interleave(group, dim=1)  # [L, heads, D]
+    values = values.float().repeat_interleave(group, dim=1)
+    q = _bf16(queries.float() * scale) if bf16_products else queries.float() * scale
+    scores = torch.einsum("thd,lhd->thl", q, keys)
+    visible = torch.arange(keys.shape[0]).unsqueeze(0) <= first + torch.arange(queries.shape[0]).unsqueeze(1)
+    scores = scores.masked_fill(~visible.unsqueeze(1), float("-inf"))
+    probs = torch.exp(scores - scores.amax(dim=-1, keepdim=True))
+    weights = _bf16(probs) if bf16_products else probs
+    return torch.einsum("thl,lhd->thd", weights, values) / probs.sum(dim=-1, keepdim=True)
+
+
+def _bf16(x: torch.Tensor) -> torch.Tensor:
+    """`x` rounded to bf16 (nearest even) and widened back: the operand a bf16 product sees."""
+    return x.to(torch.bfloat16).float()
 
 
 def rms_norm(
@@ -149,11 +182,12 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
 
 def cascade_attention(
     queries: torch.Tensor, key_blocks: torch.Tensor, value_blocks: torch.Tensor, block_tables: torch.Tensor,
-    context_lens: torch.Tensor, plan: CascadeTensors, scale: float,
+    context_lens: torch.Tensor, plan: CascadeTensors, scale: float, bf16_products: bool = False,
 ) -> torch.Tensor:
     """`paged_attention`'s result computed in two parts merged by log-sum-exp: each group's stacked
     queries ``[members x heads, D]`` against its shared blocks once, each row against its own blocks
-    after them (its whole context outside a group). Float32 ``[T, heads, D]``."""
+    after them (its whole context outside a group). Float32 ``[T, heads, D]``. `bf16_products`: the shared
+    parts as `paged_attention`'s bf16 products (the own parts stay float32, as the native decode kernel's)."""
     num_rows, num_heads, head_dim = queries.shape
     block_size, num_kv_heads = key_blocks.shape[1], key_blocks.shape[2]
     group = num_heads // num_kv_heads
@@ -173,9 +207,16 @@ def cascade_attention(
         values = value_blocks.index_select(0, table).reshape(-1, num_kv_heads, head_dim).float()
         stacked = q[members].view(len(members), num_kv_heads, group, head_dim).transpose(0, 1)
         stacked = stacked.reshape(num_kv_heads, len(members) * group, head_dim)  # [kv, members x G, D]
-        scores = torch.matmul(stacked, keys.permute(1, 2, 0)) * scale  # [kv, members x G, L]
+        if bf16_products:
+            scores = torch.matmul(_bf16(stacked * scale), keys.permute(1, 2, 0))  # [kv, members x G, L]
+        else:
+            scores = torch.matmul(stacked, keys.permute(1, 2, 0)) * scale
         lse = torch.logsumexp(scores, dim=-1)
-        out = torch.matmul(torch.softmax(scores, dim=-1), values.transpose(0, 1))  # [kv, members x G, D]
+        probs = torch.softmax(scores, dim=-1)
+        if bf16_products:
+            unnormalised = torch.exp(scores - scores.amax(dim=-1, keepdim=True))
+            probs = _bf16(unnormalised) / unnormalised.sum(dim=-1, keepdim=True)
+        out = torch.matmul(probs, values.transpose(0, 1))  # [kv, members x G, D]
         out = out.view(num_kv_heads, len(members), group, head_dim).transpose(0, 1).reshape(-1, num_heads, head_dim)
         lse = lse.view(num_kv_heads, len(members), group).transpose(0, 1).reshape(-1, num_heads)
         merged_lse = torch.logaddexp(own_lse[members], lse)

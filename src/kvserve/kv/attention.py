@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from kvserve.kernels.cascade_plan import CascadeTensors
 from kvserve.kernels.ops import Kernels
+from kvserve.kernels.reference import causal_attention
 
 
 @dataclass(slots=True)
@@ -70,6 +71,7 @@ def paged_attention(
     may be None (a fresh prefill then reads its keys back from the slots). Returns ``[T, heads * D]``.
     """
     in_place = kernels is not None and kernels.supports_paged_attention(queries, key_blocks)
+    bf16_products = kernels is not None and kernels.bf16_products
     if not kv_written:
         write_kv(key_blocks, value_blocks, keys, values, meta.slot_mapping)
     if meta.prefills and not in_place and (keys is None or key_blocks.dtype != keys.dtype):
@@ -100,12 +102,12 @@ def paged_attention(
             meta.native_spans = native_spans(meta.prefills, queries.device)
         spans, tables = meta.native_spans
         kernels.native.prefill_attention(queries.contiguous(), key_blocks, value_blocks, spans, tables, scale,
-                                         out=output)
+                                         out=output, bf16_products=bf16_products)
         return output.view(num_tokens, num_heads * head_dim)
     for span in meta.prefills:
         output[span.start : span.end] = _prefill_attention(
             queries[span.start : span.end], keys[span.start : span.end], values[span.start : span.end],
-            key_blocks, value_blocks, span, scale,
+            key_blocks, value_blocks, span, scale, bf16_products,
         )
     return output.view(num_tokens, num_heads * head_dim)
 
@@ -170,7 +172,10 @@ def _grouped_decode_attention(
 def _prefill_attention(
     queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     key_blocks: torch.Tensor, value_blocks: torch.Tensor, span: PrefillSpan, scale: float,
+    bf16_products: bool = False,
 ) -> torch.Tensor:
+    """One chunk's causal attention (torch's SDPA); `bf16_products`: the native kernel's ATTN_BF16 rounding
+    (`reference.causal_attention`: queries and probabilities rounded to bf16, float32 sums)."""
     num_new, num_heads, head_dim = queries.shape
     num_kv_heads = keys.shape[1]
     num_cached = span.context_len - num_new
@@ -184,6 +189,8 @@ def _prefill_attention(
         query_pos = torch.arange(num_cached, span.context_len, device=queries.device)
         key_pos = torch.arange(span.context_len, device=queries.device)
         mask, causal = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1), False
+    if bf16_products:
+        return causal_attention(queries, context_keys, context_values, num_cached, scale, True).to(queries.dtype)
     out = F.scaled_dot_product_attention(
         queries.transpose(0, 1).unsqueeze(0),
         context_keys.transpose(0, 1).unsqueeze(0),

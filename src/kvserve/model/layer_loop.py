@@ -66,7 +66,7 @@ class _Layer(ctypes.Structure):
 class _Model(ctypes.Structure):
     _fields_ = [("num_layers", _I), ("hidden", _I), ("heads", _I), ("kv_heads", _I), ("head_dim", _I),
                 ("intermediate", _I), ("eps", ctypes.c_double), ("scale", ctypes.c_double), ("rope_cos", _P),
-                ("rope_sin", _P), ("final_norm", _P), ("layers", ctypes.POINTER(_Layer))]
+                ("rope_sin", _P), ("final_norm", _P), ("layers", ctypes.POINTER(_Layer)), ("attention", _I)]
 
 
 def _matrix(weight: QuantWeight | PackedI8Weight) -> _Matrix:
@@ -97,6 +97,7 @@ class LayerLoop:
             len(model.layers), config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
             config.intermediate_size, config.rms_norm_eps, model.scale, model.rope_cos.data_ptr(),
             model.rope_sin.data_ptr(), model.final_norm.data_ptr(), ctypes.cast(self._layers, ctypes.POINTER(_Layer)),
+            int(kernels.bf16_products),  # csrc/prefill.h's ATTN_BF16 for prefill and shared-prefix attention
         )
 
     @classmethod

@@ -8,7 +8,8 @@
 // max, sum and unnormalised output. Then every row attends to its own blocks after the shared ones
 // (rows in no group: their whole context) with decode_attention.h's kernel, and the parts are merged by
 // log-sum-exp, as FlashInfer's cascade, vLLM's cascade attention and Hydragen do. Rows in no group cost what
-// paged_attention costs.
+// paged_attention costs. prod (prefill.h's ATTN_*) applies to the shared parts on prefill.h's tiles; the
+// decode kernel's parts (own blocks, small groups) always run float32 products.
 //
 // C entry (kernels.cpp: kv_cascade_attention): q [T, H, D]; K/V pools [blocks, bs, KVH, D]; row t's
 // table at tables + t * table_stride, ctx_lens[t] tokens; groups: group_rows[group_offsets[i] ..
@@ -37,8 +38,9 @@ static int cascade_attention(const float* q, int64_t T, int64_t H, int64_t KVH, 
                              const KT* vpool, int64_t bs, const int64_t* tables, int64_t table_stride,
                              const int64_t* ctx_lens, int64_t num_groups, const int64_t* group_offsets,
                              const int64_t* group_rows, const int64_t* group_shared_blocks,
-                             const int64_t* row_shared_blocks, float scale, float* out) {
+                             const int64_t* row_shared_blocks, float scale, int prod, float* out) {
     if (D % W != 0 || H % KVH != 0) return -2;
+    if (prod != ATTN_F32 && (prod != ATTN_BF16 || sizeof(KT) != 2)) return -5;  // bf16 products: a bf16 pool
     const int64_t G = H / KVH;
     const int64_t chunk_blocks = CASCADE_CHUNK_TOKENS / bs > 0 ? CASCADE_CHUNK_TOKENS / bs : 1;
     // Phase 1 tasks: (group, KV head, chunk of shared blocks); each writes mx/sum [M] and acc [M, D].
@@ -104,7 +106,7 @@ static int cascade_attention(const float* q, int64_t T, int64_t H, int64_t KVH, 
                     for (int64_t j = 0; j < G; ++j)
                         pf_put_query(pw, Mp, D, r * G + j, q + (group_rows[group_offsets[i] + r] * H + g * G + j) * D,
                                      scale);
-                pf_attend(pw, Mp, D, G, kpool, vpool, KVH, g, bs, table, b0 * bs, b1 * bs, -1);
+                pf_attend(pw, Mp, D, G, kpool, vpool, KVH, g, bs, table, b0 * bs, b1 * bs, -1, prod);
                 mx = pw.mx; sum = pw.sum; acc = pw.acc;
             }
             for (int64_t m = 0; m < M; ++m) { base[m] = mx[m]; base[M + m] = sum[m]; }

@@ -289,7 +289,7 @@ static int decode_forward(const LayerModel& m, int act_quant, float* hidden, int
         if (cascade) {
             const int rc = cascade_attention(s.q, T, H, KVH, D, kpool, vpool, bs, tables, table_stride, ctx_lens,
                                              num_groups, group_offsets, group_rows, group_shared_blocks,
-                                             row_shared_blocks, scale, s.attn);
+                                             row_shared_blocks, scale, static_cast<int>(m.attention), s.attn);
             if (rc != 0) status.store(rc, std::memory_order_relaxed);
             return;
         }

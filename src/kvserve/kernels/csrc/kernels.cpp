@@ -19,6 +19,21 @@
 static int g_threads = 0;
 static inline int kv_threads() { return g_threads > 0 ? g_threads : omp_get_max_threads(); }
 
+// AVX512-BF16 pair dot products (prefill.h's bf16 attention products) need GCC 10 / clang 9 to compile and the
+// CPU to run them (asked once).
+#if (defined(__clang__) && __clang_major__ >= 9) || (!defined(__clang__) && __GNUC__ >= 10)
+#define KV_HAS_BF16 1
+#else
+#define KV_HAS_BF16 0
+#endif
+static inline bool kv_cpu_dpbf16() {
+    static const bool has = [] {
+        __builtin_cpu_init();
+        return static_cast<bool>(__builtin_cpu_supports("avx512bf16"));
+    }();
+    return has;
+}
+
 // Every fp16 bit pattern as a float32, filled once when the library loads (plain bit arithmetic, no F16C:
 // loading must not fault on any CPU). The matmuls look block scales up here: a load instead of F16C's
 // convert-and-broadcast shuffles (impl.h's half_at). Values equal F16C's for every non-NaN pattern.
@@ -90,10 +105,14 @@ namespace isa_avx2 {
 #pragma GCC push_options
 #if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11)
 #define KV_HAS_AMX 1
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c,amx-tile,amx-int8,amx-bf16")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,avx2,fma,f16c,amx-tile,amx-int8,amx-bf16")
 #else
 #define KV_HAS_AMX 0
+#if KV_HAS_BF16
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,avx2,fma,f16c")
+#else
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
+#endif
 #endif
 namespace isa_avx512 {
 #define KV_AVX512 1
@@ -143,7 +162,8 @@ static int with_kv_type(int kvt, F fn) {
 
 extern "C" {
 
-int kv_abi_version() { return 4; }  // 4: the pool's element type (kvt) on every pool call; 3: kv_pack_i8
+int kv_abi_version() { return 5; }  // 5: attention products (attn) on prefill / cascade calls and in the layer
+                                    // model; 4: the pool's element type (kvt) on every pool call; 3: kv_pack_i8
 
 void kv_set_num_threads(int n) { g_threads = n; }
 
@@ -256,30 +276,33 @@ int kv_paged_attention(int isa, int kvt, const float* q, int64_t T, int64_t H, i
     });
 }
 
-// Shared-prefix (cascade) decode attention: see cascade.h for the arguments.
+// Shared-prefix (cascade) decode attention: see cascade.h for the arguments; attn: prefill.h's ATTN_* (ATTN_BF16
+// needs a bf16 pool: -5 otherwise).
 int kv_cascade_attention(int isa, int kvt, const float* q, int64_t T, int64_t H, int64_t KVH, int64_t D,
                          const void* kpool, const void* vpool, int64_t bs, const int64_t* tables, int64_t table_stride,
                          const int64_t* ctx_lens, int64_t num_groups, const int64_t* group_offsets,
                          const int64_t* group_rows, const int64_t* group_shared_blocks,
-                         const int64_t* row_shared_blocks, float scale, float* out) {
+                         const int64_t* row_shared_blocks, float scale, int attn, float* out) {
     return with_kv_type(kvt, [&](auto tag) {
         using KT = decltype(tag);
         const KT *k = static_cast<const KT*>(kpool), *v = static_cast<const KT*>(vpool);
         KV_DISPATCH(cascade_attention(q, T, H, KVH, D, k, v, bs, tables, table_stride, ctx_lens, num_groups,
-                                      group_offsets, group_rows, group_shared_blocks, row_shared_blocks, scale, out));
+                                      group_offsets, group_rows, group_shared_blocks, row_shared_blocks, scale, attn,
+                                      out));
     });
 }
 
-// Prefill chunks attending causally through the pool, query tiles against shared key rows: see prefill.h.
+// Prefill chunks attending causally through the pool, query tiles against shared key rows: see prefill.h (attn:
+// as kv_cascade_attention's).
 int kv_prefill_attention(int isa, int kvt, const float* q, int64_t H, int64_t KVH, int64_t D, const void* kpool,
                          const void* vpool, int64_t bs, int64_t num_spans, const int64_t* span_start,
                          const int64_t* span_len, const int64_t* span_ctx, const int64_t* tables,
-                         int64_t table_stride, float scale, float* out) {
+                         int64_t table_stride, float scale, int attn, float* out) {
     return with_kv_type(kvt, [&](auto tag) {
         using KT = decltype(tag);
         const KT *k = static_cast<const KT*>(kpool), *v = static_cast<const KT*>(vpool);
         KV_DISPATCH(prefill_attention(q, H, KVH, D, k, v, bs, num_spans, span_start, span_len, span_ctx, tables,
-                                      table_stride, scale, out));
+                                      table_stride, scale, attn, out));
     });
 }
 

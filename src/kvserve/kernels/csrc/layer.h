@@ -29,6 +29,7 @@ struct LayerModel {
     const float* rope_sin;
     const float* final_norm;
     const LayerWeightsDesc* layers;
+    int64_t attention;  // prefill.h's ATTN_*: the products of prefill and shared-prefix attention
 };
 
 // Every matmul of the layer loop goes through here. act_quant 0: float32 activations (qmatmul); 1: int8
@@ -98,12 +99,14 @@ static int layer_forward_spans(const void* desc, int act_quant, float* hidden, i
         const int64_t Td = spans.num_spans > 0 ? spans.num_decodes : T;  // rows of decode attention
         if (num_groups > 0)
             rc |= cascade_attention(q, Td, H, KVH, D, kpool, vpool, bs, tables, table_stride, ctx_lens, num_groups,
-                                    group_offsets, group_rows, group_shared_blocks, row_shared_blocks, scale, attn);
+                                    group_offsets, group_rows, group_shared_blocks, row_shared_blocks, scale,
+                                    static_cast<int>(m.attention), attn);
         else if (Td > 0)
             rc |= paged_attention(q, Td, H, KVH, D, kpool, vpool, bs, tables, table_stride, ctx_lens, scale, attn);
         if (spans.num_spans > 0)
             rc |= prefill_attention(q, H, KVH, D, kpool, vpool, bs, spans.num_spans, spans.start, spans.len,
-                                    spans.ctx, spans.tables, spans.table_stride, scale, attn);
+                                    spans.ctx, spans.tables, spans.table_stride, scale, static_cast<int>(m.attention),
+                                    attn);
         rc |= layer_qmatmul(act_quant, attn, T, H * D, w.o, other);
         rc |= rms_norm(other, residual, w.post_attention_norm, T, E, eps, normed);  // other = attended + residual
         float* swap = residual;

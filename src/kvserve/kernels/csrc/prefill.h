@@ -19,7 +19,16 @@
 // tables + s * table_stride. out [T, H, D] (rows of no span are left untouched).
 
 constexpr int64_t PREFILL_TILE_TOKENS = 32;  // query tokens per task (x G heads stacked)
-constexpr int64_t PREFILL_KEY_STEP = 64;     // keys per online-softmax step
+constexpr int64_t PREFILL_KEY_STEP = 64;     // keys per online-softmax step (even: keys pair up below)
+
+// The attention products (`--attention-dtype`). ATTN_F32: float32 queries and probabilities, the FMAs below.
+// ATTN_BF16 (a bf16 pool only): queries and, after the softmax, the unnormalised probabilities rounded to bf16
+// (nearest even), every product then exact in float32 and summed in float32 -- llama.cpp's 16-bit KV path and
+// torch's bf16 attention round the same operands. On a CPU with AVX512-BF16 the products run as pair dot
+// products (vdpbf16ps: two bf16 products a lane per instruction, twice the float32 FMA's rate; queries paired
+// along the head dimension for Q x K^T, keys paired for P x V); elsewhere float32 FMAs on the rounded values
+// give the same products in another order. The running max, the sums and the rescaling stay float32.
+enum : int { ATTN_F32 = 0, ATTN_BF16 = 1 };
 #if KV_AVX512
 constexpr int PF_KR = 4, PF_QV = 4, PF_VR = 4, PF_VC = 4;  // register tiles: 32 zmm registers
 #else
@@ -87,14 +96,120 @@ struct PrefillScratch {
     float* mx;    // [Mp] running maxima
     float* sum;   // [Mp] running sums
     float* corr;  // [Mp]
+    uint32_t* qp;  // ATTN_BF16 pair products: [D / 2, Mp] bf16 query pairs (dims 2d, 2d + 1)
+    uint32_t* pp;  // [KEY_STEP / 2, Mp] bf16 probability pairs (keys 2i, 2i + 1)
+    uint32_t* vp;  // [KEY_STEP / 2, D] bf16 value pairs (keys 2i, 2i + 1)
 };
 
 // Taken from `scope` (scratch.h: the calling thread's arena), valid until it ends.
 static PrefillScratch pf_scratch_new(ScratchScope& scope, int64_t Mp, int64_t D) {
     float* buf = scope.take<float>(D * Mp + PREFILL_KEY_STEP * Mp + Mp * D + 3 * Mp);
     float* mx = buf + D * Mp + PREFILL_KEY_STEP * Mp + Mp * D;
-    return PrefillScratch{buf, buf + D * Mp, buf + D * Mp + PREFILL_KEY_STEP * Mp, mx, mx + Mp, mx + 2 * Mp};
+    uint32_t* pairs = scope.take<uint32_t>(D / 2 * Mp + PREFILL_KEY_STEP / 2 * (Mp + D));
+    return PrefillScratch{buf, buf + D * Mp, buf + D * Mp + PREFILL_KEY_STEP * Mp, mx, mx + Mp, mx + 2 * Mp,
+                          pairs, pairs + D / 2 * Mp, pairs + D / 2 * Mp + PREFILL_KEY_STEP / 2 * Mp};
 }
+
+// Whether ATTN_BF16 runs as pair dot products here: a bf16 pool, the AVX-512 build, a CPU with AVX512-BF16.
+template <typename KT>
+static inline bool pf_pair_products() {
+#if KV_AVX512 && KV_HAS_BF16
+    return sizeof(KT) == 2 && kv_cpu_dpbf16();
+#else
+    return false;
+#endif
+}
+
+// ATTN_BF16's rounding of the Mp x D queries: in place (float32 FMAs), or into bf16 pairs (pair products).
+static void pf_round_queries(PrefillScratch w, int64_t Mp, int64_t D, bool pairs) {
+    if (!pairs) {
+        for (int64_t e = 0; e < D * Mp; e += W) vstore(w.qt + e, vround_bf16(vload(w.qt + e)));
+        return;
+    }
+#if KV_AVX512
+    for (int64_t d2 = 0; d2 < D / 2; ++d2)
+        for (int64_t m = 0; m < Mp; m += W) {
+            const __m512i lo = vbf16_bits(vload(w.qt + 2 * d2 * Mp + m));
+            const __m512i hi = vbf16_bits(vload(w.qt + (2 * d2 + 1) * Mp + m));
+            _mm512_storeu_si512(w.qp + d2 * Mp + m, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+        }
+#endif
+}
+
+#if KV_AVX512 && KV_HAS_BF16
+static inline __m512bh as_bf16x32(__m512i x) { return reinterpret_cast<__m512bh&>(x); }
+
+// pf_scores_tile with bf16 pair products: lane m of qp row d2 holds query m's dims 2 * d2 and 2 * d2 + 1.
+template <int KR, int QV>
+static inline void pf_scores_tile_pairs(const bf16_t* const* krow, const uint32_t* qp, int64_t Mp, int64_t D,
+                                        int64_t mv, float* s) {
+    V a[KR][QV];
+    for (int r = 0; r < KR; ++r)
+        for (int c = 0; c < QV; ++c) a[r][c] = vzero();
+    for (int64_t d2 = 0; d2 < D / 2; ++d2) {
+        __m512bh qv[QV];
+        for (int c = 0; c < QV; ++c) qv[c] = as_bf16x32(_mm512_loadu_si512(qp + d2 * Mp + (mv + c) * W));
+        for (int r = 0; r < KR; ++r) {
+            uint32_t pair;
+            __builtin_memcpy(&pair, krow[r] + 2 * d2, 4);
+            const __m512bh kb = as_bf16x32(_mm512_set1_epi32(static_cast<int>(pair)));
+            for (int c = 0; c < QV; ++c) a[r][c] = _mm512_dpbf16_ps(a[r][c], kb, qv[c]);
+        }
+    }
+    for (int r = 0; r < KR; ++r)
+        for (int c = 0; c < QV; ++c) vstore(s + r * Mp + (mv + c) * W, a[r][c]);
+}
+
+template <int KR>
+static inline void pf_scores_keys_pairs(const bf16_t* const* krow, const uint32_t* qp, int64_t Mp, int64_t D,
+                                        float* s) {
+    const int64_t MV = Mp / W;
+    int64_t mv = 0;
+    for (; mv + PF_QV <= MV; mv += PF_QV) pf_scores_tile_pairs<KR, PF_QV>(krow, qp, Mp, D, mv, s);
+    if (MV - mv == 3) pf_scores_tile_pairs<KR, 3>(krow, qp, Mp, D, mv, s);
+    else if (MV - mv == 2) pf_scores_tile_pairs<KR, 2>(krow, qp, Mp, D, mv, s);
+    else if (MV - mv == 1) pf_scores_tile_pairs<KR, 1>(krow, qp, Mp, D, mv, s);
+}
+
+// The step's n probabilities [n, Mp] and value rows as pairs of keys (2i, 2i + 1); an odd last key pairs with 0.
+static void pf_pack_step(PrefillScratch w, int64_t Mp, int64_t D, const bf16_t* const* vrow, int64_t n) {
+    for (int64_t i2 = 0; 2 * i2 < n; ++i2) {
+        const bool odd = 2 * i2 + 1 == n;
+        for (int64_t m = 0; m < Mp; m += W) {
+            const __m512i lo = vbf16_bits(vload(w.s + 2 * i2 * Mp + m));
+            const __m512i hi = odd ? _mm512_setzero_si512() : vbf16_bits(vload(w.s + (2 * i2 + 1) * Mp + m));
+            _mm512_storeu_si512(w.pp + i2 * Mp + m, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+        }
+        for (int64_t c = 0; c < D; c += W) {
+            const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vrow[2 * i2] + c)));
+            const __m512i hi = odd ? _mm512_setzero_si512() : _mm512_cvtepu16_epi32(
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vrow[2 * i2 + 1] + c)));
+            _mm512_storeu_si512(w.vp + i2 * D + c, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+        }
+    }
+}
+
+// pf_values_tile with bf16 pair products over n2 key pairs.
+template <int R, int C>
+static inline void pf_values_tile_pairs(const uint32_t* pp, int64_t Mp, const uint32_t* vp, int64_t n2, int64_t m,
+                                        int64_t c0, const float* corr, float* acc, int64_t D) {
+    V a[R][C];
+    for (int r = 0; r < R; ++r) {
+        const V cr = vset1(corr[m + r]);
+        for (int c = 0; c < C; ++c) a[r][c] = vmul(vload(acc + (m + r) * D + (c0 + c) * W), cr);
+    }
+    for (int64_t i2 = 0; i2 < n2; ++i2) {
+        __m512bh v[C];
+        for (int c = 0; c < C; ++c) v[c] = as_bf16x32(_mm512_loadu_si512(vp + i2 * D + (c0 + c) * W));
+        for (int r = 0; r < R; ++r) {
+            const __m512bh pr = as_bf16x32(_mm512_set1_epi32(static_cast<int>(pp[i2 * Mp + m + r])));
+            for (int c = 0; c < C; ++c) a[r][c] = _mm512_dpbf16_ps(a[r][c], pr, v[c]);
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) vstore(acc + (m + r) * D + (c0 + c) * W, a[r][c]);
+}
+#endif
 
 // Zeroes the padded query lanes [M, Mp) and resets the online-softmax state of all Mp lanes.
 static void pf_begin(PrefillScratch w, int64_t M, int64_t Mp, int64_t D) {
@@ -109,15 +224,69 @@ static inline void pf_put_query(PrefillScratch w, int64_t Mp, int64_t D, int64_t
     for (int64_t d = 0; d < D; ++d) w.qt[d * Mp + m] = src[d] * scale;
 }
 
+// Q x K^T of the step's n keys into w.s (pair products when `pairs`).
+template <typename KT>
+static inline void pf_step_scores(PrefillScratch w, int64_t Mp, int64_t D, const KT* const* krow, int64_t n,
+                                  bool pairs) {
+#if KV_AVX512 && KV_HAS_BF16
+    if constexpr (sizeof(KT) == 2) {
+        if (pairs) {
+            const bf16_t* const* kb = reinterpret_cast<const bf16_t* const*>(krow);
+            int64_t i = 0;
+            for (; i + PF_KR <= n; i += PF_KR) pf_scores_keys_pairs<PF_KR>(kb + i, w.qp, Mp, D, w.s + i * Mp);
+            for (; i < n; ++i) pf_scores_keys_pairs<1>(kb + i, w.qp, Mp, D, w.s + i * Mp);
+            return;
+        }
+    }
+#endif
+    (void)pairs;
+    int64_t i = 0;
+    for (; i + PF_KR <= n; i += PF_KR) pf_scores_keys<PF_KR>(krow + i, w.qt, Mp, D, w.s + i * Mp);
+    for (; i < n; ++i) pf_scores_keys<1>(krow + i, w.qt, Mp, D, w.s + i * Mp);
+}
+
+// acc = acc x corr + P x V over the step's n keys (P rounded to bf16 under ATTN_BF16; pair products when `pairs`).
+template <typename KT>
+static inline void pf_step_values(PrefillScratch w, int64_t Mp, int64_t D, const KT* const* vrow, int64_t n,
+                                  int prod, bool pairs) {
+    const int64_t DV = D / W;
+#if KV_AVX512 && KV_HAS_BF16
+    if constexpr (sizeof(KT) == 2) {
+        if (pairs) {
+            pf_pack_step(w, Mp, D, reinterpret_cast<const bf16_t* const*>(vrow), n);
+            const int64_t n2 = (n + 1) / 2;
+            for (int64_t m = 0; m < Mp; m += PF_VR) {
+                int64_t c0 = 0;
+                for (; c0 + PF_VC <= DV; c0 += PF_VC)
+                    pf_values_tile_pairs<PF_VR, PF_VC>(w.pp, Mp, w.vp, n2, m, c0, w.corr, w.acc, D);
+                for (; c0 < DV; ++c0) pf_values_tile_pairs<PF_VR, 1>(w.pp, Mp, w.vp, n2, m, c0, w.corr, w.acc, D);
+            }
+            return;
+        }
+    }
+#endif
+    (void)pairs;
+    if (prod == ATTN_BF16)
+        for (int64_t e = 0; e < n * Mp; e += W) vstore(w.s + e, vround_bf16(vload(w.s + e)));
+    for (int64_t m = 0; m < Mp; m += PF_VR) {
+        int64_t c0 = 0;
+        for (; c0 + PF_VC <= DV; c0 += PF_VC) pf_values_tile<PF_VR, PF_VC>(w.s, Mp, vrow, n, m, c0, w.corr, w.acc, D);
+        for (; c0 < DV; ++c0) pf_values_tile<PF_VR, 1>(w.s, Mp, vrow, n, m, c0, w.corr, w.acc, D);
+    }
+}
+
 // The Mp stacked queries attend to tokens [k0_begin, end) of the sequence with block table `table`, KV head
 // g. Causal when first >= 0: lane m is the query of token m / G at position first + m / G and sees keys up
 // to it (so k0_begin must be 0, and key 0 is seen by all); first < 0: every lane sees every key. Each lane
-// must see at least one key in the first step (its max is then finite).
+// must see at least one key in the first step (its max is then finite). prod: ATTN_F32 or ATTN_BF16 (a bf16
+// pool); a lane's arithmetic depends only on its own query and the keys, never on the tile it shares.
 template <typename KT>
 static void pf_attend(PrefillScratch w, int64_t Mp, int64_t D, int64_t G, const KT* kpool, const KT* vpool,
                       int64_t KVH, int64_t g, int64_t bs, const int64_t* table, int64_t k0_begin, int64_t end,
-                      int64_t first) {
-    const int64_t MV = Mp / W, DV = D / W;
+                      int64_t first, int prod) {
+    const int64_t MV = Mp / W;
+    const bool pairs = prod == ATTN_BF16 && pf_pair_products<KT>();
+    if (prod == ATTN_BF16) pf_round_queries(w, Mp, D, pairs);
     const KT* krow[PREFILL_KEY_STEP];
     const KT* vrow[PREFILL_KEY_STEP];
     for (int64_t k0 = k0_begin; k0 < end; k0 += PREFILL_KEY_STEP) {
@@ -127,9 +296,7 @@ static void pf_attend(PrefillScratch w, int64_t Mp, int64_t D, int64_t G, const 
             krow[i] = kpool + (slot * KVH + g) * D;
             vrow[i] = vpool + (slot * KVH + g) * D;
         }
-        int64_t i = 0;
-        for (; i + PF_KR <= n; i += PF_KR) pf_scores_keys<PF_KR>(krow + i, w.qt, Mp, D, w.s + i * Mp);
-        for (; i < n; ++i) pf_scores_keys<1>(krow + i, w.qt, Mp, D, w.s + i * Mp);
+        pf_step_scores(w, Mp, D, krow, n, pairs);
         // Causal mask: key k0 + r is hidden from the tile's tokens before it, i.e. lanes m < (k0 + r - first) * G.
         const bool masked = first >= 0 && k0 + n - 1 > first;
         if (masked)
@@ -152,12 +319,7 @@ static void pf_attend(PrefillScratch w, int64_t Mp, int64_t D, int64_t G, const 
             for (int64_t r = 0; r < n; ++r) total = vadd(total, vload(w.s + r * Mp + v * W));
             vstore(w.sum + v * W, vfma(vload(w.sum + v * W), vload(w.corr + v * W), total));
         }
-        for (int64_t m = 0; m < Mp; m += PF_VR) {
-            int64_t c0 = 0;
-            for (; c0 + PF_VC <= DV; c0 += PF_VC)
-                pf_values_tile<PF_VR, PF_VC>(w.s, Mp, vrow, n, m, c0, w.corr, w.acc, D);
-            for (; c0 < DV; ++c0) pf_values_tile<PF_VR, 1>(w.s, Mp, vrow, n, m, c0, w.corr, w.acc, D);
-        }
+        pf_step_values(w, Mp, D, vrow, n, prod, pairs);
     }
 }
 
@@ -165,12 +327,12 @@ static void pf_attend(PrefillScratch w, int64_t Mp, int64_t D, int64_t G, const 
 template <typename KT>
 static void prefill_tile(const float* q, int64_t H, int64_t KVH, int64_t D, int64_t G, const KT* kpool,
                          const KT* vpool, int64_t bs, const int64_t* table, int64_t row0, int64_t nq,
-                         int64_t first, int64_t g, float scale, PrefillScratch w, float* out) {
+                         int64_t first, int64_t g, float scale, int prod, PrefillScratch w, float* out) {
     const int64_t M = nq * G, Mp = (M + W - 1) / W * W, DV = D / W;
     pf_begin(w, M, Mp, D);
     for (int64_t t = 0; t < nq; ++t)
         for (int64_t j = 0; j < G; ++j) pf_put_query(w, Mp, D, t * G + j, q + ((row0 + t) * H + g * G + j) * D, scale);
-    pf_attend(w, Mp, D, G, kpool, vpool, KVH, g, bs, table, 0, first + nq, first);
+    pf_attend(w, Mp, D, G, kpool, vpool, KVH, g, bs, table, 0, first + nq, first, prod);
     for (int64_t m = 0; m < M; ++m) {
         float* o = out + ((row0 + m / G) * H + g * G + m % G) * D;
         const V inv = vset1(1.0f / w.sum[m]);
@@ -182,8 +344,9 @@ template <typename KT>
 static int prefill_attention(const float* q, int64_t H, int64_t KVH, int64_t D, const KT* kpool,
                              const KT* vpool, int64_t bs, int64_t num_spans, const int64_t* span_start,
                              const int64_t* span_len, const int64_t* span_ctx, const int64_t* tables,
-                             int64_t table_stride, float scale, float* out) {
+                             int64_t table_stride, float scale, int prod, float* out) {
     if (D % W != 0 || H % KVH != 0) return -2;
+    if (prod != ATTN_F32 && (prod != ATTN_BF16 || sizeof(KT) != 2)) return -5;  // bf16 products: a bf16 pool
     const int64_t G = H / KVH, QT = PREFILL_TILE_TOKENS;
     const int64_t Mp = (QT * G + W - 1) / W * W;
     ScratchScope scope;
@@ -202,7 +365,7 @@ static int prefill_attention(const float* q, int64_t H, int64_t KVH, int64_t D, 
             const int64_t a = tile * QT, nq = span_len[s] - a < QT ? span_len[s] - a : QT;
             const int64_t first = span_ctx[s] - span_len[s] + a;
             prefill_tile(q, H, KVH, D, G, kpool, vpool, bs, tables + s * table_stride, span_start[s] + a, nq, first,
-                         g, scale, w, out);
+                         g, scale, prod, w, out);
         }
     }
     return 0;

@@ -147,24 +147,32 @@ static inline V kvload(const bf16_t* p) {
     const __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     return _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
 }
-static inline void kvstore(bf16_t* p, V v) {
+// v rounded to bf16 (nearest even, NaN -> 0x7FC0): 32-bit lanes with the bf16 bits in their low half.
+static inline __m512i vbf16_bits(V v) {
     const __m512i u = _mm512_castps_si512(v);
     const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+    return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
 }
+static inline void kvstore(bf16_t* p, V v) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(vbf16_bits(v)));
+}
+static inline V vround_bf16(V v) { return _mm512_castsi512_ps(_mm512_slli_epi32(vbf16_bits(v), 16)); }
 #else
 static inline V kvload(const bf16_t* p) {
     const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
 }
-static inline void kvstore(bf16_t* p, V v) {
+static inline __m256i vbf16_bits(V v) {
     const __m256i u = _mm256_castps_si256(v);
     const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
     const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+    return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+}
+static inline V vround_bf16(V v) { return _mm256_castsi256_ps(_mm256_slli_epi32(vbf16_bits(v), 16)); }
+static inline void kvstore(bf16_t* p, V v) {
+    const __m256i r = vbf16_bits(v);
     // 32 -> 16 bits (values fit, so unsigned saturation keeps them): packus works per 128-bit lane, then the
     // two lanes' low halves are gathered into the low 128 bits.
     const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);

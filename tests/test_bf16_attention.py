@@ -1,0 +1,162 @@
+"""bf16 attention products (`--attention-dtype bfloat16`, csrc/prefill.h's ATTN_BF16) over a bf16 KV pool.
+
+Prefill and shared-prefix attention round the scaled queries and the unnormalised probabilities to bf16 and
+sum the (exact) products in float32: AVX512-BF16 pair dot products where the CPU has them, float32 FMAs on
+the same rounded values elsewhere (the AVX2 build, or a CPU without them). The oracle is
+`reference.paged_attention(..., bf16_products=True)`; it rounds the probabilities against the row's max where the
+kernel rounds against its running max, so the check is a tolerance -- and, to show the rounding really
+happens, that the kernel sits several times closer to the bf16 oracle than to the float32 one.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import random_prompts
+from kvserve import LLM, SamplingParams
+from kvserve.config import EngineConfig
+from kvserve.engine.kv_tiers import arithmetic_config
+from kvserve.kernels import reference
+from kvserve.kernels.ops import Kernels
+from kvserve.kv.cascade import plan_cascade
+from test_cascade_attention import CASE, draw_case, padded
+
+SETTINGS = settings(max_examples=25, deadline=None)
+TOLERANCE = dict(rtol=2e-2, atol=2e-2)
+
+
+def bf16_pool(gen: torch.Generator, num_blocks: int, block_size: int, kv_heads: int, head_dim: int):
+    return tuple(torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).bfloat16() for _ in range(2))
+
+
+def one_span(gen: torch.Generator, cached: int, tokens: int, block_size: int, kv_heads: int, group: int,
+             head_dim: int):
+    context = cached + tokens
+    width = -(-context // block_size)
+    keys, values = bf16_pool(gen, width + 2, block_size, kv_heads, head_dim)
+    table = torch.randperm(width + 2, generator=gen)[:width].view(1, -1)
+    queries = torch.randn(tokens, kv_heads * group, head_dim, generator=gen)
+    return queries, keys, values, torch.tensor([[0, tokens, context]]), table
+
+
+def expected(queries, keys, values, spans, table, scale, bf16_products):
+    _, tokens, context = spans[0].tolist()
+    lens = torch.arange(context - tokens + 1, context + 1)
+    return reference.paged_attention(queries, keys, values, table.expand(tokens, -1), lens, scale, bf16_products)
+
+
+@SETTINGS
+@given(block_size=st.sampled_from([1, 4, 16, 32]), kv_heads=st.integers(1, 3), group=st.sampled_from([1, 2, 3, 4]),
+       head_dim=st.sampled_from([16, 64]), cached=st.integers(0, 140), tokens=st.integers(1, 80),
+       seed=st.integers(0, 2**16))
+def test_prefill_matches_the_bf16_oracle(kernels, block_size, kv_heads, group, head_dim, cached, tokens, seed):
+    """Odd key counts (a last key paired with zero), single keys, GQA groups, both builds."""
+    case = one_span(torch.Generator().manual_seed(seed), cached, tokens, block_size, kv_heads, group, head_dim)
+    native = kernels.native.prefill_attention(*case, 0.3, bf16_products=True)
+    torch.testing.assert_close(native, expected(*case, 0.3, True), **TOLERANCE)
+
+
+@pytest.mark.parametrize("cached, tokens", [(0, 64), (30, 34), (50, 1)])
+def test_prefill_rounds_what_the_oracle_rounds(kernels, cached, tokens):
+    """Within one 64-key step the kernel's running max is the row's max, so it rounds exactly the oracle's
+    operands: equal up to summation order, where the float32 products are ~1e-3 away."""
+    case = one_span(torch.Generator().manual_seed(3), cached, tokens, 16, 3, 3, 64)
+    native = kernels.native.prefill_attention(*case, 0.125, bf16_products=True)
+    torch.testing.assert_close(native, expected(*case, 0.125, True), rtol=1e-5, atol=1e-5)
+    assert (native - expected(*case, 0.125, False)).abs().max() > 1e-4
+
+
+def test_pair_products_equal_the_emulation():
+    """AVX512-BF16's vdpbf16ps and the AVX2 build's FMAs multiply the same rounded queries and keys; their sums'
+    order differs, so now and then a probability rounds to the neighbouring bf16 (~7e-5 here, 0.1% of outputs),
+    where the float32 products are ~1e-3 away."""
+    fast = Kernels.create("native", isa="avx512")
+    if fast.isa != "avx512" or "avx512_bf16" not in fast.native.features:
+        pytest.skip("this CPU has no AVX512-BF16: only the emulation runs here (the other tests cover it)")
+    emulated = Kernels.create("native", isa="avx2")
+    case = one_span(torch.Generator().manual_seed(4), 130, 77, 16, 3, 3, 64)
+    pairs = fast.native.prefill_attention(*case, 0.125, bf16_products=True)
+    torch.testing.assert_close(pairs, emulated.native.prefill_attention(*case, 0.125, bf16_products=True),
+                               rtol=0, atol=3e-4)
+    assert (pairs - fast.native.prefill_attention(*case, 0.125)).abs().max() > 1e-3
+
+
+def test_a_float32_pool_is_refused(kernels):
+    queries, keys, values, spans, table = one_span(torch.Generator().manual_seed(5), 10, 5, 16, 1, 2, 16)
+    with pytest.raises(ValueError, match="bfloat16 KV pool"):
+        kernels.native.prefill_attention(queries, keys.float(), values.float(), spans, table, 0.1, bf16_products=True)
+
+
+@SETTINGS
+@given(**CASE)
+def test_cascade_shared_parts_match_the_bf16_twin(kernels, block_size, kv_heads, group, head_dim, groups, seed):
+    tables, lens, keys, values, queries = draw_case(block_size, kv_heads, group, head_dim, groups, seed)
+    keys, values = keys.bfloat16(), values.bfloat16()
+    plan = plan_cascade(tables, lens, block_size, min_rows=1, min_blocks=1)
+    if plan is None:
+        return
+    table_tensor, context = padded(tables), torch.tensor(lens)
+    native = kernels.native.cascade_attention(queries, keys, values, table_tensor, context, plan, 0.125, True)
+    twin = reference.cascade_attention(queries, keys, values, table_tensor, context, plan, 0.125, True)
+    torch.testing.assert_close(native, twin, **TOLERANCE)
+
+
+# --- engine ------------------------------------------------------------------------------------------
+
+
+def test_config_needs_a_bf16_cache():
+    with pytest.raises(ValueError, match="kv_cache_dtype='bfloat16'"):
+        EngineConfig(attention_dtype="bfloat16")
+    with pytest.raises(ValueError, match="attention_dtype must be one of"):
+        EngineConfig(attention_dtype="float16", kv_cache_dtype="bfloat16")
+    EngineConfig(attention_dtype="bfloat16", kv_cache_dtype="bfloat16")
+
+
+def test_tiers_never_mix_attention_dtypes(tiny_model_dir):
+    """Keys of later layers depend on earlier layers' attention: a shared tier keys blocks by it."""
+    llm = LLM(str(tiny_model_dir), progress=False, num_blocks=64, kv_cache_dtype="bfloat16")
+    model_config = llm.engine.model_config
+    base = EngineConfig(kv_cache_dtype="bfloat16")
+    bf16 = EngineConfig(kv_cache_dtype="bfloat16", attention_dtype="bfloat16")
+    assert arithmetic_config(base, model_config) != arithmetic_config(bf16, model_config)
+    assert "attention_dtype" not in arithmetic_config(base, model_config)  # default fingerprints unchanged
+
+
+@pytest.mark.parametrize("kernels_name", ["native", "torch"])
+def test_cache_hits_do_not_change_outputs(tiny_model_dir, kernels_name):
+    """A prompt continuing a cached prefix gets the tokens and log-probabilities it gets computed fresh."""
+    shared = random_prompts(1, 70, 70, seed=8)[0]
+    prompts = [shared + tail for tail in random_prompts(3, 5, 30, seed=9)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=3)
+    args = dict(progress=False, num_blocks=256, kv_cache_dtype="bfloat16", attention_dtype="bfloat16",
+                kernels=kernels_name)
+    fresh = LLM(str(tiny_model_dir), prefix_cache="off", **args).generate(prompts, params)
+    cached_llm = LLM(str(tiny_model_dir), **args)
+    cached = [cached_llm.generate([prompt], params)[0] for prompt in prompts]
+    assert cached_llm.stats()["prefix_cache_hits_device"] >= 2 * 64
+    for a, b in zip(fresh, cached, strict=True):
+        assert a.token_ids == b.token_ids
+        for x, y in zip(a.logprobs, b.logprobs, strict=True):
+            assert abs(x.top[0][1] - y.top[0][1]) < 1e-3
+
+
+def test_native_tracks_the_torch_twin_and_differs_from_float32(tiny_model_dir):
+    """Teacher-forced next-token log-probabilities: the native bf16 products within 0.03 of the torch twin's
+    (which rounds the same operands: `reference.causal_attention`), float32 products 0.05+ away (measured on
+    AVX-512: 0.009 and 0.11)."""
+    requests = random_prompts(12, 20, 120, seed=10)
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=5)
+
+    def top(**args):
+        llm = LLM(str(tiny_model_dir), progress=False, num_blocks=256, prefix_cache="off", kv_cache_dtype="bfloat16",
+                  **args)
+        return torch.tensor([[v for _, v in out.logprobs[0].top] for out in llm.generate(requests, params)])
+
+    native = top(kernels="native", attention_dtype="bfloat16")
+    twin = top(kernels="torch", attention_dtype="bfloat16")
+    float32 = top(kernels="native")
+    assert (native - twin).abs().max() < 0.03
+    assert (float32 - twin).abs().max() > 0.05
