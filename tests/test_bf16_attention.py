@@ -62,11 +62,15 @@ def test_prefill_matches_the_bf16_oracle(kernels, block_size, kv_heads, group, h
 @pytest.mark.parametrize("cached, tokens", [(0, 64), (30, 34), (50, 1)])
 def test_prefill_rounds_what_the_oracle_rounds(kernels, cached, tokens):
     """Within one 64-key step the kernel's running max is the row's max, so it rounds exactly the oracle's
-    operands: equal up to summation order, where the float32 products are ~1e-3 away."""
+    operands: equal up to summation order, where the float32 products are ~1e-3 away (~4e-4 on average).
+    Summation order (the kernel's, or torch's, which differs by CPU) now and then tips a probability to its
+    neighbouring bf16: 0.2% of outputs moved by up to 4e-5 on an AMX Xeon (none on a Zen 4), so the bound on
+    the largest difference is 1e-4 and the average, ~7e-8, is what shows the rounding is the oracle's."""
     case = one_span(torch.Generator().manual_seed(3), cached, tokens, 16, 3, 3, 64)
     native = kernels.native.prefill_attention(*case, 0.125, bf16_products=True)
-    torch.testing.assert_close(native, expected(*case, 0.125, True), rtol=1e-5, atol=1e-5)
-    assert (native - expected(*case, 0.125, False)).abs().max() > 1e-4
+    torch.testing.assert_close(native, expected(*case, 0.125, True), rtol=1e-4, atol=1e-4)
+    assert (native - expected(*case, 0.125, True)).abs().mean() < 1e-6
+    assert (native - expected(*case, 0.125, False)).abs().mean() > 1e-4
 
 
 def test_pair_products_equal_the_emulation():
