@@ -15,7 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import random_prompts
+from conftest import avx512_with, on_then_off, random_prompts
 from kvserve import LLM, SamplingParams
 from kvserve.config import EngineConfig
 from kvserve.engine.kv_tiers import arithmetic_config
@@ -164,3 +164,28 @@ def test_native_tracks_the_torch_twin_and_differs_from_float32(tiny_model_dir):
     float32 = top(kernels="native")
     assert (native - twin).abs().max() < 0.03
     assert (float32 - twin).abs().max() > 0.05
+
+
+@pytest.mark.skipif(not avx512_with("amx_bf16"), reason="this CPU has no AMX-BF16 (or no AVX-512 build)")
+@SETTINGS
+@given(block_size=st.sampled_from([1, 5, 16, 32]), kv_heads=st.integers(1, 3), group=st.sampled_from([1, 3, 4]),
+       head_dim=st.sampled_from([32, 64, 128]), cached=st.integers(0, 200), tokens=st.integers(1, 70),
+       seed=st.integers(0, 2**16))
+def test_amx_tiles_equal_the_pair_products(block_size, kv_heads, group, head_dim, cached, tokens, seed):
+    """csrc/prefill_amx.h (AMX-BF16 tiles, on with the exact GEMM's switch) multiplies the operands the pair
+    products do, keys read in place from whole 16-key runs of a block or copied otherwise, odd and partial
+    steps padded with zeros: the same outputs up to summation order. That order now and then tips a
+    probability p <= 1 to its neighbouring bf16, moving that query's outputs by at most 2^-8 max|v| (the
+    softmax's sum is at least 1; 300 random cases: at most 0.16 of that), and only a few queries' (at most 2,
+    or 5%; 300 cases: one query of 14 at worst)."""
+    fast = Kernels.create("native", isa="avx512")
+    case = one_span(torch.Generator().manual_seed(seed), cached, tokens, block_size, kv_heads, group, head_dim)
+    tiles, pairs = on_then_off(fast.native.set_amx_exact, lambda: fast.native.prefill_attention(
+        *case, 0.125, bf16_products=True))
+    gap = (tiles - pairs).abs()
+    assert gap.max() <= 2**-8 * case[2].float().abs().max()
+    differing = int((gap.amax(-1) > 1e-5).sum())
+    assert differing <= max(2, 0.05 * gap[..., 0].numel())
+    torch.testing.assert_close(tiles, expected(*case, 0.125, True), **TOLERANCE)
+    assert "bf16 attention products on AMX tiles" in Kernels.create(
+        "native", isa="avx512", attention_dtype="bfloat16").describe()

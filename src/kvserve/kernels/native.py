@@ -129,10 +129,9 @@ class NativeLibrary:
         return getattr(self.lib, name, None)
 
     def set_amx_exact(self, on: bool) -> bool:
-        """Run the exact path's wide GEMM (from 16-64 rows by weight type) on AMX-BF16 tiles (csrc/qgemm_amx.h:
-        float32 activations split into three bf16 parts, so exact to the dequantized weights up to summation
-        order, as the AVX-512 GEMM) where this CPU and Linux allow; returns whether it is on. Library-wide, as
-        `set_amx`."""
+        """Run the exact wide GEMM (from 16-64 rows; csrc/qgemm_amx.h: activations split into three bf16 parts,
+        exact up to summation order) and the bf16 attention products (csrc/prefill_amx.h) on AMX-BF16 tiles
+        where this CPU and Linux allow; returns whether it is on. Library-wide, as `set_amx`."""
         switch = self._amx_switch(_AMX_EXACT, "amx_bf16")
         return switch is not None and switch(1 if on else 0) > 0
 

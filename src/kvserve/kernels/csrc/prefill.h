@@ -27,7 +27,8 @@ constexpr int64_t PREFILL_KEY_STEP = 64;     // keys per online-softmax step (ev
 // torch's bf16 attention round the same operands. On a CPU with AVX512-BF16 the products run as pair dot
 // products (vdpbf16ps: two bf16 products a lane per instruction, twice the float32 FMA's rate; queries paired
 // along the head dimension for Q x K^T, keys paired for P x V); elsewhere float32 FMAs on the rounded values
-// give the same products in another order. The running max, the sums and the rescaling stay float32.
+// give the same products in another order; on a CPU with AMX-BF16, tiles run both products (prefill_amx.h).
+// The running max, the sums and the rescaling stay float32.
 enum : int { ATTN_F32 = 0, ATTN_BF16 = 1 };
 #if KV_AVX512
 constexpr int PF_KR = 4, PF_QV = 4, PF_VR = 4, PF_VC = 4;  // register tiles: 32 zmm registers
@@ -97,8 +98,8 @@ struct PrefillScratch {
     float* sum;   // [Mp] running sums
     float* corr;  // [Mp]
     uint32_t* qp;  // ATTN_BF16 pair products: [D / 2, Mp] bf16 query pairs (dims 2d, 2d + 1)
-    uint32_t* pp;  // [KEY_STEP / 2, Mp] bf16 probability pairs (keys 2i, 2i + 1)
-    uint32_t* vp;  // [KEY_STEP / 2, D] bf16 value pairs (keys 2i, 2i + 1)
+    uint32_t* pp;  // [KEY_STEP / 2, Mp] bf16 probability pairs (keys 2i, 2i + 1); AMX tiles: [Mp, KEY_STEP / 2]
+    uint32_t* vp;  // [KEY_STEP / 2, D] bf16 value pairs (keys 2i, 2i + 1); AMX tiles: first the step's keys
 };
 
 // Taken from `scope` (scratch.h: the calling thread's arena), valid until it ends.
@@ -120,7 +121,7 @@ static inline bool pf_pair_products() {
 #endif
 }
 
-// ATTN_BF16's rounding of the Mp x D queries: in place (float32 FMAs), or into bf16 pairs (pair products).
+// ATTN_BF16's rounding of the Mp x D queries: in place (float32 FMAs), or into bf16 pairs (pair products, tiles).
 static void pf_round_queries(PrefillScratch w, int64_t Mp, int64_t D, bool pairs) {
     if (!pairs) {
         for (int64_t e = 0; e < D * Mp; e += W) vstore(w.qt + e, vround_bf16(vload(w.qt + e)));
@@ -171,15 +172,10 @@ static inline void pf_scores_keys_pairs(const bf16_t* const* krow, const uint32_
     else if (MV - mv == 1) pf_scores_tile_pairs<KR, 1>(krow, qp, Mp, D, mv, s);
 }
 
-// The step's n probabilities [n, Mp] and value rows as pairs of keys (2i, 2i + 1); an odd last key pairs with 0.
-static void pf_pack_step(PrefillScratch w, int64_t Mp, int64_t D, const bf16_t* const* vrow, int64_t n) {
+// The step's n value rows as pairs of keys (2i, 2i + 1), vp [KEY_STEP / 2, D]; an odd last key pairs with 0.
+static void pf_pack_values(PrefillScratch w, int64_t D, const bf16_t* const* vrow, int64_t n) {
     for (int64_t i2 = 0; 2 * i2 < n; ++i2) {
         const bool odd = 2 * i2 + 1 == n;
-        for (int64_t m = 0; m < Mp; m += W) {
-            const __m512i lo = vbf16_bits(vload(w.s + 2 * i2 * Mp + m));
-            const __m512i hi = odd ? _mm512_setzero_si512() : vbf16_bits(vload(w.s + (2 * i2 + 1) * Mp + m));
-            _mm512_storeu_si512(w.pp + i2 * Mp + m, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
-        }
         for (int64_t c = 0; c < D; c += W) {
             const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vrow[2 * i2] + c)));
             const __m512i hi = odd ? _mm512_setzero_si512() : _mm512_cvtepu16_epi32(
@@ -187,6 +183,20 @@ static void pf_pack_step(PrefillScratch w, int64_t Mp, int64_t D, const bf16_t* 
             _mm512_storeu_si512(w.vp + i2 * D + c, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
         }
     }
+}
+
+// The bf16 pair of probabilities (keys 2 * i2, 2 * i2 + 1; a key at or past n is 0) of query lanes m..m+W.
+static inline __m512i pf_prob_pair(const float* s, int64_t Mp, int64_t n, int64_t i2, int64_t m) {
+    const __m512i lo = 2 * i2 < n ? vbf16_bits(vload(s + 2 * i2 * Mp + m)) : _mm512_setzero_si512();
+    const __m512i hi = 2 * i2 + 1 < n ? vbf16_bits(vload(s + (2 * i2 + 1) * Mp + m)) : _mm512_setzero_si512();
+    return _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+}
+
+// The step's n probabilities [n, Mp] as pairs of keys, pp [KEY_STEP / 2, Mp], and its value rows (above).
+static void pf_pack_step(PrefillScratch w, int64_t Mp, int64_t D, const bf16_t* const* vrow, int64_t n) {
+    for (int64_t i2 = 0; 2 * i2 < n; ++i2)
+        for (int64_t m = 0; m < Mp; m += W) _mm512_storeu_si512(w.pp + i2 * Mp + m, pf_prob_pair(w.s, Mp, n, i2, m));
+    pf_pack_values(w, D, vrow, n);
 }
 
 // pf_values_tile with bf16 pair products over n2 key pairs.
@@ -209,6 +219,9 @@ static inline void pf_values_tile_pairs(const uint32_t* pp, int64_t Mp, const ui
     for (int r = 0; r < R; ++r)
         for (int c = 0; c < C; ++c) vstore(acc + (m + r) * D + (c0 + c) * W, a[r][c]);
 }
+#if KV_HAS_AMX
+#include "prefill_amx.h"
+#endif
 #endif
 
 // Zeroes the padded query lanes [M, Mp) and resets the online-softmax state of all Mp lanes.
@@ -224,14 +237,31 @@ static inline void pf_put_query(PrefillScratch w, int64_t Mp, int64_t D, int64_t
     for (int64_t d = 0; d < D; ++d) w.qt[d * Mp + m] = src[d] * scale;
 }
 
-// Q x K^T of the step's n keys into w.s (pair products when `pairs`).
+// How ATTN_BF16's products run: float32 FMAs on the rounded values, AVX512-BF16 pair dot products, or AMX-BF16
+// tiles (prefill_amx.h). ATTN_F32 is always PF_FMA.
+enum : int { PF_FMA = 0, PF_PAIRS = 1, PF_TILES = 2 };
+
+template <typename KT>
+static inline int pf_route(int prod, int64_t D) {
+    if (prod != ATTN_BF16 || !pf_pair_products<KT>()) return PF_FMA;
+#if KV_AVX512 && KV_HAS_AMX
+    if (pa_tiles(D)) return PF_TILES;
+#endif
+    (void)D;
+    return PF_PAIRS;
+}
+
+// Q x K^T of the step's n keys k0.. into w.s (block size bs), by `route`.
 template <typename KT>
 static inline void pf_step_scores(PrefillScratch w, int64_t Mp, int64_t D, const KT* const* krow, int64_t n,
-                                  bool pairs) {
+                                  int route, int64_t k0, int64_t bs) {
 #if KV_AVX512 && KV_HAS_BF16
     if constexpr (sizeof(KT) == 2) {
-        if (pairs) {
-            const bf16_t* const* kb = reinterpret_cast<const bf16_t* const*>(krow);
+        const bf16_t* const* kb = reinterpret_cast<const bf16_t* const*>(krow);
+#if KV_HAS_AMX
+        if (route == PF_TILES) return pa_scores(w, Mp, D, kb, n, k0, bs);
+#endif
+        if (route == PF_PAIRS) {
             int64_t i = 0;
             for (; i + PF_KR <= n; i += PF_KR) pf_scores_keys_pairs<PF_KR>(kb + i, w.qp, Mp, D, w.s + i * Mp);
             for (; i < n; ++i) pf_scores_keys_pairs<1>(kb + i, w.qp, Mp, D, w.s + i * Mp);
@@ -239,21 +269,25 @@ static inline void pf_step_scores(PrefillScratch w, int64_t Mp, int64_t D, const
         }
     }
 #endif
-    (void)pairs;
+    (void)route, (void)k0, (void)bs;
     int64_t i = 0;
     for (; i + PF_KR <= n; i += PF_KR) pf_scores_keys<PF_KR>(krow + i, w.qt, Mp, D, w.s + i * Mp);
     for (; i < n; ++i) pf_scores_keys<1>(krow + i, w.qt, Mp, D, w.s + i * Mp);
 }
 
-// acc = acc x corr + P x V over the step's n keys (P rounded to bf16 under ATTN_BF16; pair products when `pairs`).
+// acc = acc x corr + P x V over the step's n keys (P rounded to bf16 under ATTN_BF16), by `route`.
 template <typename KT>
 static inline void pf_step_values(PrefillScratch w, int64_t Mp, int64_t D, const KT* const* vrow, int64_t n,
-                                  int prod, bool pairs) {
+                                  int prod, int route) {
     const int64_t DV = D / W;
 #if KV_AVX512 && KV_HAS_BF16
     if constexpr (sizeof(KT) == 2) {
-        if (pairs) {
-            pf_pack_step(w, Mp, D, reinterpret_cast<const bf16_t* const*>(vrow), n);
+        const bf16_t* const* vb = reinterpret_cast<const bf16_t* const*>(vrow);
+#if KV_HAS_AMX
+        if (route == PF_TILES) return pa_values(w, Mp, D, vb, n);
+#endif
+        if (route == PF_PAIRS) {
+            pf_pack_step(w, Mp, D, vb, n);
             const int64_t n2 = (n + 1) / 2;
             for (int64_t m = 0; m < Mp; m += PF_VR) {
                 int64_t c0 = 0;
@@ -265,7 +299,7 @@ static inline void pf_step_values(PrefillScratch w, int64_t Mp, int64_t D, const
         }
     }
 #endif
-    (void)pairs;
+    (void)route;
     if (prod == ATTN_BF16)
         for (int64_t e = 0; e < n * Mp; e += W) vstore(w.s + e, vround_bf16(vload(w.s + e)));
     for (int64_t m = 0; m < Mp; m += PF_VR) {
@@ -285,8 +319,11 @@ static void pf_attend(PrefillScratch w, int64_t Mp, int64_t D, int64_t G, const 
                       int64_t KVH, int64_t g, int64_t bs, const int64_t* table, int64_t k0_begin, int64_t end,
                       int64_t first, int prod) {
     const int64_t MV = Mp / W;
-    const bool pairs = prod == ATTN_BF16 && pf_pair_products<KT>();
-    if (prod == ATTN_BF16) pf_round_queries(w, Mp, D, pairs);
+    const int route = pf_route<KT>(prod, D);
+    if (prod == ATTN_BF16) pf_round_queries(w, Mp, D, route != PF_FMA);
+#if KV_AVX512 && KV_HAS_AMX
+    if (route == PF_TILES) pa_begin();
+#endif
     const KT* krow[PREFILL_KEY_STEP];
     const KT* vrow[PREFILL_KEY_STEP];
     for (int64_t k0 = k0_begin; k0 < end; k0 += PREFILL_KEY_STEP) {
@@ -296,7 +333,7 @@ static void pf_attend(PrefillScratch w, int64_t Mp, int64_t D, int64_t G, const 
             krow[i] = kpool + (slot * KVH + g) * D;
             vrow[i] = vpool + (slot * KVH + g) * D;
         }
-        pf_step_scores(w, Mp, D, krow, n, pairs);
+        pf_step_scores(w, Mp, D, krow, n, route, k0, bs);
         // Causal mask: key k0 + r is hidden from the tile's tokens before it, i.e. lanes m < (k0 + r - first) * G.
         const bool masked = first >= 0 && k0 + n - 1 > first;
         if (masked)
@@ -319,7 +356,7 @@ static void pf_attend(PrefillScratch w, int64_t Mp, int64_t D, int64_t G, const 
             for (int64_t r = 0; r < n; ++r) total = vadd(total, vload(w.s + r * Mp + v * W));
             vstore(w.sum + v * W, vfma(vload(w.sum + v * W), vload(w.corr + v * W), total));
         }
-        pf_step_values(w, Mp, D, vrow, n, prod, pairs);
+        pf_step_values(w, Mp, D, vrow, n, prod, route);
     }
 }
 

@@ -46,40 +46,6 @@ static inline bool amx_exact_pays(int qt, int64_t rows) {
 }
 
 #if KV_HAS_AMX
-// Palette 1, every tile 16 rows of 64 bytes: tmm0, 1, 6, 7 products, tmm2..4 the activations' splits, tmm5
-// a weight piece. Loaded per call by each thread that runs tiles (the configuration is per thread).
-struct alignas(64) AmxBf16TileConfig {
-    uint8_t palette = 1;
-    uint8_t start_row = 0;
-    uint8_t reserved[14] = {};
-    uint16_t colsb[16] = {64, 64, 64, 64, 64, 64, 64, 64};
-    uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
-};
-
-// r[i] (16 dwords each) -> r[j][i] = r_in[i][j]: the 16 x 16 dword transpose (16 rows' input pairs into AMX's
-// B layout; a 16 x 16 float32 product tile into the output's orientation).
-static inline void ga_transpose16(__m512i* r) {
-    __m512i a[16], b[16];
-    for (int i = 0; i < 8; ++i) {
-        a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-        a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; ++i) {
-        b[4 * i] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
-        b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
-        b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
-        b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
-    }
-    for (int j = 0; j < 4; ++j) {
-        const __m512i u0 = _mm512_shuffle_i32x4(b[j], b[4 + j], 0x88), u1 = _mm512_shuffle_i32x4(b[j], b[4 + j], 0xDD);
-        const __m512i v0 = _mm512_shuffle_i32x4(b[8 + j], b[12 + j], 0x88), v1 = _mm512_shuffle_i32x4(b[8 + j], b[12 + j], 0xDD);
-        r[j] = _mm512_shuffle_i32x4(u0, v0, 0x88);
-        r[8 + j] = _mm512_shuffle_i32x4(u0, v0, 0xDD);
-        r[4 + j] = _mm512_shuffle_i32x4(u1, v1, 0x88);
-        r[12 + j] = _mm512_shuffle_i32x4(u1, v1, 0xDD);
-    }
-}
-
 // The three bf16 splits of 16 floats: hi (top 8 significant bits), mid (the next 8 of the rest), lo (the rest,
 // 8 bits at most): hi + mid + lo == v, each exact (as long as lo is a normal number).
 static inline void ga_split(__m512 v, __m512* part) {
@@ -111,7 +77,7 @@ static inline void ga_pack_b(const float* src, int64_t stride, uint8_t* dst) {
         for (int s = 0; s < 3; ++s) part[s][r] = ga_bf16_pair(lo[s], hi[s]);
     }
     for (int s = 0; s < 3; ++s) {
-        ga_transpose16(part[s]);
+        transpose16_dwords(part[s]);
         for (int t = 0; t < 16; ++t) _mm512_store_si512(dst + s * 1024 + t * 64, part[s][t]);
     }
 }
@@ -265,7 +231,7 @@ static inline void ga_store(const float* acc, int64_t nt, int64_t n0, int64_t n,
         const __mmask16 keep = static_cast<__mmask16>((1u << last) - 1u);
         __m512i r[16];
         for (int c = 0; c < 16; ++c) r[c] = _mm512_load_si512(acc + t * 256 + c * 16);
-        ga_transpose16(r);
+        transpose16_dwords(r);
         for (int64_t j = 0; j < live; ++j) _mm512_mask_storeu_ps(y + j * ystride + c0, keep, _mm512_castsi512_ps(r[j]));
     }
 }
@@ -287,7 +253,7 @@ static void qgemm_amx_t(const float* x, int64_t rows, int64_t k, const uint8_t* 
         float* sums = QT == QT_Q4_1 ? own.take<float>(GA_ROWS * nbp) : nullptr;
         float* m = QT == QT_Q4_1 ? own.take<float>(GA_COLS * nbp) : nullptr;
         float* acc = own.take<float>(GA_CHUNK * 256);
-        static const AmxBf16TileConfig config;
+        static const AmxBf16TileConfig config;  // simd.h
         _tile_loadconfig(&config);
 #pragma omp for schedule(static)
         for (int64_t g = 0; g < groups; ++g) ga_pack_rows<QT>(x, g, rows, k, xb + g * group_bytes, sums);

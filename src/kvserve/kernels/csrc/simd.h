@@ -179,3 +179,42 @@ static inline void kvstore(bf16_t* p, V v) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
 }
 #endif
+
+#if KV_AVX512
+// r[i] (16 dwords each) -> r[j][i] = r_in[i][j]: the 16 x 16 dword transpose (16 rows' input pairs into AMX's
+// B layout; a 16 x 16 float32 product tile into the output's orientation; bf16 pairs between key-major and
+// query-major in prefill_amx.h).
+static inline void transpose16_dwords(__m512i* r) {
+    __m512i a[16], b[16];
+    for (int i = 0; i < 8; ++i) {
+        a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; ++i) {
+        b[4 * i] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
+        b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
+        b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
+        b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
+    }
+    for (int j = 0; j < 4; ++j) {
+        const __m512i u0 = _mm512_shuffle_i32x4(b[j], b[4 + j], 0x88), u1 = _mm512_shuffle_i32x4(b[j], b[4 + j], 0xDD);
+        const __m512i v0 = _mm512_shuffle_i32x4(b[8 + j], b[12 + j], 0x88), v1 = _mm512_shuffle_i32x4(b[8 + j], b[12 + j], 0xDD);
+        r[j] = _mm512_shuffle_i32x4(u0, v0, 0x88);
+        r[8 + j] = _mm512_shuffle_i32x4(u0, v0, 0xDD);
+        r[4 + j] = _mm512_shuffle_i32x4(u1, v1, 0x88);
+        r[12 + j] = _mm512_shuffle_i32x4(u1, v1, 0xDD);
+    }
+}
+
+#if KV_HAS_AMX
+// Palette 1, every tile 16 rows of 64 bytes (qgemm_amx.h, prefill_amx.h). Loaded by each thread before its
+// tiles run (the configuration is per thread; both users load this same one).
+struct alignas(64) AmxBf16TileConfig {
+    uint8_t palette = 1;
+    uint8_t start_row = 0;
+    uint8_t reserved[14] = {};
+    uint16_t colsb[16] = {64, 64, 64, 64, 64, 64, 64, 64};
+    uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
+};
+#endif
+#endif

@@ -1,0 +1,97 @@
+// ATTN_BF16's two products on AMX-BF16 tiles (Sapphire Rapids and later): included by prefill.h inside the
+// AVX-512 namespace when the compiler has AMX; runs only where kv_amx_exact() found AMX-BF16 and Linux granted
+// the tile state (the switch the exact path's wide GEMM uses), for head dims that are multiples of 32.
+//
+// Why: on that CPU vdpbf16ps issues once a cycle (the pair products ran 0.7x the float32 FMAs there), while
+// one TDPBF16PS multiplies 16 x 16 x 32 bf16 pairs in ~16 cycles, 16x the FMAs' products per cycle. The
+// arithmetic is the pair products' (the same rounded operands, exact products, float32 sums in another
+// order); the softmax between the two products stays prefill.h's.
+//
+// Layouts, per online-softmax step of n <= KEY_STEP keys and the Mp stacked queries:
+//   Q x K^T: C (tmm4, 5) = 16 keys x 16 queries of w.s (key-major, as the softmax reads it); A (tmm0) = 16 key
+//   rows, 32 dims each, read from the pool in place when the 16 keys sit in one block (else copied into the
+//   value-pair buffer, not yet in use); B (tmm1, 2) = 16 dim pairs x 16 queries of qp, as pf_round_queries
+//   already lays them out.
+//   P x V: C = 16 queries x 16 dims of w.acc (loaded, accumulated, stored back after the correction); A = 16
+//   queries x 16 key pairs of the probabilities, query-major (transposed from the key-major softmax through
+//   transpose16_dwords into w.pp); B (tmm1, 2) = 16 key pairs x 16 dims of vp (pf_pack_values).
+
+constexpr int64_t PA = 16;  // tile rows, and float32 / bf16-pair columns
+
+static inline bool pa_tiles(int64_t D) { return kv_amx_exact() && D % 32 == 0; }
+
+static inline void pa_begin() {  // this thread's tile configuration (simd.h), before its first tile
+    static const AmxBf16TileConfig config;
+    _tile_loadconfig(&config);
+}
+
+// w.s[r * Mp + m] = key r . query m (rounded queries in w.qp) for the step's keys k0..k0+n of block size bs;
+// rows n..16 * ceil(n / 16) of w.s get values nobody reads.
+static void pa_scores(PrefillScratch w, int64_t Mp, int64_t D, const bf16_t* const* krow, int64_t n, int64_t k0,
+                      int64_t bs) {
+    bf16_t* copy = reinterpret_cast<bf16_t*>(w.vp);  // [KEY_STEP, D]: free until pf_pack_values
+    const int64_t nq = Mp / PA, nk = D / 32;
+    for (int64_t r0 = 0; r0 < n; r0 += PA) {
+        const int64_t nr = n - r0 < PA ? n - r0 : PA;
+        const bf16_t* rows = krow[r0];
+        int64_t stride = (krow[r0 + 1 < n ? r0 + 1 : r0] - krow[r0]) * 2;
+        if (nr < PA || (k0 + r0) / bs != (k0 + r0 + PA - 1) / bs || stride <= 0) {  // not one block's run: copy
+            for (int64_t i = 0; i < nr; ++i) __builtin_memcpy(copy + (r0 + i) * D, krow[r0 + i], D * 2);
+            rows = copy + r0 * D;
+            stride = D * 2;
+        }
+        for (int64_t c = 0; c < nq; c += 2) {
+            const bool two = c + 1 < nq;
+            _tile_zero(4);
+            _tile_zero(5);
+            for (int64_t j = 0; j < nk; ++j) {
+                _tile_loadd(0, rows + 32 * j, stride);
+                _tile_loadd(1, w.qp + PA * j * Mp + PA * c, Mp * 4);
+                _tile_dpbf16ps(4, 0, 1);
+                if (two) {
+                    _tile_loadd(2, w.qp + PA * j * Mp + PA * (c + 1), Mp * 4);
+                    _tile_dpbf16ps(5, 0, 2);
+                }
+            }
+            _tile_stored(4, w.s + r0 * Mp + PA * c, Mp * 4);
+            if (two) _tile_stored(5, w.s + r0 * Mp + PA * (c + 1), Mp * 4);
+        }
+    }
+}
+
+// w.acc = w.acc x corr + P x V over the step's n keys (probabilities in w.s, key-major).
+static void pa_values(PrefillScratch w, int64_t Mp, int64_t D, const bf16_t* const* vrow, int64_t n) {
+    const int64_t n2 = (n + 1) / 2, np = (n2 + PA - 1) / PA, nq = Mp / PA, nd = D / PA;
+    pf_pack_values(w, D, vrow, n);
+    for (int64_t e = n2 * D; e < np * PA * D; e += W) _mm512_storeu_si512(w.vp + e, _mm512_setzero_si512());
+    for (int64_t c = 0; c < nq; ++c)  // pp[m * KEY_STEP / 2 + i2]: query m's probability pair i2
+        for (int64_t p = 0; p < np; ++p) {
+            __m512i r[PA];
+            for (int64_t i = 0; i < PA; ++i) r[i] = pf_prob_pair(w.s, Mp, n, p * PA + i, c * PA);
+            transpose16_dwords(r);
+            for (int64_t j = 0; j < PA; ++j)
+                _mm512_storeu_si512(w.pp + (c * PA + j) * (PREFILL_KEY_STEP / 2) + p * PA, r[j]);
+        }
+    for (int64_t m = 0; m < Mp; ++m) {
+        const V cr = vset1(w.corr[m]);
+        for (int64_t e = 0; e < D; e += W) vstore(w.acc + m * D + e, vmul(vload(w.acc + m * D + e), cr));
+    }
+    for (int64_t c = 0; c < nq; ++c)
+        for (int64_t d = 0; d < nd; d += 2) {
+            const bool two = d + 1 < nd;
+            float* out = w.acc + c * PA * D + d * PA;
+            _tile_loadd(4, out, D * 4);
+            if (two) _tile_loadd(5, out + PA, D * 4);
+            for (int64_t p = 0; p < np; ++p) {
+                _tile_loadd(0, w.pp + c * PA * (PREFILL_KEY_STEP / 2) + p * PA, PREFILL_KEY_STEP / 2 * 4);
+                _tile_loadd(1, w.vp + p * PA * D + d * PA, D * 4);
+                _tile_dpbf16ps(4, 0, 1);
+                if (two) {
+                    _tile_loadd(2, w.vp + p * PA * D + (d + 1) * PA, D * 4);
+                    _tile_dpbf16ps(5, 0, 2);
+                }
+            }
+            _tile_stored(4, out, D * 4);
+            if (two) _tile_stored(5, out + PA, D * 4);
+        }
+}
