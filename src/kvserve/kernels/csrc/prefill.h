@@ -185,11 +185,18 @@ static void pf_pack_values(PrefillScratch w, int64_t D, const bf16_t* const* vro
     }
 }
 
-// The bf16 pair of probabilities (keys 2 * i2, 2 * i2 + 1; a key at or past n is 0) of query lanes m..m+W.
+// The bf16 pair of probabilities (keys 2 * i2, 2 * i2 + 1; a key at or past n is 0) of query lanes m..m+W:
+// one vcvtne2ps2bf16 (nearest even, as vbf16_bits; it flushes float32 denormals, probabilities under 1.2e-38,
+// to 0 where vbf16_bits keeps a bf16 denormal) and one permute interleaving the two keys (5.6x fewer uops).
 static inline __m512i pf_prob_pair(const float* s, int64_t Mp, int64_t n, int64_t i2, int64_t m) {
-    const __m512i lo = 2 * i2 < n ? vbf16_bits(vload(s + 2 * i2 * Mp + m)) : _mm512_setzero_si512();
-    const __m512i hi = 2 * i2 + 1 < n ? vbf16_bits(vload(s + (2 * i2 + 1) * Mp + m)) : _mm512_setzero_si512();
-    return _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+    const V lo = 2 * i2 < n ? vload(s + 2 * i2 * Mp + m) : vzero();
+    const V hi = 2 * i2 + 1 < n ? vload(s + (2 * i2 + 1) * Mp + m) : vzero();
+    const __m512bh rounded = _mm512_cvtne2ps_pbh(hi, lo);  // lo's 16, then hi's
+    __m512i both;
+    __builtin_memcpy(&both, &rounded, sizeof both);
+    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23,
+                                                7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    return _mm512_permutexvar_epi16(interleave, both);
 }
 
 // The step's n probabilities [n, Mp] as pairs of keys, pp [KEY_STEP / 2, Mp], and its value rows (above).
