@@ -58,14 +58,40 @@ static inline void pf_scores_tile(const KT* const* krow, const float* qt, int64_
         for (int c = 0; c < QV; ++c) vstore(s + r * Mp + (mv + c) * W, a[r][c]);
 }
 
+template <int N>
+struct PfCount {
+    static constexpr int value = N;
+};
+
+// tile(PfCount<QV>{}, mv) over the MV query vectors: PF_QV at a time, then the 1-3 left.
+template <typename Tile>
+static inline void pf_query_vectors(int64_t MV, Tile tile) {
+    int64_t mv = 0;
+    for (; mv + PF_QV <= MV; mv += PF_QV) tile(PfCount<PF_QV>{}, mv);
+    if (MV - mv == 3) tile(PfCount<3>{}, mv);
+    else if (MV - mv == 2) tile(PfCount<2>{}, mv);
+    else if (MV - mv == 1) tile(PfCount<1>{}, mv);
+}
+
 template <int KR, typename KT>
 static inline void pf_scores_keys(const KT* const* krow, const float* qt, int64_t Mp, int64_t D, float* s) {
-    const int64_t MV = Mp / W;
-    int64_t mv = 0;
-    for (; mv + PF_QV <= MV; mv += PF_QV) pf_scores_tile<KR, PF_QV>(krow, qt, Mp, D, mv, s);
-    if (MV - mv == 3) pf_scores_tile<KR, 3>(krow, qt, Mp, D, mv, s);
-    else if (MV - mv == 2) pf_scores_tile<KR, 2>(krow, qt, Mp, D, mv, s);
-    else if (MV - mv == 1) pf_scores_tile<KR, 1>(krow, qt, Mp, D, mv, s);
+    pf_query_vectors(Mp / W, [&](auto qv, int64_t mv) {
+        pf_scores_tile<KR, decltype(qv)::value>(krow, qt, Mp, D, mv, s);
+    });
+}
+
+// a = acc[m..m+R, vectors c0..c0+C) x corr (the values tiles' accumulators), and back.
+template <int R, int C>
+static inline void pf_acc_load(V (&a)[R][C], const float* acc, const float* corr, int64_t m, int64_t c0, int64_t D) {
+    for (int r = 0; r < R; ++r) {
+        const V cr = vset1(corr[m + r]);
+        for (int c = 0; c < C; ++c) a[r][c] = vmul(vload(acc + (m + r) * D + (c0 + c) * W), cr);
+    }
+}
+template <int R, int C>
+static inline void pf_acc_store(V (&a)[R][C], float* acc, int64_t m, int64_t c0, int64_t D) {
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) vstore(acc + (m + r) * D + (c0 + c) * W, a[r][c]);
 }
 
 // acc[m, vectors c0..c0+C) = acc * corr[m] + sum_i p[i, m] * V[i] for R query rows starting at m.
@@ -73,10 +99,7 @@ template <int R, int C, typename KT>
 static inline void pf_values_tile(const float* p, int64_t Mp, const KT* const* vrow, int64_t n, int64_t m,
                                   int64_t c0, const float* corr, float* acc, int64_t D) {
     V a[R][C];
-    for (int r = 0; r < R; ++r) {
-        const V cr = vset1(corr[m + r]);
-        for (int c = 0; c < C; ++c) a[r][c] = vmul(vload(acc + (m + r) * D + (c0 + c) * W), cr);
-    }
+    pf_acc_load(a, acc, corr, m, c0, D);
     for (int64_t i = 0; i < n; ++i) {
         V v[C];
         for (int c = 0; c < C; ++c) v[c] = kvload(vrow[i] + (c0 + c) * W);
@@ -85,8 +108,7 @@ static inline void pf_values_tile(const float* p, int64_t Mp, const KT* const* v
             for (int c = 0; c < C; ++c) a[r][c] = vfma(pr, v[c], a[r][c]);
         }
     }
-    for (int r = 0; r < R; ++r)
-        for (int c = 0; c < C; ++c) vstore(acc + (m + r) * D + (c0 + c) * W, a[r][c]);
+    pf_acc_store(a, acc, m, c0, D);
 }
 
 // Scratch of one thread: every buffer sized for the widest tile (Mp query lanes).
@@ -164,12 +186,9 @@ static inline void pf_scores_tile_pairs(const bf16_t* const* krow, const uint32_
 template <int KR>
 static inline void pf_scores_keys_pairs(const bf16_t* const* krow, const uint32_t* qp, int64_t Mp, int64_t D,
                                         float* s) {
-    const int64_t MV = Mp / W;
-    int64_t mv = 0;
-    for (; mv + PF_QV <= MV; mv += PF_QV) pf_scores_tile_pairs<KR, PF_QV>(krow, qp, Mp, D, mv, s);
-    if (MV - mv == 3) pf_scores_tile_pairs<KR, 3>(krow, qp, Mp, D, mv, s);
-    else if (MV - mv == 2) pf_scores_tile_pairs<KR, 2>(krow, qp, Mp, D, mv, s);
-    else if (MV - mv == 1) pf_scores_tile_pairs<KR, 1>(krow, qp, Mp, D, mv, s);
+    pf_query_vectors(Mp / W, [&](auto qv, int64_t mv) {
+        pf_scores_tile_pairs<KR, decltype(qv)::value>(krow, qp, Mp, D, mv, s);
+    });
 }
 
 // The step's n value rows as pairs of keys (2i, 2i + 1), vp [KEY_STEP / 2, D]; an odd last key pairs with 0.
@@ -211,10 +230,7 @@ template <int R, int C>
 static inline void pf_values_tile_pairs(const uint32_t* pp, int64_t Mp, const uint32_t* vp, int64_t n2, int64_t m,
                                         int64_t c0, const float* corr, float* acc, int64_t D) {
     V a[R][C];
-    for (int r = 0; r < R; ++r) {
-        const V cr = vset1(corr[m + r]);
-        for (int c = 0; c < C; ++c) a[r][c] = vmul(vload(acc + (m + r) * D + (c0 + c) * W), cr);
-    }
+    pf_acc_load(a, acc, corr, m, c0, D);
     for (int64_t i2 = 0; i2 < n2; ++i2) {
         __m512bh v[C];
         for (int c = 0; c < C; ++c) v[c] = as_bf16x32(_mm512_loadu_si512(vp + i2 * D + (c0 + c) * W));
@@ -223,8 +239,7 @@ static inline void pf_values_tile_pairs(const uint32_t* pp, int64_t Mp, const ui
             for (int c = 0; c < C; ++c) a[r][c] = _mm512_dpbf16_ps(a[r][c], pr, v[c]);
         }
     }
-    for (int r = 0; r < R; ++r)
-        for (int c = 0; c < C; ++c) vstore(acc + (m + r) * D + (c0 + c) * W, a[r][c]);
+    pf_acc_store(a, acc, m, c0, D);
 }
 #if KV_HAS_AMX
 #include "prefill_amx.h"
