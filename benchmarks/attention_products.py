@@ -1,6 +1,6 @@
-"""Prefill attention alone, by how its products run: float32 pool, bf16 pool with float32 products, and
-`--attention-dtype bfloat16`'s bf16 products as FMAs (AVX2 build), AVX512-BF16 pair dot products and AMX-BF16
-tiles (where the CPU has them).
+"""Prefill attention alone, by how its products run: float32 pool, bf16 pool with float32 products (FMAs, or
+AMX-BF16 tiles on three bf16 parts of each query and probability), and `--attention-dtype bfloat16`'s bf16
+products as FMAs (AVX2 build), AVX512-BF16 pair dot products and AMX-BF16 tiles (where the CPU has them).
 
 One causal span of N tokens of the default model's shape (9 heads, 3 KV heads, head dim 64, 16-token blocks)
 through `NativeLibrary.prefill_attention`, best of `--repeats`, milliseconds per layer and multiply-adds per
@@ -58,6 +58,8 @@ def rows_for(tokens: int, repeats: int) -> list[list[object]]:
         products = "AVX512-BF16 pairs" if isa == "avx512" and "avx512_bf16" in native.features else "FMAs"
         cases.append((f"bf16 products ({products})", keys.bfloat16(), values.bfloat16(), True, False))
         if tiles:
+            cases.append(("bf16 pool, float32 products (AMX tiles, 3 bf16 parts)", keys.bfloat16(), values.bfloat16(),
+                          False, True))
             cases.append(("bf16 products (AMX tiles)", keys.bfloat16(), values.bfloat16(), True, True))
         for name, k, v, bf16, on in cases:
             native.set_amx_exact(on)

@@ -2,8 +2,8 @@
 
 A prefill of N tokens of the default model (smollm2-135m, native Q4_1 weights) runs 30 layers of four
 matmuls with N rows and one causal attention of N queries over N keys. This times, per N and per
-activation mode (exact: qgemm.h on float32 activations; int8: qmatmul_i8.h; fast: int8 with a bf16 KV cache
-and bf16 attention products, `--attention-dtype bfloat16`), the whole prefill through
+activation mode (exact: qgemm.h on float32 activations; int8: qmatmul_i8.h; int8-bf16kv: int8 with a bf16 KV
+cache; fast: that and bf16 attention products, `--attention-dtype bfloat16`), the whole prefill through
 `LLM.generate` (one token), the four matmuls of one layer at N rows (x 30), and csrc/prefill.h's attention
 of one span of N tokens (x 30); what is left over is norms, RoPE, SwiGLU, activation quantization, the
 head and Python. The matmuls' share of the multiply-adds is fixed per token, attention's grows with N
@@ -41,10 +41,10 @@ def _best(clock, fn, repeats: int) -> float:
     return min(times)
 
 
-def _attention_seconds(native, clock, tokens: int, config, repeats: int, bf16: bool) -> float:
+def _attention_seconds(native, clock, tokens: int, config, repeats: int, bf16_pool: bool, bf16: bool) -> float:
     heads, kv_heads, dim, block = config.num_heads, config.num_kv_heads, config.head_dim, 16
     blocks = -(-tokens // block)
-    pool_dtype = torch.bfloat16 if bf16 else torch.float32
+    pool_dtype = torch.bfloat16 if bf16_pool else torch.float32
     keys = torch.randn(blocks, block, kv_heads, dim).to(pool_dtype)
     values = torch.randn(blocks, block, kv_heads, dim).to(pool_dtype)
     queries = torch.randn(tokens, heads, dim)
@@ -57,10 +57,10 @@ def _attention_seconds(native, clock, tokens: int, config, repeats: int, bf16: b
 def measure(mode: str, sizes: list[int], threads: int, clock, repeats: int) -> list[list[object]]:
     from kvserve import LLM, SamplingParams
 
-    fast = mode == "fast"
+    fast, bf16_pool = mode == "fast", mode in ("fast", "int8-bf16kv")
     llm = LLM("smollm2-135m", progress=False, kv_cache_memory="512MiB", kernels="native", weights="native",
               num_threads=threads, activation_quant="none" if mode == "exact" else "int8",
-              kv_cache_dtype="bfloat16" if fast else "auto", attention_dtype="bfloat16" if fast else "float32")
+              kv_cache_dtype="bfloat16" if bf16_pool else "auto", attention_dtype="bfloat16" if fast else "float32")
     model = llm.engine.model
     native, config = model.kernels.native, model.config
     native.lib.kv_set_num_threads(threads)
@@ -83,7 +83,7 @@ def measure(mode: str, sizes: list[int], threads: int, clock, repeats: int) -> l
             weight = getattr(model.layers[0], name)
             x = torch.randn(tokens, weight.in_features)
             mm += _best(clock, lambda w=weight, x=x: matmul(x, w), repeats)
-        attention = _attention_seconds(native, clock, tokens, config, repeats, fast)
+        attention = _attention_seconds(native, clock, tokens, config, repeats, bf16_pool, fast)
         mm, attention = layers * mm, layers * attention
         rest = whole - mm - attention
         rows.append([mode, tokens, tokens / whole, whole, mm, attention, rest, attention / whole,
@@ -97,7 +97,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--wall", action="store_true", help="wall seconds instead of the process's CPU seconds")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--modes", nargs="+", default=["exact", "int8", "fast"], choices=["exact", "int8", "fast"])
+    modes = ["exact", "int8", "int8-bf16kv", "fast"]
+    parser.add_argument("--modes", nargs="+", default=modes, choices=modes)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     clock = time.perf_counter if args.wall else time.process_time

@@ -16,7 +16,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from conftest import assert_pool_drained, hf_greedy, random_prompts
+from conftest import assert_pool_drained, hf_greedy, on_then_off, random_prompts
 from kvserve import LLM, SamplingParams
 from kvserve.config import EngineConfig
 from kvserve.kernels import reference
@@ -204,7 +204,9 @@ def bf16_pool(gen: torch.Generator, *shape: int) -> tuple[torch.Tensor, torch.Te
                                                                           (5, 2, 2, 16), (32, 2, 1, 48)])
 def test_attention_kernels_read_bf16_as_the_widened_values(kernels, block_size, kv_heads, group, head_dim):
     """Decode, prefill and cascade attention over a bf16 pool give exactly (bit for bit) what they give over
-    a float32 pool of the same values, and match the torch twin."""
+    a float32 pool of the same values, and match the torch twin. Where AMX-BF16 tiles run a bf16 pool's
+    prefill and shared-prefix products (csrc/prefill_amx.h: exact products, float32 sums in the tiles' order)
+    that holds with the tiles off; with them on, within summation order."""
     width = 16 if kernels.isa == "avx512" else 8
     if head_dim % width:
         pytest.skip(f"head_dim {head_dim} is not a multiple of the {kernels.isa} vector")
@@ -217,6 +219,19 @@ def test_attention_kernels_read_bf16_as_the_widened_values(kernels, block_size, 
     tables = torch.randperm(num_blocks, generator=gen)[: 5 * width_blocks].view(5, width_blocks).contiguous()
     queries = torch.randn(5, heads, head_dim, generator=gen)
     native = kernels.native
+    tiles = native.amx_exact
+    native.set_amx_exact(False)
+    try:
+        bit_for_bit(native, queries, keys, values, keys32, values32, tables, lens, block_size, width_blocks)
+    finally:
+        native.set_amx_exact(tiles)
+    if tiles:
+        on, off = on_then_off(native.set_amx_exact, lambda: native.prefill_attention(
+            queries, keys, values, torch.tensor([[0, 3, 3], [3, 2, int(lens[1])]]), tables[:2].contiguous(), 0.3))
+        torch.testing.assert_close(on, off, rtol=1e-5, atol=1e-5)
+
+
+def bit_for_bit(native, queries, keys, values, keys32, values32, tables, lens, block_size, width_blocks):
     decode = native.paged_attention(queries, keys, values, tables, lens, 0.3)
     assert torch.equal(decode, native.paged_attention(queries, keys32, values32, tables, lens, 0.3))
     torch.testing.assert_close(decode, reference.paged_attention(queries, keys, values, tables, lens, 0.3),

@@ -119,8 +119,10 @@ struct PrefillScratch {
     float* mx;    // [Mp] running maxima
     float* sum;   // [Mp] running sums
     float* corr;  // [Mp]
-    uint32_t* qp;  // ATTN_BF16 pair products: [D / 2, Mp] bf16 query pairs (dims 2d, 2d + 1)
-    uint32_t* pp;  // [KEY_STEP / 2, Mp] bf16 probability pairs (keys 2i, 2i + 1); AMX tiles: [Mp, KEY_STEP / 2]
+    uint32_t* qp;  // ATTN_BF16 pair products: [D / 2, Mp] bf16 query pairs (dims 2d, 2d + 1); exact tiles: 3 of
+                   // them, the queries' three bf16 parts (prefill_amx.h)
+    uint32_t* pp;  // [KEY_STEP / 2, Mp] bf16 probability pairs (keys 2i, 2i + 1); AMX tiles: [Mp, KEY_STEP / 2],
+                   // 3 of them on the exact tiles
     uint32_t* vp;  // [KEY_STEP / 2, D] bf16 value pairs (keys 2i, 2i + 1); AMX tiles: first the step's keys
 };
 
@@ -128,9 +130,10 @@ struct PrefillScratch {
 static PrefillScratch pf_scratch_new(ScratchScope& scope, int64_t Mp, int64_t D) {
     float* buf = scope.take<float>(D * Mp + PREFILL_KEY_STEP * Mp + Mp * D + 3 * Mp);
     float* mx = buf + D * Mp + PREFILL_KEY_STEP * Mp + Mp * D;
-    uint32_t* pairs = scope.take<uint32_t>(D / 2 * Mp + PREFILL_KEY_STEP / 2 * (Mp + D));
+    uint32_t* pairs = scope.take<uint32_t>(3 * D / 2 * Mp + 3 * PREFILL_KEY_STEP / 2 * Mp + PREFILL_KEY_STEP / 2 * D);
+    uint32_t* pp = pairs + 3 * D / 2 * Mp;
     return PrefillScratch{buf, buf + D * Mp, buf + D * Mp + PREFILL_KEY_STEP * Mp, mx, mx + Mp, mx + 2 * Mp,
-                          pairs, pairs + D / 2 * Mp, pairs + D / 2 * Mp + PREFILL_KEY_STEP / 2 * Mp};
+                          pairs, pp, pp + 3 * PREFILL_KEY_STEP / 2 * Mp};
 }
 
 // Whether ATTN_BF16 runs as pair dot products here: a bf16 pool, the AVX-512 build, a CPU with AVX512-BF16.
@@ -259,18 +262,18 @@ static inline void pf_put_query(PrefillScratch w, int64_t Mp, int64_t D, int64_t
     for (int64_t d = 0; d < D; ++d) w.qt[d * Mp + m] = src[d] * scale;
 }
 
-// How ATTN_BF16's products run: float32 FMAs on the rounded values, AVX512-BF16 pair dot products, or AMX-BF16
-// tiles (prefill_amx.h). ATTN_F32 is always PF_FMA.
-enum : int { PF_FMA = 0, PF_PAIRS = 1, PF_TILES = 2 };
+// How the products run: float32 FMAs (ATTN_F32, or ATTN_BF16 on the rounded values), AVX512-BF16 pair dot
+// products or AMX-BF16 tiles (ATTN_BF16), or AMX tiles on three bf16 parts of each float32 query and
+// probability (ATTN_F32 over a bf16 pool: exact products, as the FMAs; prefill_amx.h).
+enum : int { PF_FMA = 0, PF_PAIRS = 1, PF_TILES = 2, PF_EXACT_TILES = 3 };
 
 template <typename KT>
 static inline int pf_route(int prod, int64_t D) {
-    if (prod != ATTN_BF16 || !pf_pair_products<KT>()) return PF_FMA;
 #if KV_AVX512 && KV_HAS_AMX
-    if (pa_tiles(D)) return PF_TILES;
+    if (sizeof(KT) == 2 && pf_pair_products<KT>() && pa_tiles(D)) return prod == ATTN_BF16 ? PF_TILES : PF_EXACT_TILES;
 #endif
     (void)D;
-    return PF_PAIRS;
+    return prod == ATTN_BF16 && pf_pair_products<KT>() ? PF_PAIRS : PF_FMA;
 }
 
 // Q x K^T of the step's n keys k0.. into w.s (block size bs), by `route`.
@@ -281,7 +284,8 @@ static inline void pf_step_scores(PrefillScratch w, int64_t Mp, int64_t D, const
     if constexpr (sizeof(KT) == 2) {
         const bf16_t* const* kb = reinterpret_cast<const bf16_t* const*>(krow);
 #if KV_HAS_AMX
-        if (route == PF_TILES) return pa_scores(w, Mp, D, kb, n, k0, bs);
+        if (route == PF_TILES) return pa_scores<1>(w, Mp, D, kb, n, k0, bs);
+        if (route == PF_EXACT_TILES) return pa_scores<3>(w, Mp, D, kb, n, k0, bs);
 #endif
         if (route == PF_PAIRS) {
             int64_t i = 0;
@@ -306,7 +310,8 @@ static inline void pf_step_values(PrefillScratch w, int64_t Mp, int64_t D, const
     if constexpr (sizeof(KT) == 2) {
         const bf16_t* const* vb = reinterpret_cast<const bf16_t* const*>(vrow);
 #if KV_HAS_AMX
-        if (route == PF_TILES) return pa_values(w, Mp, D, vb, n);
+        if (route == PF_TILES) return pa_values<1>(w, Mp, D, vb, n);
+        if (route == PF_EXACT_TILES) return pa_values<3>(w, Mp, D, vb, n);
 #endif
         if (route == PF_PAIRS) {
             pf_pack_step(w, Mp, D, vb, n);
@@ -344,7 +349,8 @@ static void pf_attend(PrefillScratch w, int64_t Mp, int64_t D, int64_t G, const 
     const int route = pf_route<KT>(prod, D);
     if (prod == ATTN_BF16) pf_round_queries(w, Mp, D, route != PF_FMA);
 #if KV_AVX512 && KV_HAS_AMX
-    if (route == PF_TILES) pa_begin();
+    if (route == PF_EXACT_TILES) pa_split_queries(w, Mp, D);
+    if (route == PF_TILES || route == PF_EXACT_TILES) pa_begin();
 #endif
     const KT* krow[PREFILL_KEY_STEP];
     const KT* vrow[PREFILL_KEY_STEP];

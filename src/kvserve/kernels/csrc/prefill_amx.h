@@ -1,11 +1,14 @@
-// ATTN_BF16's two products on AMX-BF16 tiles (Sapphire Rapids and later): included by prefill.h inside the
-// AVX-512 namespace when the compiler has AMX; runs only where kv_amx_exact() found AMX-BF16 and Linux granted
-// the tile state (the switch the exact path's wide GEMM uses), for head dims that are multiples of 32.
+// Prefill attention's two products over a bf16 pool on AMX-BF16 tiles (Sapphire Rapids and later): included by
+// prefill.h inside the AVX-512 namespace when the compiler has AMX; runs only where kv_amx_exact() found
+// AMX-BF16 and Linux granted the tile state (the switch the exact path's wide GEMM uses), for head dims that are
+// multiples of 32. S = 1 (PF_TILES, ATTN_BF16): the rounded queries and probabilities, the pair products'
+// arithmetic. S = 3 (PF_EXACT_TILES, ATTN_F32): each float32 query and probability as three bf16 parts that sum
+// to it exactly (as qgemm_amx.h splits activations), so with bf16 keys and values every product is the FMAs'
+// exact float32 one; only the order of the float32 sums differs.
 //
 // Why: on that CPU vdpbf16ps issues once a cycle (the pair products ran 0.7x the float32 FMAs there), while
-// one TDPBF16PS multiplies 16 x 16 x 32 bf16 pairs in ~16 cycles, 16x the FMAs' products per cycle. The
-// arithmetic is the pair products' (the same rounded operands, exact products, float32 sums in another
-// order); the softmax between the two products stays prefill.h's.
+// one TDPBF16PS multiplies 16 x 16 x 32 bf16 pairs in ~16 cycles, 16x the FMAs' products per cycle (three
+// parts still ~5x). The softmax between the two products stays prefill.h's.
 //
 // Layouts, per online-softmax step of n <= KEY_STEP keys and the Mp stacked queries:
 //   Q x K^T: C (tmm4, 5) = 16 keys x 16 queries of w.s (key-major, as the softmax reads it); A (tmm0) = 16 key
@@ -17,6 +20,7 @@
 //   transpose16_dwords into w.pp); B (tmm1, 2) = 16 key pairs x 16 dims of vp (pf_pack_values).
 
 constexpr int64_t PA = 16;  // tile rows, and float32 / bf16-pair columns
+constexpr int64_t PA_PAIRS = PREFILL_KEY_STEP / 2;  // probability pairs of a step: a row of query-major pp
 
 static inline bool pa_tiles(int64_t D) { return kv_amx_exact() && D % 32 == 0; }
 
@@ -25,8 +29,41 @@ static inline void pa_begin() {  // this thread's tile configuration (simd.h), b
     _tile_loadconfig(&config);
 }
 
-// w.s[r * Mp + m] = key r . query m (rounded queries in w.qp) for the step's keys k0..k0+n of block size bs;
+// Part `part` (0: the top 8 significant bits, 1: the next 8, 2: the rest) of 16 floats, and the bf16 pair of
+// two such parts: each part is exactly a bf16 value (a float with 8 significant bits at most, as long as it
+// is normal), so its bits are the float's top half and the three parts sum exactly to the float.
+static inline V pa_part(V x, int part) {
+    const __m512i top = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+    for (int i = 0; i < part; ++i) x = _mm512_sub_ps(x, _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), top)));
+    return _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), top));
+}
+static inline __m512i pa_part_pair(V even, V odd) {
+    return _mm512_or_si512(_mm512_srli_epi32(_mm512_castps_si512(even), 16),
+                           _mm512_and_si512(_mm512_castps_si512(odd), _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+// PF_EXACT_TILES: the scaled float32 queries (w.qt) as three arrays of bf16 pairs, qp + s * D / 2 * Mp.
+static void pa_split_queries(PrefillScratch w, int64_t Mp, int64_t D) {
+    for (int part = 0; part < 3; ++part)
+        for (int64_t d2 = 0; d2 < D / 2; ++d2)
+            for (int64_t m = 0; m < Mp; m += W)
+                _mm512_storeu_si512(w.qp + (part * D / 2 + d2) * Mp + m,
+                                    pa_part_pair(pa_part(vload(w.qt + 2 * d2 * Mp + m), part),
+                                                 pa_part(vload(w.qt + (2 * d2 + 1) * Mp + m), part)));
+}
+
+// Query lanes m..m+W's pair i2 of probabilities as bf16: rounded (S == 1, ATTN_BF16) or part `part` (S == 3).
+template <int S>
+static inline __m512i pa_prob_pair(const float* s, int64_t Mp, int64_t n, int64_t i2, int64_t m, int part) {
+    if (S == 1) return pf_prob_pair(s, Mp, n, i2, m);
+    const V even = 2 * i2 < n ? vload(s + 2 * i2 * Mp + m) : vzero();
+    const V odd = 2 * i2 + 1 < n ? vload(s + (2 * i2 + 1) * Mp + m) : vzero();
+    return pa_part_pair(pa_part(even, part), pa_part(odd, part));
+}
+
+// w.s[r * Mp + m] = key r . query m (queries in w.qp: S parts) for the step's keys k0..k0+n of block size bs;
 // rows n..16 * ceil(n / 16) of w.s get values nobody reads.
+template <int S>
 static void pa_scores(PrefillScratch w, int64_t Mp, int64_t D, const bf16_t* const* krow, int64_t n, int64_t k0,
                       int64_t bs) {
     bf16_t* copy = reinterpret_cast<bf16_t*>(w.vp);  // [KEY_STEP, D]: free until pf_pack_values
@@ -46,11 +83,14 @@ static void pa_scores(PrefillScratch w, int64_t Mp, int64_t D, const bf16_t* con
             _tile_zero(5);
             for (int64_t j = 0; j < nk; ++j) {
                 _tile_loadd(0, rows + 32 * j, stride);
-                _tile_loadd(1, w.qp + PA * j * Mp + PA * c, Mp * 4);
-                _tile_dpbf16ps(4, 0, 1);
-                if (two) {
-                    _tile_loadd(2, w.qp + PA * j * Mp + PA * (c + 1), Mp * 4);
-                    _tile_dpbf16ps(5, 0, 2);
+                for (int part = 0; part < S; ++part) {
+                    const uint32_t* qp = w.qp + (part * D / 2 + PA * j) * Mp;
+                    _tile_loadd(1, qp + PA * c, Mp * 4);
+                    _tile_dpbf16ps(4, 0, 1);
+                    if (two) {
+                        _tile_loadd(2, qp + PA * (c + 1), Mp * 4);
+                        _tile_dpbf16ps(5, 0, 2);
+                    }
                 }
             }
             _tile_stored(4, w.s + r0 * Mp + PA * c, Mp * 4);
@@ -59,19 +99,21 @@ static void pa_scores(PrefillScratch w, int64_t Mp, int64_t D, const bf16_t* con
     }
 }
 
-// w.acc = w.acc x corr + P x V over the step's n keys (probabilities in w.s, key-major).
+// w.acc = w.acc x corr + P x V over the step's n keys (probabilities in w.s, key-major; S parts of each).
+template <int S>
 static void pa_values(PrefillScratch w, int64_t Mp, int64_t D, const bf16_t* const* vrow, int64_t n) {
     const int64_t n2 = (n + 1) / 2, np = (n2 + PA - 1) / PA, nq = Mp / PA, nd = D / PA;
     pf_pack_values(w, D, vrow, n);
     for (int64_t e = n2 * D; e < np * PA * D; e += W) _mm512_storeu_si512(w.vp + e, _mm512_setzero_si512());
-    for (int64_t c = 0; c < nq; ++c)  // pp[m * KEY_STEP / 2 + i2]: query m's probability pair i2
-        for (int64_t p = 0; p < np; ++p) {
-            __m512i r[PA];
-            for (int64_t i = 0; i < PA; ++i) r[i] = pf_prob_pair(w.s, Mp, n, p * PA + i, c * PA);
-            transpose16_dwords(r);
-            for (int64_t j = 0; j < PA; ++j)
-                _mm512_storeu_si512(w.pp + (c * PA + j) * (PREFILL_KEY_STEP / 2) + p * PA, r[j]);
-        }
+    for (int part = 0; part < S; ++part)  // pp[part][m * PA_PAIRS + i2]: query m's probability pair i2
+        for (int64_t c = 0; c < nq; ++c)
+            for (int64_t p = 0; p < np; ++p) {
+                __m512i r[PA];
+                for (int64_t i = 0; i < PA; ++i) r[i] = pa_prob_pair<S>(w.s, Mp, n, p * PA + i, c * PA, part);
+                transpose16_dwords(r);
+                for (int64_t j = 0; j < PA; ++j)
+                    _mm512_storeu_si512(w.pp + (part * Mp + c * PA + j) * PA_PAIRS + p * PA, r[j]);
+            }
     for (int64_t m = 0; m < Mp; ++m) {
         const V cr = vset1(w.corr[m]);
         for (int64_t e = 0; e < D; e += W) vstore(w.acc + m * D + e, vmul(vload(w.acc + m * D + e), cr));
@@ -83,12 +125,12 @@ static void pa_values(PrefillScratch w, int64_t Mp, int64_t D, const bf16_t* con
             _tile_loadd(4, out, D * 4);
             if (two) _tile_loadd(5, out + PA, D * 4);
             for (int64_t p = 0; p < np; ++p) {
-                _tile_loadd(0, w.pp + c * PA * (PREFILL_KEY_STEP / 2) + p * PA, PREFILL_KEY_STEP / 2 * 4);
                 _tile_loadd(1, w.vp + p * PA * D + d * PA, D * 4);
-                _tile_dpbf16ps(4, 0, 1);
-                if (two) {
-                    _tile_loadd(2, w.vp + p * PA * D + (d + 1) * PA, D * 4);
-                    _tile_dpbf16ps(5, 0, 2);
+                if (two) _tile_loadd(2, w.vp + p * PA * D + (d + 1) * PA, D * 4);
+                for (int part = 0; part < S; ++part) {
+                    _tile_loadd(0, w.pp + (part * Mp + c * PA) * PA_PAIRS + p * PA, PA_PAIRS * 4);
+                    _tile_dpbf16ps(4, 0, 1);
+                    if (two) _tile_dpbf16ps(5, 0, 2);
                 }
             }
             _tile_stored(4, out, D * 4);
