@@ -25,6 +25,10 @@ from kvserve.kv.cascade import plan_cascade
 from test_cascade_attention import CASE, draw_case, padded
 
 SETTINGS = settings(max_examples=25, deadline=None)
+AMX_SPAN = dict(block_size=st.sampled_from([1, 5, 16, 32]), kv_heads=st.integers(1, 3),
+                group=st.sampled_from([1, 3, 4]), head_dim=st.sampled_from([32, 64, 128]),
+                cached=st.integers(0, 200), tokens=st.integers(1, 70),
+                seed=st.integers(0, 2**16))  # the AMX tests' spans: head dims the tiles take
 TOLERANCE = dict(rtol=2e-2, atol=2e-2)
 
 
@@ -97,15 +101,21 @@ def test_a_float32_pool_is_refused(kernels):
 @SETTINGS
 @given(**CASE)
 def test_cascade_shared_parts_match_the_bf16_twin(kernels, block_size, kv_heads, group, head_dim, groups, seed):
+    case = bf16_cascade_case(block_size, kv_heads, group, head_dim, groups, seed)
+    if case is None:
+        return
+    native = kernels.native.cascade_attention(*case, 0.125, True)
+    torch.testing.assert_close(native, reference.cascade_attention(*case, 0.125, True), **TOLERANCE)
+
+
+def bf16_cascade_case(block_size, kv_heads, group, head_dim, groups, seed):
+    """(queries, bf16 keys, bf16 values, tables, context lengths, plan) of a drawn cascade case; None when
+    nothing is shared enough to plan."""
     tables, lens, keys, values, queries = draw_case(block_size, kv_heads, group, head_dim, groups, seed)
-    keys, values = keys.bfloat16(), values.bfloat16()
     plan = plan_cascade(tables, lens, block_size, min_rows=1, min_blocks=1)
     if plan is None:
-        return
-    table_tensor, context = padded(tables), torch.tensor(lens)
-    native = kernels.native.cascade_attention(queries, keys, values, table_tensor, context, plan, 0.125, True)
-    twin = reference.cascade_attention(queries, keys, values, table_tensor, context, plan, 0.125, True)
-    torch.testing.assert_close(native, twin, **TOLERANCE)
+        return None
+    return queries, keys.bfloat16(), values.bfloat16(), padded(tables), torch.tensor(lens), plan
 
 
 # --- engine ------------------------------------------------------------------------------------------
@@ -168,9 +178,7 @@ def test_native_tracks_the_torch_twin_and_differs_from_float32(tiny_model_dir):
 
 @pytest.mark.skipif(not avx512_with("amx_bf16"), reason="this CPU has no AMX-BF16 (or no AVX-512 build)")
 @SETTINGS
-@given(block_size=st.sampled_from([1, 5, 16, 32]), kv_heads=st.integers(1, 3), group=st.sampled_from([1, 3, 4]),
-       head_dim=st.sampled_from([32, 64, 128]), cached=st.integers(0, 200), tokens=st.integers(1, 70),
-       seed=st.integers(0, 2**16))
+@given(**AMX_SPAN)
 def test_amx_tiles_equal_the_pair_products(block_size, kv_heads, group, head_dim, cached, tokens, seed):
     """csrc/prefill_amx.h (AMX-BF16 tiles, on with the exact GEMM's switch) multiplies the operands the pair
     products do, keys read in place from whole 16-key runs of a block or copied otherwise, odd and partial
@@ -193,9 +201,7 @@ def test_amx_tiles_equal_the_pair_products(block_size, kv_heads, group, head_dim
 
 @pytest.mark.skipif(not avx512_with("amx_bf16"), reason="this CPU has no AMX-BF16 (or no AVX-512 build)")
 @SETTINGS
-@given(block_size=st.sampled_from([1, 5, 16, 32]), kv_heads=st.integers(1, 3), group=st.sampled_from([1, 3, 4]),
-       head_dim=st.sampled_from([32, 64, 128]), cached=st.integers(0, 200), tokens=st.integers(1, 70),
-       seed=st.integers(0, 2**16))
+@given(**AMX_SPAN)
 def test_amx_exact_tiles_equal_the_float32_products(block_size, kv_heads, group, head_dim, cached, tokens, seed):
     """Float32 attention over a bf16 pool (the default products) also runs on AMX tiles (PF_EXACT_TILES): each
     scaled query and probability split into three bf16 parts that sum to it exactly, so every product is the
@@ -214,14 +220,9 @@ def test_amx_exact_tiles_equal_the_float32_products(block_size, kv_heads, group,
 def test_cascade_shared_parts_on_exact_tiles(block_size, kv_heads, group, head_dim, groups, seed):
     """Cascade attention's shared parts over a bf16 pool with float32 products take the exact tiles too."""
     fast = Kernels.create("native", isa="avx512")
-    tables, lens, keys, values, queries = draw_case(block_size, kv_heads, group, head_dim, groups, seed)
-    keys, values = keys.bfloat16(), values.bfloat16()
-    plan = plan_cascade(tables, lens, block_size, min_rows=1, min_blocks=1)
-    if plan is None:
+    case = bf16_cascade_case(block_size, kv_heads, group, head_dim, groups, seed)
+    if case is None:
         return
-    table_tensor, context = padded(tables), torch.tensor(lens)
-    tiles, fmas = on_then_off(fast.native.set_amx_exact, lambda: fast.native.cascade_attention(
-        queries, keys, values, table_tensor, context, plan, 0.125))
+    tiles, fmas = on_then_off(fast.native.set_amx_exact, lambda: fast.native.cascade_attention(*case, 0.125))
     torch.testing.assert_close(tiles, fmas, rtol=1e-5, atol=1e-5)
-    twin = reference.cascade_attention(queries, keys, values, table_tensor, context, plan, 0.125)
-    torch.testing.assert_close(tiles, twin, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(tiles, reference.cascade_attention(*case, 0.125), rtol=1e-5, atol=1e-5)
