@@ -83,7 +83,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--attention-dtype", default=defaults.attention_dtype, choices=ATTENTION_DTYPES,
                        help="bfloat16: prefill and shared-prefix attention multiply bf16 queries and "
                        "probabilities by the bf16 KV cache (needs --kv-cache-dtype bfloat16; approximate, "
-                       "as llama.cpp's f16 cache; 2x the products' rate with AVX512-BF16); float32: exact")
+                       "as llama.cpp's f16 cache; 2x the products' rate with AVX512-BF16, tiles with AMX); float32: "
+                       "exact")
     group.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (implied by --lora-modules)")
     group.add_argument("--max-loras", type=int, default=defaults.max_loras,
                        help="LoRA adapters resident at once (more are swapped in from host memory)")
