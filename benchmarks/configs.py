@@ -32,6 +32,13 @@ CONFIGS = {  # name -> (LLM arguments, the fp32 configuration it is compared wit
     "native Q4_1 fp32": ({"weights": "native"}, "native Q4_1 fp32"),
     "native Q4_1 bf16": ({"weights": "native", "dtype": "bfloat16"}, "native Q4_1 fp32"),
     "native Q4_1 int8": ({"weights": "native", "activation_quant": "int8"}, "native Q4_1 fp32"),
+    "native Q4_1 fp32, bf16 KV": ({"weights": "native", "kv_cache_dtype": "bfloat16"}, "native Q4_1 fp32"),
+    "native Q4_1 int8, bf16 KV + attention": ({"weights": "native", "activation_quant": "int8",
+                                               "kv_cache_dtype": "bfloat16", "attention_dtype": "bfloat16"},
+                                              "native Q4_1 fp32"),
+    "native Q4_1 bf16 KV + attention, torch kernels": ({"weights": "native", "kernels": "torch",
+                                                        "kv_cache_dtype": "bfloat16", "attention_dtype": "bfloat16"},
+                                                       "dense fp32, torch kernels"),
     "native Q4_1, torch kernels": ({"weights": "native", "kernels": "torch"}, "dense fp32, torch kernels"),
 }
 FIGURES = ("decode", "prefill512", "batch8")
