@@ -1,11 +1,13 @@
 """Prefill attention alone, by how its products run: float32 pool, bf16 pool with float32 products (FMAs, or
 AMX-BF16 tiles on three bf16 parts of each query and probability), and `--attention-dtype bfloat16`'s bf16
-products as FMAs (AVX2 build), AVX512-BF16 pair dot products and AMX-BF16 tiles (where the CPU has them).
+products as FMAs on the rounded values, AVX512-BF16 pair dot products and AMX-BF16 tiles (where the CPU has
+them; kernels/pair_products.py picks FMAs or pairs per CPU, the tiles win where on).
 
 One causal span of N tokens of the default model's shape (9 heads, 3 KV heads, head dim 64, 16-token blocks)
 through `NativeLibrary.prefill_attention`, best of `--repeats`, milliseconds per layer and multiply-adds per
 second (N^2 / 2 query-key pairs x 9 heads x 64 x 2). Which product route a row takes is the library's choice
-for the CPU (csrc/prefill.h's pf_route); the tile rows turn the AMX switch on, the pair rows off.
+for the CPU (csrc/prefill.h's pf_route); each row sets the AMX and pair switches it names, then the CPU's
+choice is restored.
 
     python benchmarks/attention_products.py [--tokens 512 2048] [--threads 2]
 
@@ -38,6 +40,7 @@ def best_ms(fn, repeats: int) -> float:
 
 
 def rows_for(tokens: int, repeats: int) -> list[list[object]]:
+    from kvserve.kernels import pair_products
     from kvserve.kernels.ops import Kernels
 
     gen = torch.Generator().manual_seed(0)
@@ -48,25 +51,29 @@ def rows_for(tokens: int, repeats: int) -> list[list[object]]:
     out = torch.empty_like(queries)
     macs = tokens * tokens / 2 * HEADS * DIM * 2
     rows = []
+    k16, v16 = keys.bfloat16(), values.bfloat16()
     for isa in ("avx512", "avx2"):
         native = Kernels.create("native", isa=isa).native
         if native is None or native.isa != isa:
             continue
         tiles = native.set_amx_exact(True)
-        cases = [("float32 pool", keys, values, False, False), ("bf16 pool, float32 products", keys.bfloat16(),
-                 values.bfloat16(), False, False)]
-        products = "AVX512-BF16 pairs" if isa == "avx512" and "avx512_bf16" in native.features else "FMAs"
-        cases.append((f"bf16 products ({products})", keys.bfloat16(), values.bfloat16(), True, False))
+        pairs = isa == "avx512" and pair_products.set_pairs(native, True)
+        cases = [("float32 pool", keys, values, False, False, False),
+                 ("bf16 pool, float32 products", k16, v16, False, False, False),
+                 ("bf16 products (FMAs on the rounded values)", k16, v16, True, False, False)]
+        if pairs:
+            cases.append(("bf16 products (AVX512-BF16 pairs)", k16, v16, True, False, True))
         if tiles:
-            cases.append(("bf16 pool, float32 products (AMX tiles, 3 bf16 parts)", keys.bfloat16(), values.bfloat16(),
-                          False, True))
-            cases.append(("bf16 products (AMX tiles)", keys.bfloat16(), values.bfloat16(), True, True))
-        for name, k, v, bf16, on in cases:
+            cases.append(("bf16 pool, float32 products (AMX tiles, 3 bf16 parts)", k16, v16, False, True, False))
+            cases.append(("bf16 products (AMX tiles)", k16, v16, True, True, False))
+        for name, k, v, bf16, on, pairs_on in cases:
             native.set_amx_exact(on)
+            pair_products.set_pairs(native, pairs_on)
             ms = best_ms(lambda k=k, v=v, bf16=bf16, native=native: native.prefill_attention(
                 queries, k, v, spans, table, DIM ** -0.5, out=out, bf16_products=bf16), repeats)
             rows.append([tokens, isa, name, ms, macs / ms / 1e6])
         native.set_amx_exact(True)
+        pair_products.apply(native)  # this CPU's choice again
     return rows
 
 

@@ -19,7 +19,8 @@ from conftest import avx512_with, on_then_off, random_prompts
 from kvserve import LLM, SamplingParams
 from kvserve.config import EngineConfig
 from kvserve.engine.kv_tiers import arithmetic_config
-from kvserve.kernels import reference
+from kvserve.kernels import pair_products, reference
+from kvserve.kernels.crossover import cpu_identity
 from kvserve.kernels.ops import Kernels
 from kvserve.kv.cascade import plan_cascade
 from test_cascade_attention import CASE, draw_case, padded
@@ -77,19 +78,47 @@ def test_prefill_rounds_what_the_oracle_rounds(kernels, cached, tokens):
     assert (native - expected(*case, 0.125, False)).abs().mean() > 1e-4
 
 
-def test_pair_products_equal_the_emulation():
+@pytest.fixture
+def pairs_kernels():
+    """The AVX-512 kernels with the pair products on and the AMX tiles off (whatever this CPU's choice), both
+    restored afterwards; skipped without AVX512-BF16."""
+    emulated = Kernels.create("native", isa="avx2")  # loading applies this CPU's choices: switch after it
+    fast = Kernels.create("native", isa="avx512")
+    if fast.isa != "avx512" or not pair_products.set_pairs(fast.native, True):
+        pytest.skip("this CPU has no AVX512-BF16: only the emulation runs here (the other tests cover it)")
+    tiles = fast.native.amx_exact
+    fast.native.set_amx_exact(False)
+    yield fast, emulated
+    fast.native.set_amx_exact(tiles)
+    pair_products.apply(fast.native)
+
+
+def test_pair_products_equal_the_emulation(pairs_kernels):
     """AVX512-BF16's vdpbf16ps and the AVX2 build's FMAs multiply the same rounded queries and keys; their sums'
     order differs, so now and then a probability rounds to the neighbouring bf16 (~7e-5 here, 0.1% of outputs),
-    where the float32 products are ~1e-3 away."""
-    fast = Kernels.create("native", isa="avx512")
-    if fast.isa != "avx512" or "avx512_bf16" not in fast.native.features:
-        pytest.skip("this CPU has no AVX512-BF16: only the emulation runs here (the other tests cover it)")
-    emulated = Kernels.create("native", isa="avx2")
+    where the float32 products are ~1e-3 away. The AVX-512 build's own FMA route (the choice where the pairs
+    are slower) gives the emulation's products too."""
+    fast, emulated = pairs_kernels
+    assert not fast.native.amx_exact  # the pairs, not the tiles, run below
     case = one_span(torch.Generator().manual_seed(4), 130, 77, 16, 3, 3, 64)
-    pairs = fast.native.prefill_attention(*case, 0.125, bf16_products=True)
-    torch.testing.assert_close(pairs, emulated.native.prefill_attention(*case, 0.125, bf16_products=True),
-                               rtol=0, atol=3e-4)
+    pairs, fmas = on_then_off(lambda on: pair_products.set_pairs(fast.native, on),
+                              lambda: fast.native.prefill_attention(*case, 0.125, bf16_products=True))
+    reference_run = emulated.native.prefill_attention(*case, 0.125, bf16_products=True)
+    torch.testing.assert_close(pairs, reference_run, rtol=0, atol=3e-4)
+    torch.testing.assert_close(fmas, reference_run, rtol=0, atol=3e-4)
+    assert not torch.equal(pairs, fmas)  # two routes: vdpbf16ps sums pairs before adding them
     assert (pairs - fast.native.prefill_attention(*case, 0.125)).abs().max() > 1e-3
+
+
+def test_the_pair_products_are_chosen_per_cpu():
+    """Measured slower on Intel (vdpbf16ps issues once a cycle there), faster on Zen 4: the library loads with
+    this CPU's choice, and the switch does nothing on a CPU without AVX512-BF16."""
+    assert not pair_products.pairs_pay(("GenuineIntel", 6)) and pair_products.pairs_pay(("AuthenticAMD", 25))
+    native = Kernels.create("native").native
+    if native is None:
+        pytest.skip("native kernels unavailable")
+    expected_now = "avx512_bf16" in native.features and pair_products.pairs_pay(cpu_identity())
+    assert bool(native.lib.kv_bf16_pairs(-1) > 0) == expected_now
 
 
 def test_a_float32_pool_is_refused(kernels):
@@ -186,17 +215,21 @@ def test_amx_tiles_equal_the_pair_products(block_size, kv_heads, group, head_dim
     probability p <= 1 to its neighbouring bf16, moving that query's outputs by at most 2^-8 max|v| (the
     softmax's sum is at least 1; 300 random cases: at most 0.16 of that), and only a few queries' (at most 2,
     or 5%; 300 cases: one query of 14 at worst)."""
-    fast = Kernels.create("native", isa="avx512")
+    described = Kernels.create("native", isa="avx512", attention_dtype="bfloat16").describe()
+    assert "bf16 attention products on AMX tiles" in described
+    fast = Kernels.create("native", isa="avx512")  # loading applies this CPU's choices: switch after it
     case = one_span(torch.Generator().manual_seed(seed), cached, tokens, block_size, kv_heads, group, head_dim)
-    tiles, pairs = on_then_off(fast.native.set_amx_exact, lambda: fast.native.prefill_attention(
-        *case, 0.125, bf16_products=True))
+    assert pair_products.set_pairs(fast.native, True)
+    try:
+        tiles, pairs = on_then_off(fast.native.set_amx_exact, lambda: fast.native.prefill_attention(
+            *case, 0.125, bf16_products=True))
+    finally:
+        pair_products.apply(fast.native)
     gap = (tiles - pairs).abs()
     assert gap.max() <= 2**-8 * case[2].float().abs().max()
     differing = int((gap.amax(-1) > 1e-5).sum())
     assert differing <= max(2, 0.05 * gap[..., 0].numel())
     torch.testing.assert_close(tiles, expected(*case, 0.125, True), **TOLERANCE)
-    assert "bf16 attention products on AMX tiles" in Kernels.create(
-        "native", isa="avx512", attention_dtype="bfloat16").describe()
 
 
 @pytest.mark.skipif(not avx512_with("amx_bf16"), reason="this CPU has no AMX-BF16 (or no AVX-512 build)")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from kvserve.kernels import crossover
+from kvserve.kernels import crossover, pair_products
 from kvserve.kernels.cascade_plan import CASCADE_FIELDS, CascadeTensors, check_cascade_plan
 from kvserve.kernels.i8pack import PACKED_BLOCK_BYTES, PackedI8Weight, packed_groups
 from kvserve.kernels.native_checks import check, check_pool, check_range, ok
@@ -116,6 +116,7 @@ class NativeLibrary:
             raise RuntimeError(f"ISA {chosen} requested but this CPU supports only {sorted(features)}")
         library = cls(lib, chosen, frozenset(features))
         crossover.apply(library)
+        pair_products.apply(library)
         tiles = os.environ.get(AMX_ENV, "1") != "0"
         library.set_amx(tiles)
         library.set_amx_exact(tiles)

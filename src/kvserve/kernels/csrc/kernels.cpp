@@ -33,6 +33,11 @@ static inline bool kv_cpu_dpbf16() {
     }();
     return has;
 }
+// Whether bf16 attention products may run as those pair products (else float32 FMAs on the same rounded
+// values): set by kv_bf16_pairs (kernels/pair_products.py, per CPU when the library loads). AMX tiles, where
+// on, run them regardless.
+static bool g_bf16_pairs = true;
+static inline bool kv_pairs_on() { return g_bf16_pairs && kv_cpu_dpbf16(); }
 
 // Every fp16 bit pattern as a float32, filled once when the library loads (plain bit arithmetic, no F16C:
 // loading must not fault on any CPU). The matmuls look block scales up here: a load instead of F16C's
@@ -205,6 +210,14 @@ int kv_amx_exact(int on) {
     if (on == 0) return g_amx_exact = false;
     if (!KV_HAS_AMX || !cpu_has_amx_bf16() || !amx_permitted()) return -1;
     return g_amx_exact = true;
+}
+
+// bf16 attention products as AVX512-BF16 pair dot products: 1 on, 0 off, -1 as it is; returns the state now, or
+// -1 when this CPU has no AVX512-BF16.
+int kv_bf16_pairs(int on) {
+    if (!KV_HAS_BF16 || !kv_cpu_dpbf16()) return -1;
+    if (on >= 0) g_bf16_pairs = on != 0;
+    return g_bf16_pairs;
 }
 
 // The layer loop's crossover from the per-row kernel to the wide GEMM for weight type qt in build isa: rows >= 1

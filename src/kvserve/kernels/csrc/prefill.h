@@ -136,11 +136,12 @@ static PrefillScratch pf_scratch_new(ScratchScope& scope, int64_t Mp, int64_t D)
                           pairs, pp, pp + 3 * PREFILL_KEY_STEP / 2 * Mp};
 }
 
-// Whether ATTN_BF16 runs as pair dot products here: a bf16 pool, the AVX-512 build, a CPU with AVX512-BF16.
+// Whether ATTN_BF16 runs as pair dot products here: a bf16 pool, the AVX-512 build, a CPU with AVX512-BF16 where
+// they pay (kv_bf16_pairs).
 template <typename KT>
 static inline bool pf_pair_products() {
 #if KV_AVX512 && KV_HAS_BF16
-    return sizeof(KT) == 2 && kv_cpu_dpbf16();
+    return sizeof(KT) == 2 && kv_pairs_on();
 #else
     return false;
 #endif
@@ -270,7 +271,7 @@ enum : int { PF_FMA = 0, PF_PAIRS = 1, PF_TILES = 2, PF_EXACT_TILES = 3 };
 template <typename KT>
 static inline int pf_route(int prod, int64_t D) {
 #if KV_AVX512 && KV_HAS_AMX
-    if (sizeof(KT) == 2 && pf_pair_products<KT>() && pa_tiles(D)) return prod == ATTN_BF16 ? PF_TILES : PF_EXACT_TILES;
+    if (sizeof(KT) == 2 && kv_cpu_dpbf16() && pa_tiles(D)) return prod == ATTN_BF16 ? PF_TILES : PF_EXACT_TILES;
 #endif
     (void)D;
     return prod == ATTN_BF16 && pf_pair_products<KT>() ? PF_PAIRS : PF_FMA;
