@@ -94,8 +94,9 @@ class Kernels:
     def describe(self) -> str:
         backend = f"native ({self.isa})" if self.native else "torch"
         exact_tiles = self.native is not None and self.native.amx_exact  # AMX-BF16: also the attention products
-        attention = ", bf16 attention products" + (" on AMX tiles" if exact_tiles else "")
-        attention = attention if self.bf16_products else ""
+        attention = ""
+        if self.bf16_products:
+            attention = ", bf16 attention products" + (" on AMX tiles" if exact_tiles else "")
         if self.activation_quant == "none":
             return backend + (", wide matmuls on AMX tiles" if exact_tiles else "") + attention
         tiles = " on AMX tiles" if self.native is not None and self.native.amx else ""

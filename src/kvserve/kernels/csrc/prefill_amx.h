@@ -29,36 +29,33 @@ static inline void pa_begin() {  // this thread's tile configuration (simd.h), b
     _tile_loadconfig(&config);
 }
 
-// Part `part` (0: the top 8 significant bits, 1: the next 8, 2: the rest) of 16 floats, and the bf16 pair of
-// two such parts: each part is exactly a bf16 value (a float with 8 significant bits at most, as long as it
-// is normal), so its bits are the float's top half and the three parts sum exactly to the float.
-static inline V pa_part(V x, int part) {
-    const __m512i top = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-    for (int i = 0; i < part; ++i) x = _mm512_sub_ps(x, _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), top)));
-    return _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), top));
-}
+// The bf16 pair of two split_bf16x3 parts (simd.h): each part is exactly a bf16 value, so its bits are the
+// float's top half.
 static inline __m512i pa_part_pair(V even, V odd) {
     return _mm512_or_si512(_mm512_srli_epi32(_mm512_castps_si512(even), 16),
                            _mm512_and_si512(_mm512_castps_si512(odd), _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 
-// PF_EXACT_TILES: the scaled float32 queries (w.qt) as three arrays of bf16 pairs, qp + s * D / 2 * Mp.
+// PF_EXACT_TILES: the scaled float32 queries (w.qt) as three arrays of bf16 pairs, qp + part * D / 2 * Mp.
 static void pa_split_queries(PrefillScratch w, int64_t Mp, int64_t D) {
-    for (int part = 0; part < 3; ++part)
-        for (int64_t d2 = 0; d2 < D / 2; ++d2)
-            for (int64_t m = 0; m < Mp; m += W)
-                _mm512_storeu_si512(w.qp + (part * D / 2 + d2) * Mp + m,
-                                    pa_part_pair(pa_part(vload(w.qt + 2 * d2 * Mp + m), part),
-                                                 pa_part(vload(w.qt + (2 * d2 + 1) * Mp + m), part)));
+    for (int64_t d2 = 0; d2 < D / 2; ++d2)
+        for (int64_t m = 0; m < Mp; m += W) {
+            V even[3], odd[3];
+            split_bf16x3(vload(w.qt + 2 * d2 * Mp + m), even);
+            split_bf16x3(vload(w.qt + (2 * d2 + 1) * Mp + m), odd);
+            for (int part = 0; part < 3; ++part)
+                _mm512_storeu_si512(w.qp + (part * D / 2 + d2) * Mp + m, pa_part_pair(even[part], odd[part]));
+        }
 }
 
 // Query lanes m..m+W's pair i2 of probabilities as bf16: rounded (S == 1, ATTN_BF16) or part `part` (S == 3).
 template <int S>
 static inline __m512i pa_prob_pair(const float* s, int64_t Mp, int64_t n, int64_t i2, int64_t m, int part) {
     if (S == 1) return pf_prob_pair(s, Mp, n, i2, m);
-    const V even = 2 * i2 < n ? vload(s + 2 * i2 * Mp + m) : vzero();
-    const V odd = 2 * i2 + 1 < n ? vload(s + (2 * i2 + 1) * Mp + m) : vzero();
-    return pa_part_pair(pa_part(even, part), pa_part(odd, part));
+    V even[3], odd[3];
+    split_bf16x3(2 * i2 < n ? vload(s + 2 * i2 * Mp + m) : vzero(), even);
+    split_bf16x3(2 * i2 + 1 < n ? vload(s + (2 * i2 + 1) * Mp + m) : vzero(), odd);
+    return pa_part_pair(even[part], odd[part]);
 }
 
 // w.s[r * Mp + m] = key r . query m (queries in w.qp: S parts) for the step's keys k0..k0+n of block size bs;

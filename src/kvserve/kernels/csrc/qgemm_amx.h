@@ -46,16 +46,6 @@ static inline bool amx_exact_pays(int qt, int64_t rows) {
 }
 
 #if KV_HAS_AMX
-// The three bf16 splits of 16 floats: hi (top 8 significant bits), mid (the next 8 of the rest), lo (the rest,
-// 8 bits at most): hi + mid + lo == v, each exact (as long as lo is a normal number).
-static inline void ga_split(__m512 v, __m512* part) {
-    const __m512i top = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-    part[0] = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), top));
-    const __m512 rest = _mm512_sub_ps(v, part[0]);
-    part[1] = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(rest), top));
-    part[2] = _mm512_sub_ps(rest, part[1]);
-}
-
 static inline __m512i ga_bf16_pair(__m512 lo16, __m512 hi16) {  // 2 x 16 floats (bf16 already) -> 32 bf16
     const __m256i a = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(lo16), 16));
     const __m256i b = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(hi16), 16));
@@ -72,8 +62,8 @@ static inline void ga_pack_b(const float* src, int64_t stride, uint8_t* dst) {
     __m512i part[3][GA_ROWS];
     for (int64_t r = 0; r < GA_ROWS; ++r) {
         __m512 lo[3], hi[3];
-        ga_split(_mm512_loadu_ps(src + r * stride), lo);
-        ga_split(_mm512_loadu_ps(src + r * stride + 16), hi);
+        split_bf16x3(_mm512_loadu_ps(src + r * stride), lo);
+        split_bf16x3(_mm512_loadu_ps(src + r * stride + 16), hi);
         for (int s = 0; s < 3; ++s) part[s][r] = ga_bf16_pair(lo[s], hi[s]);
     }
     for (int s = 0; s < 3; ++s) {
@@ -123,15 +113,15 @@ static inline void ga_block_pieces(const uint8_t* blk, const float* half, __m512
     if (QT == QT_Q8_0) {
         const __m128i* q = reinterpret_cast<const __m128i*>(blk + 2);
         __m512 lo[3], hi[3];
-        ga_split(_mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q)))), lo);
-        ga_split(_mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1)))), hi);
+        split_bf16x3(_mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q)))), lo);
+        split_bf16x3(_mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1)))), hi);
         for (int p = 0; p < 3; ++p) piece[p] = ga_bf16_pair(lo[p], hi[p]);
         return;
     }
     const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512 values = _mm512_mul_ps(d, QT == QT_Q4_0 ? _mm512_sub_ps(iota, _mm512_set1_ps(8.0f)) : iota);
     __m512 part[3];
-    ga_split(values, part);  // d * q has at most 15 significant bits: hi + mid, lo is zero
+    split_bf16x3(values, part);  // d * q has at most 15 significant bits: hi + mid, lo is zero
     const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (QT == QT_Q4_1 ? 4 : 2)));
     const __m128i low = _mm_and_si128(raw, _mm_set1_epi8(0x0F)), high = _mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(0x0F));
     const __m512i q = _mm512_cvtepu8_epi16(_mm256_inserti128_si256(_mm256_castsi128_si256(low), high, 1));
@@ -173,8 +163,8 @@ static inline void ga_unpack_tile(const uint8_t* w, int64_t row_bytes, int64_t n
             for (int64_t b = nb; b < nbp; ++b) m[c * nbp + b] = 0.0f;
             for (int64_t e = 0; e < nbp / 32; ++e) {
                 __m512 lo[3], hi[3];
-                ga_split(_mm512_loadu_ps(m + c * nbp + e * 32), lo);
-                ga_split(_mm512_loadu_ps(m + c * nbp + e * 32 + 16), hi);
+                split_bf16x3(_mm512_loadu_ps(m + c * nbp + e * 32), lo);
+                split_bf16x3(_mm512_loadu_ps(m + c * nbp + e * 32 + 16), hi);
                 for (int p = 0; p < P; ++p)
                     _mm512_store_si512(at + ((nb + e) * P + p) * 1024 + c * 64, ga_bf16_pair(lo[p], hi[p]));
             }

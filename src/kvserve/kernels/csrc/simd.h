@@ -206,6 +206,17 @@ static inline void transpose16_dwords(__m512i* r) {
     }
 }
 
+// The three bf16 splits of 16 floats: hi (top 8 significant bits), mid (the next 8 of the rest), lo (the rest,
+// 8 bits at most): hi + mid + lo == v, each exact (as long as lo is a normal number). The AMX tiles' exact
+// products (qgemm_amx.h's activations, prefill_amx.h's queries and probabilities).
+static inline void split_bf16x3(__m512 v, __m512* part) {
+    const __m512i top = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+    part[0] = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), top));
+    const __m512 rest = _mm512_sub_ps(v, part[0]);
+    part[1] = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(rest), top));
+    part[2] = _mm512_sub_ps(rest, part[1]);
+}
+
 #if KV_HAS_AMX
 // Palette 1, every tile 16 rows of 64 bytes (qgemm_amx.h, prefill_amx.h). Loaded by each thread before its
 // tiles run (the configuration is per thread; both users load this same one).
