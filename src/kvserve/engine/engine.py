@@ -48,7 +48,7 @@ from kvserve.engine.step_cost import make_auto_row_cap
 from kvserve.engine.step_threads import StepThreads
 from kvserve.engine.structured import GrammarCompiler
 from kvserve.engine.tokens import append_sampled_token
-from kvserve.engine.validation import check_fits, encode_prompt, validate_prompt_ids, validate_token_params
+from kvserve.engine.validation import check_fits, prompt_ids_of, validate_token_params
 from kvserve.kernels.ops import Kernels
 from kvserve.kv.block_allocator import BlockAllocator
 from kvserve.lora.adapter import LoRAAdapter, LoRARequest
@@ -130,8 +130,7 @@ class LLMEngine:
             if self.lora is None:
                 raise ValueError("LoRA adapters are not enabled on this engine (enable_lora)")
             namespace = with_adapter(namespace, lora.adapter_id)
-        prompt_ids = encode_prompt(self.tokenizer, prompt)
-        validate_prompt_ids(prompt_ids, self.model_config.vocab_size)
+        prompt_ids = prompt_ids_of(self.tokenizer, prompt, params, self.model_config.vocab_size, self.max_model_len)
         check_fits(len(prompt_ids), params.max_tokens, self.max_model_len, self.block_manager.block_size,
                    self.block_manager.num_blocks)
         check_block_cap(len(prompt_ids), params, self.block_manager, self.config.max_blocks_per_request,
@@ -141,7 +140,7 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         beam_params = params if isinstance(params, BeamSearchParams) else None
         sampling = beam_params.sampling_params() if beam_params is not None else params
-        validate_token_params(sampling, self.model_config.vocab_size)
+        validate_token_params(sampling, self.model_config.vocab_size, self.tokenizer)
         request = Request(
             request_id, prompt_ids, sampling, namespace=namespace,
             prompt=prompt if isinstance(prompt, str) else None, eos_token_ids=self.eos_token_ids,

@@ -1,6 +1,7 @@
 """Logits processors: what a request's SamplingParams change in its logits row before sampling.
 
-In vLLM's order: min_tokens (EOS and stop ids masked until reached), logit_bias, then the penalties
+In vLLM's order: allowed_token_ids (every other token masked), bad_words (a word's last token masked where
+the output ends with the rest of it), min_tokens (EOS and stop ids masked until reached), logit_bias, then the penalties
 (repetition over prompt + output tokens, frequency and presence over output tokens), and last the
 structured-output grammar mask. Rows of requests that ask for none of these are left untouched (and
 the logits tensor is not copied when no row needs processing). Log-probs are reported from the raw
@@ -30,6 +31,13 @@ def process_logits(logits: torch.Tensor, requests: Sequence[Request]) -> torch.T
 def _process_row(row: torch.Tensor, request: Request) -> None:
     params = request.params
     vocab_size = row.shape[-1]
+    if params.allowed_token_ids is not None:
+        allowed = torch.tensor(params.allowed_token_ids, dtype=torch.long)
+        kept = row[allowed]
+        row.fill_(float("-inf"))
+        row[allowed] = kept
+    if params.bad_words_token_ids:
+        _ban_bad_words(row, params.bad_words_token_ids, request.output_token_ids)
     if request.num_output_tokens < params.min_tokens:
         banned = set(params.stop_token_ids) | (set() if params.ignore_eos else set(request.eos_token_ids))
         banned_ids = [t for t in banned if t < vocab_size]
@@ -49,3 +57,12 @@ def _process_row(row: torch.Tensor, request: Request) -> None:
         row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(row.dtype)
     if request.grammar is not None:
         request.grammar.mask(row)
+
+
+def _ban_bad_words(row: torch.Tensor, words: list[list[int]], output: list[int]) -> None:
+    """vLLM's rule: a word's last token is banned when the output's last tokens are the word's others
+    (a one-token word is banned always)."""
+    for word in words:
+        prefix = word[:-1]
+        if len(prefix) <= len(output) and (not prefix or output[-len(prefix):] == prefix):
+            row[word[-1]] = float("-inf")

@@ -42,7 +42,12 @@ class SamplingParams:
     `min_tokens` masks EOS and `stop_token_ids` until that many tokens exist; `logit_bias` is added;
     `repetition_penalty` (prompt + output tokens) divides positive logits and multiplies negative ones;
     `frequency_penalty` x count and `presence_penalty` (output tokens) are subtracted;
-    `structured_outputs` masks every token its grammar forbids (engine/structured.py).
+    `structured_outputs` masks every token its grammar forbids (engine/structured.py). Before all of these,
+    as vLLM: `allowed_token_ids` keeps only those tokens; `bad_words` (strings, each tokenized alone and
+    after a space, as vLLM does) bans a word's last token wherever the output already ends with the tokens
+    before it.
+    `truncate_prompt_tokens` keeps only the prompt's last N tokens (-1: the last max_model_len), vLLM's left
+    truncation, applied before the prompt is checked against the context.
     `prompt_logprobs` (0..20): the log-prob of every prompt token after the first given the tokens before it,
     plus the top N alternatives (vLLM's meaning). Those positions need logits, so such a request reuses
     no cached prefix: its whole prompt is computed (and cached for others).
@@ -69,6 +74,11 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
+    # bad_words as token ids, one list per variant: set by the engine from its tokenizer (validation.py)
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -122,6 +132,22 @@ class SamplingParams:
             check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
         if self.structured_outputs is not None:
             self.structured_outputs.validate()
+        self._validate_token_filters()
+
+    def _validate_token_filters(self) -> None:
+        allowed = self.allowed_token_ids
+        if allowed is not None and (not isinstance(allowed, list) or not allowed
+                                    or any(not is_int(t) or not 0 <= t < 2**31 for t in allowed)):
+            raise ValueError("allowed_token_ids must be a non-empty list of token ids (integers >= 0)")
+        words = self.bad_words
+        if words is not None and (not isinstance(words, list) or len(words) > MAX_STOP_STRINGS or any(
+                not isinstance(w, str) or not w.strip() or len(w) > MAX_STOP_STRING_CHARS for w in words)):
+            raise ValueError(f"bad_words must be a list of at most {MAX_STOP_STRINGS} non-blank strings of at "
+                             f"most {MAX_STOP_STRING_CHARS} characters")
+        truncate = self.truncate_prompt_tokens
+        if truncate is not None and (not is_int(truncate) or not (truncate == -1 or 1 <= truncate <= MAX_TOKENS_LIMIT)):
+            raise ValueError(f"truncate_prompt_tokens must be -1 (the context length) or an integer from 1 to "
+                             f"{MAX_TOKENS_LIMIT}, got {truncate!r}")
 
     @property
     def processes_logits(self) -> bool:
@@ -129,6 +155,7 @@ class SamplingParams:
         return bool(
             self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
             or self.min_tokens or self.logit_bias or self.structured_outputs is not None
+            or self.allowed_token_ids is not None or bool(self.bad_words_token_ids)
         )
 
     @property

@@ -16,12 +16,44 @@ def validate_prompt_ids(prompt_ids: Sequence[int], vocab_size: int) -> None:
             raise ValueError(f"prompt token id {token_id!r} is outside the vocabulary [0, {vocab_size})")
 
 
-def validate_token_params(params: SamplingParams, vocab_size: int) -> None:
-    """Token ids named by sampling params (logit_bias, stop_token_ids) must be in the vocabulary."""
-    for name, ids in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids)):
+def validate_token_params(params: SamplingParams, vocab_size: int, tokenizer: Tokenizer | None) -> None:
+    """Token ids named by sampling params (logit_bias, stop_token_ids, allowed_token_ids) must be in the
+    vocabulary; `bad_words` become token ids here (`params.bad_words_token_ids`), with this tokenizer."""
+    named = (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids),
+             ("allowed_token_ids", params.allowed_token_ids or []))
+    for name, ids in named:
         bad = [t for t in ids if not 0 <= t < vocab_size]
         if bad:
             raise ValueError(f"{name}: token ids must be in [0, {vocab_size}), got {bad[0]}")
+    params.bad_words_token_ids = bad_words_token_ids(tokenizer, params.bad_words) if params.bad_words else None
+
+
+def bad_words_token_ids(tokenizer: Tokenizer | None, words: Sequence[str]) -> list[list[int]]:
+    """vLLM's tokenization of `bad_words`: each word (left-stripped) alone, and after a space when that
+    spells it with a different first token but as many tokens (mid-sentence, as a BPE vocabulary writes
+    it); a word's last token is banned wherever the output ends with the tokens before it."""
+    if tokenizer is None:
+        raise ValueError("bad_words needs a tokenizer; this model has none")
+    variants: list[list[int]] = []
+    for word in words:
+        alone = tokenizer.encode(word.lstrip())
+        spaced = tokenizer.encode(" " + word.lstrip())
+        variants.append(alone)
+        if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
+            variants.append(spaced)
+    return variants
+
+
+def prompt_ids_of(tokenizer: Tokenizer | None, prompt: str | Sequence[int], params: object, vocab_size: int,
+                  max_model_len: int) -> list[int]:
+    """A prompt's token ids, left-truncated as `params.truncate_prompt_tokens` asks (-1: to max_model_len),
+    each in the vocabulary."""
+    prompt_ids = encode_prompt(tokenizer, prompt)
+    truncate = getattr(params, "truncate_prompt_tokens", None)
+    if truncate is not None:
+        prompt_ids = prompt_ids[-(max_model_len if truncate == -1 else truncate):]
+    validate_prompt_ids(prompt_ids, vocab_size)
+    return prompt_ids
 
 
 def encode_prompt(tokenizer: Tokenizer | None, prompt: str | Sequence[int]) -> list[int]:

@@ -71,6 +71,9 @@ class RequestKeyer:
         if namespace is None:
             return UNKEYED
         tokens, exact = self._tokens(path, body)
+        truncate = body.get("truncate_prompt_tokens")
+        if tokens is not None and type(truncate) is int and truncate >= 1:
+            tokens = tokens[-truncate:]  # what the worker keeps (vLLM's left truncation); -1 needs its context
         return RouteKey(tokens=tokens, namespace=namespace, exact=exact)
 
     def _namespace(self, cache_salt: Any, authorization: str | None) -> tuple[str, ...] | None:

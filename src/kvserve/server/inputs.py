@@ -89,8 +89,16 @@ def check_completion_size(body: CompletionRequest, info: EngineInfo) -> None:
     for one in prompts:
         if isinstance(one, str):
             _check_bytes(_utf8_size(one), info, "prompt")
-        elif len(one) >= limit:
+        elif len(truncated(one, body.truncate_prompt_tokens, info)) >= limit:
             raise _too_long(f"the prompt has {len(one)} tokens", limit, "prompt")
+
+
+def truncated(prompt_ids: list[int], truncate: int | None, info: EngineInfo) -> list[int]:
+    """vLLM's `truncate_prompt_tokens`: the prompt's last N tokens (-1: the last max_model_len); all of
+    it when None. A prompt that still does not fit is refused afterwards, as any other."""
+    if truncate is None:
+        return prompt_ids
+    return prompt_ids[-(info.max_model_len if truncate == -1 else truncate):]
 
 
 def _utf8_size(text: str) -> int:
@@ -225,6 +233,9 @@ def _check_beam_search(body: CompletionRequest) -> None:
         if getattr(body, name) not in neutral:
             raise bad_request(f"{name} has no effect with use_beam_search (beam search does not sample)",
                               name)
+    for name in ("allowed_token_ids", "bad_words"):
+        if getattr(body, name) is not None:
+            raise bad_request(f"{name} is not supported with use_beam_search", name)
 
 
 def resolve_max_tokens(
@@ -282,7 +293,8 @@ def engine_params(
             stop_token_ids=list(body.stop_token_ids or []),
             include_stop_str_in_output=body.include_stop_str_in_output,
             skip_special_tokens=body.skip_special_tokens, structured_outputs=structured,
-            prompt_logprobs=prompt_logprobs_of(body),
+            prompt_logprobs=prompt_logprobs_of(body), allowed_token_ids=body.allowed_token_ids,
+            bad_words=body.bad_words, truncate_prompt_tokens=body.truncate_prompt_tokens,
         )
     except ValueError as err:
         raise from_engine_value_error(err) from err

@@ -76,6 +76,7 @@ async def chat_completions(request: Request, caller: Caller) -> Response:
     lora = _check_request(state, body)
     inputs.check_chat_size(body.messages, state.engine.info)
     prompt_ids = await state.off_loop(inputs.chat_prompt_ids, state.engine.tokenizer, body)
+    prompt_ids = inputs.truncated(prompt_ids, body.truncate_prompt_tokens, state.engine.info)
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_tokens = inputs.resolve_max_tokens(requested, [len(prompt_ids)], state.engine.info, None, "messages")
     template = body.chat_template or getattr(state.engine.tokenizer, "chat_template", None)
@@ -84,6 +85,7 @@ async def chat_completions(request: Request, caller: Caller) -> Response:
         "chatcmpl", body.model, body.n, [len(prompt_ids)], state.token_texts
     )
     ctx.prompt_logprobs = body.prompt_logprobs is not None
+    ctx.ask_for_token_ids(body, [prompt_ids])
     namespace = request_namespace(caller, body.cache_salt)
     group = await submit(state, ctx, [prompt_ids], params, namespace, "messages", lora)
     tool_choice = effective_tool_choice(body) if body.tools else None
@@ -107,6 +109,7 @@ async def completions(request: Request, caller: Caller) -> Response:
     prompts = await state.off_loop(
         inputs.completion_prompt_ids, state.engine.tokenizer, body.prompt, state.engine.info.vocab_size
     )
+    prompts = [inputs.truncated(p, body.truncate_prompt_tokens, state.engine.info) for p in prompts]
     prompt_lens = [len(p) for p in prompts]
     max_tokens = inputs.resolve_max_tokens(
         body.max_tokens, prompt_lens, state.engine.info, inputs.DEFAULT_COMPLETION_MAX_TOKENS, "prompt"
@@ -114,8 +117,10 @@ async def completions(request: Request, caller: Caller) -> Response:
     params = inputs.engine_params(body, max_tokens, body.logprobs)
     ctx = responses.ResponseContext.new("cmpl", body.model, body.n, prompt_lens, state.token_texts)
     ctx.prompt_logprobs = body.prompt_logprobs is not None
+    ctx.ask_for_token_ids(body, prompts)
     if body.echo:
-        ctx.echo_texts = await state.off_loop(inputs.echo_texts, state.engine.tokenizer, body.prompt, prompts)
+        sent = body.prompt if body.truncate_prompt_tokens is None else prompts  # truncated: echo what ran
+        ctx.echo_texts = await state.off_loop(inputs.echo_texts, state.engine.tokenizer, sent, prompts)
         ctx.echo_only = body.max_tokens == 0
     namespace = request_namespace(caller, body.cache_salt)
     group = await submit(state, ctx, prompts, params, namespace, "prompt", lora)

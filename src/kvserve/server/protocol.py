@@ -6,8 +6,9 @@ not here is refused with a 400 naming it (request_fields.py says why for OpenAI'
 those are accepted at their neutral value). Extensions beyond OpenAI follow vLLM's names: `top_k`,
 `min_p`, `repetition_penalty`, `min_tokens`, `stop_token_ids`, `include_stop_str_in_output`,
 `skip_special_tokens`, `ignore_eos`, `cache_salt`, `best_of` (chat too), `structured_outputs` (and the
-older `guided_*`), chat-template fields on chat, and on /v1/completions beam search: `use_beam_search`,
-`beam_width`, `length_penalty`, `early_stopping`.
+older `guided_*`), `allowed_token_ids`, `bad_words`, `truncate_prompt_tokens`, `return_token_ids`,
+`return_tokens_as_token_ids`, chat-template fields on chat, and on /v1/completions beam search:
+`use_beam_search`, `beam_width`, `length_penalty`, `early_stopping`.
 """
 
 from __future__ import annotations
@@ -122,6 +123,11 @@ class SamplingFields(RefusingModel):
     guided_grammar: str | None = None
     user: str | None = None  # accepted: identifies the end user to OpenAI; kvserve keeps no record
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's: each prompt token's, top N
+    allowed_token_ids: list[int] | None = Field(None, min_length=1)  # vLLM's: only these may be sampled
+    bad_words: list[str] | None = None  # vLLM's: never generated (each word's last token banned in context)
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=MAX_TOKENS_LIMIT)  # vLLM's: keep the last N
+    return_token_ids: bool = False  # vLLM's: prompt_token_ids and each choice's token_ids in the response
+    return_tokens_as_token_ids: bool = False  # vLLM's: log-prob tokens written as "token_id:N"
 
     refused: ClassVar[dict[str, request_fields.Refused]] = request_fields.COMMON
 
@@ -221,11 +227,16 @@ class AssistantMessage(BaseModel):
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
+def _unset(value: object) -> bool:
+    return value is None
+
+
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None
+    token_ids: list[int] | None = Field(None, exclude_if=_unset)  # vLLM's return_token_ids
 
 
 class ChatCompletion(BaseModel):
@@ -236,6 +247,7 @@ class ChatCompletion(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     prompt_logprobs: PromptLogprobs | None = Field(None, exclude_if=lambda value: value is None)  # vLLM's
+    prompt_token_ids: list[int] | None = Field(None, exclude_if=_unset)  # vLLM's return_token_ids
 
 
 class FunctionCallDelta(BaseModel):
@@ -263,6 +275,7 @@ class ChatChunkChoice(BaseModel):
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    token_ids: list[int] | None = Field(None, exclude_if=_unset)  # return_token_ids: this chunk's tokens
 
 
 class ChatCompletionChunk(BaseModel):
@@ -272,6 +285,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    prompt_token_ids: list[int] | None = Field(None, exclude_if=_unset)  # return_token_ids: first chunk only
 
 
 class CompletionLogprobs(BaseModel):
@@ -296,6 +310,9 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
     kvserve: BeamInfo | None = Field(None, exclude_if=lambda value: value is None)  # beam search only
     prompt_logprobs: PromptLogprobs | None = Field(None, exclude_if=lambda value: value is None)
+    # vLLM's return_token_ids: the prompt's ids (streamed: in each choice's first chunk) and the generated ones
+    prompt_token_ids: list[int] | None = Field(None, exclude_if=_unset)
+    token_ids: list[int] | None = Field(None, exclude_if=_unset)
 
 
 class Completion(BaseModel):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +37,14 @@ from kvserve.server.protocol import (
     Usage,
 )
 
+TokenNames = Callable[[int], str]  # token id -> how log-probs write it (TokenTexts, or token_id_text)
+
+
+def token_id_text(token_id: int) -> str:
+    """A token written as its id (vLLM's `return_tokens_as_token_ids`, and every token of a model without
+    a tokenizer): identifies tokens whose text is not valid UTF-8 on its own."""
+    return f"token_id:{token_id}"
+
 
 class TokenTexts:
     """Token id → its text, cached (logprobs name every sampled and alternative token)."""
@@ -48,7 +56,7 @@ class TokenTexts:
     def __call__(self, token_id: int) -> str:
         text = self._cache.get(token_id)
         if text is None:
-            text = (f"token_id:{token_id}" if self._tokenizer is None
+            text = (token_id_text(token_id) if self._tokenizer is None
                     else self._tokenizer.decode([token_id], skip_special_tokens=False))
             self._cache[token_id] = text
         return text
@@ -67,6 +75,9 @@ class ResponseContext:
     echo_texts: list[str] | None = None  # /v1/completions echo: each prompt's text, returned before its answer
     echo_only: bool = False  # echo with max_tokens 0: the generated token is not returned
     prompt_logprobs: bool = False  # vLLM's prompt_logprobs field goes into the response
+    prompt_token_ids: list[list[int]] | None = None  # return_token_ids: each prompt's ids (None: not asked)
+    ids_as_tokens: bool = False  # return_tokens_as_token_ids: log-prob tokens written as "token_id:N"
+    prompt_ids_sent: set[int] = field(default_factory=set)  # streamed choices whose prompt ids went out
 
     @classmethod
     def new(
@@ -77,6 +88,31 @@ class ResponseContext:
     @property
     def num_choices(self) -> int:
         return self.n * len(self.prompt_lens)
+
+    def ask_for_token_ids(self, body: Any, prompts: list[list[int]]) -> None:
+        """vLLM's `return_token_ids` and `return_tokens_as_token_ids`, as the request body sets them."""
+        self.prompt_token_ids = prompts if body.return_token_ids else None
+        self.ids_as_tokens = body.return_tokens_as_token_ids
+
+    @property
+    def logprob_texts(self) -> TokenNames:
+        """How log-probs name tokens: their text, or "token_id:N" when asked."""
+        return token_id_text if self.ids_as_tokens else self.token_texts
+
+    def token_ids(self, completion: CompletionOutput, delta: bool = False) -> list[int] | None:
+        """A choice's generated ids (its new ones when `delta`) when return_token_ids asks; else None."""
+        if self.prompt_token_ids is None:
+            return None
+        if self.echo_only:
+            return []
+        return list(completion.delta_token_ids if delta else completion.token_ids)
+
+    def prompt_ids_of(self, index: int, once: bool = False) -> list[int] | None:
+        """Choice `index`'s prompt ids when asked; with `once` (streaming) only in its first chunk."""
+        if self.prompt_token_ids is None or (once and index in self.prompt_ids_sent):
+            return None
+        self.prompt_ids_sent.add(index)
+        return self.prompt_token_ids[index // self.n]
 
     def request_id(self, prompt_index: int) -> str:
         """The engine request id of one prompt (all its choices)."""
@@ -138,7 +174,7 @@ def _beam_info(completion: CompletionOutput) -> BeamInfo | None:
 # --- chat ----------------------------------------------------------------------------------------------
 
 
-def chat_logprobs(entries: Sequence[TokenLogprob], texts: TokenTexts) -> ChatLogprobs:
+def chat_logprobs(entries: Sequence[TokenLogprob], texts: TokenNames) -> ChatLogprobs:
     def top(token_id: int, logprob: float) -> TopLogprob:
         text = texts(token_id)
         return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode("utf-8")))
@@ -158,11 +194,13 @@ def chat_completion(
         message, finish_reason = _assistant_message(c, tool_choice)
         choices.append(ChatChoice(
             index=index, message=message, finish_reason=finish_reason,
-            logprobs=chat_logprobs(c.token_logprobs or [], ctx.token_texts) if logprobs else None,
+            logprobs=chat_logprobs(c.token_logprobs or [], ctx.logprob_texts) if logprobs else None,
+            token_ids=ctx.token_ids(c),
         ))
     prompt_logprobs = prompt_logprobs_out(finals[0], ctx.token_texts) if ctx.prompt_logprobs and finals else None
     return ChatCompletion(id=ctx.id, created=ctx.created, model=ctx.model, choices=choices,
-                          usage=usage_of(ctx, finals), prompt_logprobs=prompt_logprobs)
+                          usage=usage_of(ctx, finals), prompt_logprobs=prompt_logprobs,
+                          prompt_token_ids=ctx.prompt_ids_of(0))
 
 
 def _assistant_message(c: CompletionOutput, tool_choice: ToolChoice | None) -> tuple[AssistantMessage, str | None]:
@@ -182,7 +220,8 @@ def chat_role_chunks(ctx: ResponseContext) -> list[BaseModel]:
     """The first chunk of each choice announces the assistant role, as OpenAI's stream does."""
     return [
         ChatCompletionChunk(id=ctx.id, created=ctx.created, model=ctx.model,
-                            choices=[ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))])
+                            choices=[ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))],
+                            prompt_token_ids=ctx.prompt_ids_of(i, once=True))
         for i in range(ctx.num_choices)
     ]
 
@@ -192,11 +231,12 @@ def chat_chunk(
 ) -> BaseModel | None:
     """A chunk with what `completion` added; None when it added nothing visible and did not finish."""
     entries = delta_logprobs(completion) if logprobs else []
-    if not completion.delta_text and not entries and completion.finish_reason is None:
+    token_ids = ctx.token_ids(completion, delta=True)
+    if not completion.delta_text and not entries and not token_ids and completion.finish_reason is None:
         return None
     choice = ChatChunkChoice(
         index=index, delta=ChatDelta(content=completion.delta_text), finish_reason=completion.finish_reason,
-        logprobs=chat_logprobs(entries, ctx.token_texts) if logprobs else None,
+        logprobs=chat_logprobs(entries, ctx.logprob_texts) if logprobs else None, token_ids=token_ids,
     )
     return ChatCompletionChunk(id=ctx.id, created=ctx.created, model=ctx.model, choices=[choice])
 
@@ -209,7 +249,7 @@ def chat_usage_chunk(ctx: ResponseContext, usage: Usage) -> BaseModel:
 
 
 def completion_logprobs(
-    entries: Sequence[TokenLogprob], texts: TokenTexts, offset: int = 0, first_token: int | None = None
+    entries: Sequence[TokenLogprob], texts: TokenNames, offset: int = 0, first_token: int | None = None
 ) -> CompletionLogprobs:
     """OpenAI's text-completion log-probs; `first_token`: an echoed prompt's first token, which has no
     log-prob (nothing comes before it: null, as OpenAI and vLLM write it)."""
@@ -231,9 +271,10 @@ def text_completion(ctx: ResponseContext, finals: dict[int, RequestOutput], logp
         output = finals[index // ctx.n]
         choice = CompletionChoice(
             index=index, text=c.text, finish_reason=c.finish_reason,
-            logprobs=completion_logprobs(c.token_logprobs or [], ctx.token_texts) if logprobs else None,
+            logprobs=completion_logprobs(c.token_logprobs or [], ctx.logprob_texts) if logprobs else None,
             kvserve=_beam_info(c),
             prompt_logprobs=prompt_logprobs_out(output, ctx.token_texts) if ctx.prompt_logprobs else None,
+            prompt_token_ids=ctx.prompt_ids_of(index), token_ids=ctx.token_ids(c),
         )
         if ctx.echo_texts is not None:
             _echo(ctx, choice, output, c, logprobs)
@@ -251,7 +292,7 @@ def _echo(ctx: ResponseContext, choice: CompletionChoice, output: RequestOutput,
         choice.finish_reason = "length"
     if logprobs:
         prompt = output.prompt_token_logprobs or []
-        choice.logprobs = completion_logprobs([*prompt, *generated], ctx.token_texts,
+        choice.logprobs = completion_logprobs([*prompt, *generated], ctx.logprob_texts,
                                               first_token=output.prompt_token_ids[0])
 
 
@@ -273,21 +314,23 @@ def completion_chunk(
     entries = delta_logprobs(completion) if logprobs and not ctx.echo_only else []
     text = "" if ctx.echo_only else completion.delta_text
     finish_reason = "length" if ctx.echo_only and completion.finish_reason else completion.finish_reason
-    if not text and not entries and finish_reason is None:
+    token_ids = ctx.token_ids(completion, delta=True)
+    if not text and not entries and not token_ids and finish_reason is None:
         return None
     choice = CompletionChoice(
         index=index, text=text, finish_reason=finish_reason,
-        logprobs=completion_logprobs(entries, ctx.token_texts) if logprobs else None,
-        kvserve=_beam_info(completion),
+        logprobs=completion_logprobs(entries, ctx.logprob_texts) if logprobs else None,
+        kvserve=_beam_info(completion), prompt_token_ids=ctx.prompt_ids_of(index, once=True), token_ids=token_ids,
     )
     return Completion(id=ctx.id, created=ctx.created, model=ctx.model, choices=[choice])
 
 
 def echo_chunk(ctx: ResponseContext, index: int, output: RequestOutput, logprobs: bool) -> BaseModel:
     """A streamed choice's first chunk under echo: its prompt's text (and the prompt tokens' log-probs)."""
-    scored = completion_logprobs(output.prompt_token_logprobs or [], ctx.token_texts,
+    scored = completion_logprobs(output.prompt_token_logprobs or [], ctx.logprob_texts,
                                  first_token=output.prompt_token_ids[0]) if logprobs else None
-    choice = CompletionChoice(index=index, text=ctx.echo_texts[index // ctx.n], logprobs=scored)
+    choice = CompletionChoice(index=index, text=ctx.echo_texts[index // ctx.n], logprobs=scored,
+                              prompt_token_ids=ctx.prompt_ids_of(index, once=True))
     return Completion(id=ctx.id, created=ctx.created, model=ctx.model, choices=[choice])
 
 

@@ -66,10 +66,12 @@ class ToolCallStreams:
         else:
             delta, finish = self._auto(state, completion)
         entries = delta_logprobs(completion) if self.logprobs else []
-        if delta is None and not entries and finish is None:
+        token_ids = ctx.token_ids(completion, delta=True)
+        if delta is None and not entries and not token_ids and finish is None:
             return None
         choice = ChatChunkChoice(index=index, delta=delta or ChatDelta(content=""), finish_reason=finish,
-                                 logprobs=chat_logprobs(entries, ctx.token_texts) if self.logprobs else None)
+                                 logprobs=chat_logprobs(entries, ctx.logprob_texts) if self.logprobs else None,
+                                 token_ids=token_ids)
         return ChatCompletionChunk(id=ctx.id, created=ctx.created, model=ctx.model, choices=[choice])
 
     def _named(self, state: _ChoiceState, c: CompletionOutput) -> tuple[ChatDelta | None, str | None]:
