@@ -10,6 +10,11 @@ transformers (bf16 by default: the faster dtype on a CPU with native bf16; `--hf
 for both) and llama-cpp-python (one request at a time: its Python API has no batch), every runner once per
 round in turn; medians.
 
+Each runner lives in its own process (started once, driven in turn): run in one process, the kvserve
+runners slowed by 30-40% from the second round on (2026-12-05, the AMX Xeon; not seen with any runner alone
+or with fewer of them), so no runner shares an interpreter, an allocator or OpenMP pools with another.
+Every batch runs in a fresh cache namespace: nothing a previous round cached is reused.
+
     python benchmarks/batch_decode.py                   # ~6 minutes on 2 idle cores
     python benchmarks/batch_decode.py --batches 32 --rounds 5 --no-llama-cpp
 
@@ -19,8 +24,11 @@ Writes benchmarks/results/batch_decode.md (or --out).
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import multiprocessing
 import statistics
 import sys
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import torch
@@ -37,6 +45,65 @@ KVSERVE = {
 }
 
 
+class RunnerProcess:
+    """One runner in a process of its own: `batch` sends the prompts and waits for its tok/s."""
+
+    def __init__(self, kind: str, spec: object) -> None:
+        context = multiprocessing.get_context("spawn")
+        self.pipe, child = context.Pipe()
+        self.process = context.Process(target=_serve_runner, args=(kind, spec, child), daemon=True)
+        self.process.start()
+        self.name = self._receive()
+
+    def batch(self, prompts: list[list[int]], new: int) -> float:
+        self.pipe.send((prompts, new))
+        return self._receive()
+
+    def _receive(self):
+        reply = self.pipe.recv()
+        if isinstance(reply, BaseException):
+            raise reply
+        return reply
+
+    def close(self) -> None:
+        self.pipe.send(None)
+        self.process.join(timeout=30)
+
+
+def _serve_runner(kind: str, spec: object, pipe: Connection) -> None:
+    """The worker: build the runner, say its name, then time each batch it is sent until None."""
+    try:
+        if kind == "kvserve":
+            runner = KvserveRunner(*spec)
+        elif kind == "hf":
+            runner = HFRunner(getattr(torch, spec))
+        else:
+            found = llama_cpp_python_runner([])
+            if not found:
+                raise RuntimeError("llama-cpp-python is not installed")
+            runner = found[0]
+        pipe.send(runner.name)
+    except Exception as err:  # noqa: BLE001 -- reported to the parent, which raises it
+        pipe.send(err)
+        return
+    while (message := pipe.recv()) is not None:
+        pipe.send(runner.batch(*message))
+
+
+def _llama_cpp_python(notes: list[str]) -> bool:
+    """Whether llama-cpp-python can run here (native_kernels.llama_cpp_python_runner's rules, without
+    loading the model in this process); the notes say why not."""
+    import llama_cpp_tools
+
+    if llama_cpp_tools.forced_avx2():
+        notes.append("KVSERVE_ISA=avx2: llama-cpp-python left out (its wheel uses the CPU's widest ISA).")
+        return False
+    if importlib.util.find_spec("llama_cpp") is None:
+        notes.append("llama-cpp-python: not installed (`pip install -e .[bench]`).")
+        return False
+    return True
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", default="8,32", help="batch sizes of the `batch` workload")
@@ -49,9 +116,11 @@ def main() -> None:
     workloads = load_workloads()["batch"]
     batches = [int(b) for b in args.batches.split(",")]
     notes = [f"Load average (1 / 5 / 15 min) before: {load_average()}."]
-    runners: list = [KvserveRunner(name, variant) for name, variant in KVSERVE.items()]
-    runners += [HFRunner(getattr(torch, dtype)) for dtype in args.hf_dtypes]
-    runners += [] if args.no_llama_cpp else llama_cpp_python_runner(notes)
+    specs = [("kvserve", (name, variant)) for name, variant in KVSERVE.items()]
+    specs += [("hf", dtype) for dtype in args.hf_dtypes]
+    if not args.no_llama_cpp and _llama_cpp_python(notes):
+        specs.append(("llama", None))
+    runners = [RunnerProcess(kind, spec) for kind, spec in specs]
     for runner in runners:
         runner.batch(workloads["8"]["prompts"][:2], 4)  # warm-up
     samples = {runner.name: {b: [] for b in batches} for runner in runners}
@@ -72,7 +141,10 @@ def main() -> None:
     notes.append(f"Load average after: {load_average()}. {args.rounds} rounds; {args.new} greedy new tokens per "
                  f"request, EOS ignored; tok/s = generated tokens / wall seconds of the whole batch (prefill "
                  f"included); threads: {torch.get_num_threads()}; every runner once per round and batch, in turn; "
-                 "medians. transformers batches with left padding; llama-cpp-python runs the requests one at a time.")
+                 "medians; each runner in its own process, every batch in a fresh cache namespace. transformers "
+                 "batches with left padding; llama-cpp-python runs the requests one at a time.")
+    for runner in runners:
+        runner.close()
     table = markdown_table(header, rows)
     write_result(args.out, "Batched decode at the workload's 128 new tokens, paired rounds", table, "\n\n".join(notes))
     print(table)

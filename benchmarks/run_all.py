@@ -16,30 +16,23 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 ORDER = [
-    "throughput", "memory_efficiency", "prefix_cache", "prefix_lookup", "parallel_memory",
-    "server_load", "server_steps", "serve_sweep", "side_channel", "dashboard", "soak", "soak_paced", "router",
-    "router_2w", "router_2w_amx", "router_2w_zen4", "router_rag_bounded", "router_rag_bounded_4w",
-    "router_rag_bounded192", "router_chat_bounded", "router_chat_bounded_4w", "eviction", "structured",
-    "tiers", "kernels", "kernels_avx2",
+    "throughput", "memory_efficiency", "prefix_cache", "prefix_lookup", "parallel_memory", "server_load",
+    "server_steps", "serve_sweep", "side_channel", "dashboard", "soak", "soak_paced", "router", "router_2w",
+    "router_2w_amx", "router_2w_zen4", "router_rag_bounded", "router_rag_bounded_4w", "router_rag_bounded192",
+    "router_chat_bounded", "router_chat_bounded_4w", "eviction", "structured", "tiers", "kernels", "kernels_avx2",
     "kernels_zen1", "kernels_zen1_decode", "configs_zen1", "qgemm_zen1", "membw_zen1", "fp_rate_zen1",
-    "load_footprint_zen1",
-    "kernels_zen4", "kernels_zen4_decode", "kernels_zen4_crossover", "kernels_zen4_prefetch", "long_decode",
-    "batch_decode", "kernels_zen4_avx2_decode",
-    "kernels_zen4_avx2", "isa_pairing", "kernels_amx", "configs", "configs_amx", "amx", "amx_exact", "kernels_prefill",
-    "kernels_amx_prefill",
-    "membw",
-    "kernels_decode", "decode_step",
-    "decode_step_batch",
-    "decode_attention", "decode_step_mixed_2t",
-    "decode_step_mixed_1t", "decode_step_mixed_1t_cached1024", "qgemm", "qgemm_avx2", "avx2_exact_gemm", "qgemm_zen4",
-    "qgemm_end_to_end", "crossover_zen4",
-    "llama_cpp_peers", "int8", "int8_packed_avx2", "int8_packed", "perplexity", "kv_dtype", "step_profile",
-    "shared_prefix", "speculative", "vmm",
-    "disagg", "lora",
-    "fairness", "scheduler_overhead", "step_rows_native",
+    "load_footprint_zen1", "kernels_zen4", "kernels_zen4_decode", "kernels_zen4_crossover", "kernels_zen4_prefetch",
+    "long_decode", "batch_decode", "kernels_zen4_bf16attn_prefill", "kernels_zen4_avx2_decode", "kernels_zen4_avx2",
+    "isa_pairing", "kernels_amx_bf16attn", "kernels_amx_bf16attn_prefill", "batch_decode_amx_fresh", "perplexity",
+    "kernels_amx", "configs", "configs_amx", "configs_amx_kv", "amx", "amx_exact", "kernels_prefill",
+    "kernels_amx_prefill", "membw", "kernels_decode", "decode_step", "decode_step_batch", "decode_attention",
+    "decode_step_mixed_2t", "decode_step_mixed_1t", "decode_step_mixed_1t_cached1024", "qgemm", "qgemm_avx2",
+    "avx2_exact_gemm", "qgemm_zen4", "qgemm_end_to_end", "crossover_zen4", "llama_cpp_peers", "int8",
+    "int8_packed_avx2", "int8_packed", "perplexity_earlier", "kv_dtype", "step_profile", "shared_prefix",
+    "speculative", "vmm", "disagg", "lora", "fairness", "scheduler_overhead", "step_rows_native",
 ]
 # Sections that are write-ups of several runs (their commands are inside): assembled, never run.
-WRITE_UPS = {"avx2_exact_gemm"}
+WRITE_UPS = {"avx2_exact_gemm", "perplexity_earlier"}
 # Sections written by another script's mode: (script, its arguments).
 SCRIPTS = {
     "router_2w": ("router", ["--max-workers", "2", "--worker-counts", "2", "--workloads", "rag", "chat",
@@ -97,6 +90,15 @@ SCRIPTS = {
     "configs_amx": ("configs", ["--out", "configs_amx"]),  # on a CPU with AMX and native bf16
     "amx_exact": ("amx", ["--exact"]),  # on a CPU with AMX-BF16
     "kernels_amx_prefill": ("native_kernels", ["--prefill-only", "--out", "kernels_amx"]),  # on a CPU with AMX
+    # bf16 attention products and the bf16 KV cache (on a Zen 4, then on a CPU with AMX)
+    "kernels_zen4_bf16attn_prefill": ("native_kernels",
+                                      ["--prefill-only", "--rounds", "3", "--out", "kernels_zen4_bf16attn"]),
+    "kernels_amx_bf16attn": ("native_kernels", ["--quick", "--out", "kernels_amx_bf16attn"]),
+    "kernels_amx_bf16attn_prefill": ("native_kernels",
+                                     ["--prefill-only", "--rounds", "3", "--out", "kernels_amx_bf16attn"]),
+    "batch_decode_amx_fresh": ("batch_decode", ["--rounds", "5", "--out", "batch_decode_amx_fresh"]),
+    "configs_amx_kv": ("configs", ["--out", "configs_amx_kv"]),
+    "perplexity": ("perplexity", ["--chunks", "4", "--no-tool"]),
     "qgemm_avx2": ("qgemm", ["--rows", "32,64,128,256,512,1024", "--rounds", "3", "--out", "qgemm_avx2"]),
     "qgemm_zen4": ("qgemm", ["--rows", "8,32,128,512,1024,2048", "--rounds", "3", "--out", "qgemm_zen4"]),
     "decode_step_batch": ("decode_step", ["--rows", "8,32,64"]),
@@ -118,7 +120,10 @@ across sections). Peer baselines for the same workloads: `benchmarks/data/PEERS.
 Sections ran on several 2-core VMs over the project's sessions, and each names its CPU under its command:
 until 2026-12-02 mostly an Intel Xeon with AVX-512 VNNI but no bf16 or AMX (`--dtype auto` picks float32
 there), then an AMX Xeon, a Zen 1, a Zen 3 (AVX2 only) and AMD EPYC Zen 4s (AVX-512 VNNI/BF16, no AMX: the
-machine of `benchmarks/data/PEERS.md`; every section of 2026-12-04 and 2026-12-05).
+machine of `benchmarks/data/PEERS.md`; every section of 2026-12-04 and those of 2026-12-05 until 03:10 UTC), then
+the AMX Xeon again (2026-12-05 21:30-22:40 UTC: the sections "... (kernels_amx_bf16attn)", "...
+(kernels_amx_bf16attn_prefill)", the batch decode and perplexity sections that follow them, and "...
+(configs_amx_kv)"; the batch decode section's run is of 2026-12-06 00:00 UTC).
 Re-run everything with `python benchmarks/run_all.py` (or `make bench`); plots are redrawn from the
 result tables by `benchmarks/plot_results.py`.
 **Speculative decoding** (section "Speculative decoding by prompt lookup": Zen 4, idle, 2026-12-04, one
@@ -166,11 +171,16 @@ int8 1.22-1.46x -- not the 1.5-1.9x of the Intel CPUs. Batch 8
 (5.8 int8) against 165 s for llama-server. **Behind transformers bf16** there (native bf16 GEMMs): prefill
 654 / 426 tok/s exact at 512 / 2,048 tokens against 913 / 696, batch 32 115 against 130; int8 is ahead of
 it (1,475 / 902, 251). Exact prefill is at the float32 FMA limit on that CPU (section "... (qgemm_zen4)").
+With int8 activations, a bf16 KV cache and bf16 attention products (`vdpbf16ps`; section "...
+(kernels_zen4_bf16attn_prefill)", 2026-12-05, 3 paired rounds) prefill runs **1.51x / 1.72x transformers bf16**
+at 512 / 2,048 tokens (1,461 / 1,328 against 965 / 772 tok/s).
 **Decode as the context grows** (section "Single-request decode as the context grows", Zen 4, 2026-12-05):
 since decode attention prefetches three tiles ahead into L2, one request decodes 1.21-1.43x llama.cpp exact
 and 1.60-1.87x int8 after 128 to 2,000 tokens (112 / 132 against 83 tok/s at 2,000; exact was 0.93x there
 before). Batches at the workload's 128 new tokens (section "Batched decode at the workload's 128 new tokens"):
-batch 32 int8 2.6x transformers bf16, 2.8x with a bf16 KV cache (3x in one round of three), exact 1.14x.
+batch 32 int8 2.6x transformers bf16, 2.8x with a bf16 KV cache (3x in one round of three), exact 1.14x --
+measured with later rounds reusing the prompts' cache; counting every round's prefill (2026-12-06, the AMX
+Xeon, section "Batched decode ...") int8 with a bf16 KV cache is 1.8x by the median, 1.5-3.3x by round.
 **Router where a replica's cache is the limit** (section "... (router_rag_bounded)"): hit rate
 85-90% against round_robin's 63-69%, median TTFT 2.8-5.5x lower, p90 only 1.4-1.6x (2.0-2.1x at 160 blocks)
 over 2 workers; over 4, hit rate 94% against 66.5% and **p90 9.1x / 8.8x** (section "... (router_rag_bounded_4w)");
@@ -189,7 +199,13 @@ wide GEMM runs on AMX-BF16 tiles there, still exact to the dequantized weights (
 three bf16 parts): prefill 1.53x / 1.16x at 512 / 2,048 tokens against the same build without them (section
 "The exact path's wide GEMM on AMX-BF16 tiles"); paired with transformers (section "Prefill beside
 transformers ... (kernels_amx_prefill)"): kvserve exact 1,658 / 1,085 tok/s, int8 2,173 / 1,455, transformers
-fp32 979 / 803, **transformers bf16 2,874 / 2,783: still ahead of both on prefill**.
+fp32 979 / 803, **transformers bf16 2,874 / 2,783: still ahead of both on prefill**. Since 2026-12-05 bf16
+attention products (`--attention-dtype bfloat16`, with a bf16 KV cache) run on AMX tiles there, 2.3x float32
+attention: with int8 activations prefill 2,466 / 1,907 tok/s (1.16x / 1.52x int8 alone; **0.85x / 0.74x
+transformers bf16**), 16 requests sharing a 1,900-token prefix 3.05 s; batch 32 at 128 new tokens, every
+round's prefill counted (2026-12-06), 1.8x transformers bf16 by the median of 5 rounds; perplexity 13.517
+against transformers' 13.447 and llama.cpp's 13.466 (sections "... (kernels_amx_bf16attn)" and the three after
+it).
 Sections measured on another machine (the AMD EPYC rows, the AMX Xeon rows) or under load (most of the second round's,
 marked in each) are not comparable across sections.
 
