@@ -20,19 +20,21 @@ ORDER = [
     "server_steps", "serve_sweep", "side_channel", "dashboard", "soak", "soak_paced", "router", "router_2w",
     "router_2w_amx", "router_2w_zen4", "router_rag_bounded", "router_rag_bounded_4w", "router_rag_bounded192",
     "router_chat_bounded", "router_chat_bounded_4w", "eviction", "structured", "tiers", "kernels", "kernels_avx2",
-    "kernels_zen1", "kernels_zen1_decode", "configs_zen1", "qgemm_zen1", "membw_zen1", "fp_rate_zen1",
-    "load_footprint_zen1", "kernels_zen4", "kernels_zen4_decode", "kernels_zen4_crossover", "kernels_zen4_prefetch",
-    "long_decode", "batch_decode", "kernels_zen4_bf16attn_prefill", "kernels_zen4_avx2_decode", "kernels_zen4_avx2",
-    "isa_pairing", "kernels_amx_bf16attn", "kernels_amx_bf16attn_prefill", "batch_decode_amx_fresh", "perplexity",
+    "kernels_avx2_prefill", "kernels_zen1", "kernels_zen1_decode", "configs_zen1", "qgemm_zen1", "membw_zen1",
+    "fp_rate_zen1", "load_footprint_zen1", "kernels_zen4", "kernels_zen4_decode", "kernels_zen4_crossover",
+    "kernels_zen4_prefetch", "long_decode", "batch_decode", "kernels_zen4_bf16attn_prefill",
+    "kernels_zen4_avx2_decode", "kernels_zen4_avx2", "isa_pairing", "kernels_amx_bf16attn",
+    "kernels_amx_bf16attn_prefill", "kernels_amx_bf16attn_final_prefill", "batch_decode_amx_fresh", "perplexity",
     "kernels_amx", "configs", "configs_amx", "configs_amx_kv", "amx", "amx_exact", "kernels_prefill",
-    "kernels_amx_prefill", "membw", "kernels_decode", "decode_step", "decode_step_batch", "decode_attention",
-    "decode_step_mixed_2t", "decode_step_mixed_1t", "decode_step_mixed_1t_cached1024", "qgemm", "qgemm_avx2",
-    "avx2_exact_gemm", "qgemm_zen4", "qgemm_end_to_end", "crossover_zen4", "llama_cpp_peers", "int8",
-    "int8_packed_avx2", "int8_packed", "perplexity_earlier", "kv_dtype", "step_profile", "shared_prefix",
-    "speculative", "vmm", "disagg", "lora", "fairness", "scheduler_overhead", "step_rows_native",
+    "kernels_amx_prefill", "membw", "kernels_decode", "decode_step", "decode_step_batch", "decode_step_batch_split",
+    "decode_attention", "decode_step_mixed_2t", "decode_step_mixed_1t", "decode_step_mixed_1t_cached1024", "qgemm",
+    "qgemm_avx2", "avx2_exact_gemm", "qgemm_zen4", "qgemm_small_zen4_1t", "qgemm_end_to_end", "crossover_zen4",
+    "llama_cpp_peers", "int8", "int8_packed_avx2", "int8_packed", "perplexity_earlier", "kv_dtype", "step_profile",
+    "shared_prefix", "speculative", "vmm", "disagg", "lora", "fairness", "scheduler_overhead", "step_rows_native",
 ]
 # Sections that are write-ups of several runs (their commands are inside): assembled, never run.
-WRITE_UPS = {"avx2_exact_gemm", "perplexity_earlier"}
+WRITE_UPS = {"avx2_exact_gemm", "perplexity_earlier", "decode_step_batch_split", "kernels_avx2_prefill",
+             "qgemm_small_zen4_1t"}
 # Sections written by another script's mode: (script, its arguments).
 SCRIPTS = {
     "router_2w": ("router", ["--max-workers", "2", "--worker-counts", "2", "--workloads", "rag", "chat",
@@ -96,6 +98,8 @@ SCRIPTS = {
     "kernels_amx_bf16attn": ("native_kernels", ["--quick", "--out", "kernels_amx_bf16attn"]),
     "kernels_amx_bf16attn_prefill": ("native_kernels",
                                      ["--prefill-only", "--rounds", "3", "--out", "kernels_amx_bf16attn"]),
+    "kernels_amx_bf16attn_final_prefill": ("native_kernels",
+                                           ["--prefill-only", "--rounds", "3", "--out", "kernels_amx_bf16attn_final"]),
     "batch_decode_amx_fresh": ("batch_decode", ["--rounds", "5", "--out", "batch_decode_amx_fresh"]),
     "configs_amx_kv": ("configs", ["--out", "configs_amx_kv"]),
     "perplexity": ("perplexity", ["--chunks", "4", "--no-tool"]),
