@@ -246,3 +246,30 @@ def test_router_keys_a_truncated_prompt_as_the_worker_keeps_it(llm):
     assert whole.tokens == tuple(ids) and cut.tokens == tuple(ids[-3:])
     kept = keyer.key("/v1/completions", {"model": "m", "prompt": ids, "truncate_prompt_tokens": -1}, None)
     assert kept.tokens == tuple(ids)  # -1 keeps up to the worker's context, which the router does not know
+
+
+def test_masks_that_leave_no_token_fail_that_request_alone(llm):
+    """An all -inf row must not sample token 0: a conflict found up front is a ValueError; one found while
+    generating (here min_tokens masks the only allowed token, EOS) fails that request with its reason."""
+    tokenizer = llm.engine.tokenizer
+    single = next(t for t in range(100, 300) if tokenizer.encode(tokenizer.decode([t]).lstrip()) == [t])
+    with pytest.raises(ValueError, match="allowed_token_ids: every allowed token is a banned word"):
+        greedy(llm, PROMPT, allowed_token_ids=[single], bad_words=[tokenizer.decode([single])])
+    eos = min(llm.engine.eos_token_ids)
+    stuck, fine = llm.generate([PROMPT, PROMPT], [
+        SamplingParams(max_tokens=4, temperature=0.0, allowed_token_ids=[eos], min_tokens=2),
+        SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)], use_tqdm=False)
+    assert stuck.finish_reason == "error" and "every token is masked" in stuck.error
+    assert fine.outputs[0].token_ids == greedy(llm, PROMPT, steps=4).outputs[0].token_ids
+    assert llm.engine.stats()["used_blocks"] == 0
+
+
+def test_server_answers_a_400_when_the_masks_leave_no_token(server, llm):  # noqa: F811
+    eos = min(llm.engine.eos_token_ids)
+    body = {"prompt": PROMPT, "allowed_token_ids": [eos], "min_tokens": 2}
+    response = _post(server.url, "/v1/completions", **body)
+    assert response.status_code == 400, response.text
+    assert "every token is masked" in response.json()["error"]["message"]
+    chunks = _stream(server.url, "/v1/completions", **body)
+    assert "every token is masked" in chunks[-1]["error"]["message"]
+    assert _post(server.url, "/v1/completions", prompt=PROMPT).status_code == 200  # everyone else goes on

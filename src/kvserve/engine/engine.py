@@ -262,7 +262,7 @@ class LLMEngine:
         self._apply(decided, logits, failures)
         groups += [self.groups[group_id] for group_id in drafted]
         outputs = self._collect([g for g in groups if g.request_id not in failures], failures)
-        outputs += [self._fail_group(group_id) for group_id in failures.errors]
+        outputs += [self._fail_group(group_id, error) for group_id, error in failures.errors.items()]
         num_groups = len({item.request.group_id for item in scheduler_output.scheduled})
         self._failure_streak.record(num_groups, len(failures.errors))
         return outputs
@@ -357,14 +357,14 @@ class LLMEngine:
                 outputs.append(output)
         return outputs
 
-    def _fail_group(self, group_id: str) -> RequestOutput:
+    def _fail_group(self, group_id: str, error: BaseException) -> RequestOutput:
         """Abort every sequence of a failed group (its blocks come back) and close it with an error."""
         group = self.groups[group_id]
         members = {id(s): s for s in [*group.sequences(), *self.scheduler.sequences_of(group_id)]}
         for sequence in members.values():
             if not sequence.is_finished:
                 self._finish(sequence, FinishReason.ERROR)
-        output = failed_output(group.root)
+        output = failed_output(group.root, error)
         self._close(group)
         return output
 

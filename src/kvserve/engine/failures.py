@@ -87,13 +87,21 @@ class FailureStreak:
             raise EngineLoopError(f"{self.count} consecutive steps failed every request they ran")
 
 
-def failed_output(root: Request) -> RequestOutput:
-    """The final output of a failed group: no completions, finish reason "error", a generic message."""
+class RequestError(ValueError):
+    """A failure the request itself caused, found only while generating (e.g. its masks leave no token):
+    its message names no internals, so the caller is told it instead of the generic one."""
+
+
+def failed_output(root: Request, error: BaseException | None = None) -> RequestOutput:
+    """The final output of a failed group: no completions, finish reason "error", a generic message (the
+    error's own for a RequestError)."""
+    own = isinstance(error, RequestError)
+    message = str(error) if own else internal_error_message(root.request_id)
     return RequestOutput(
         request_id=root.request_id, prompt=root.prompt, prompt_token_ids=root.prompt_token_ids,
         text="", token_ids=[], finished=True, finish_reason="error",
-        num_cached_tokens=root.num_cached_tokens, metrics=root.metrics,
-        error=internal_error_message(root.request_id),
+        num_cached_tokens=root.num_cached_tokens, metrics=root.metrics, error=message,
+        error_is_request_fault=own,
     )
 
 

@@ -14,7 +14,14 @@ from collections.abc import Sequence
 
 import torch
 
+from kvserve.engine.failures import RequestError
 from kvserve.engine.request import Request
+
+
+class NoTokenAllowed(RequestError):
+    """A request's processors masked every token (e.g. allowed_token_ids all banned by bad_words, or none
+    the grammar accepts): it cannot go on. Raised from sampling, it fails that request alone (failures.py)
+    instead of letting an all -inf row pick token 0."""
 
 
 def process_logits(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
@@ -25,6 +32,9 @@ def process_logits(logits: torch.Tensor, requests: Sequence[Request]) -> torch.T
     logits = logits.clone()
     for row in rows:
         _process_row(logits[row], requests[row])
+        if not bool(logits[row].isfinite().any()):
+            raise NoTokenAllowed(f"request {requests[row].group_id}: every token is masked (allowed_token_ids, "
+                                 "bad_words, min_tokens or the grammar leave none)")
     return logits
 
 

@@ -165,6 +165,7 @@ class RequestOutput:
     prompt_token_logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     error: str | None = None  # the request failed inside the engine: a generic message naming its id
+    error_is_request_fault: bool = False  # `error` is the request's own doing (failures.RequestError)
 
     def __post_init__(self) -> None:
         if self.outputs is None:

@@ -26,6 +26,10 @@ def validate_token_params(params: SamplingParams, vocab_size: int, tokenizer: To
         if bad:
             raise ValueError(f"{name}: token ids must be in [0, {vocab_size}), got {bad[0]}")
     params.bad_words_token_ids = bad_words_token_ids(tokenizer, params.bad_words) if params.bad_words else None
+    always_banned = {word[0] for word in params.bad_words_token_ids or [] if len(word) == 1}
+    if params.allowed_token_ids is not None and set(params.allowed_token_ids) <= always_banned:
+        raise ValueError("allowed_token_ids: every allowed token is a banned word (bad_words): nothing could be "
+                         "generated")
 
 
 def bad_words_token_ids(tokenizer: Tokenizer | None, words: Sequence[str]) -> list[list[int]]:

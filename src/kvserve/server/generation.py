@@ -91,7 +91,10 @@ def engine_unavailable(err: Exception) -> ApiError:
 
 
 def request_failed(err: RequestFailedError) -> ApiError:
-    """500 for a request that failed inside the engine (the others went on); the message is generic."""
+    """500 for a request that failed inside the engine (the others went on); the message is generic. 400
+    when the request caused it (e.g. its token masks left nothing to sample), with the engine's reason."""
+    if err.request_fault:
+        return ApiError(400, str(err), code="invalid_request", type_="invalid_request_error")
     return ApiError(500, str(err), code="internal_error", type_="internal_error")
 
 

@@ -340,7 +340,7 @@ class AsyncEngine:
             if sink is None:
                 continue
             item = (sink.index, snapshot(output)) if output.error is None else (
-                RequestFailedError(output.error, request_id))
+                RequestFailedError(output.error, request_id, output.error_is_request_fault))
             batches.setdefault(sink.loop, []).append((sink.queue, item))
         for loop, batch in batches.items():
             call_soon(loop, put_all, batch)

@@ -19,11 +19,13 @@ class EngineDeadError(RuntimeError):
 
 class RequestFailedError(RuntimeError):
     """One request failed inside the engine (it was aborted; everyone else goes on). The message is
-    generic and names the request id; the details are in the engine's log."""
+    generic and names the request id; the details are in the engine's log. `request_fault`: the request
+    caused it (its message says how: the caller gets a 400 with it)."""
 
-    def __init__(self, message: str, request_id: str) -> None:
+    def __init__(self, message: str, request_id: str, request_fault: bool = False) -> None:
         super().__init__(message)
         self.request_id = request_id
+        self.request_fault = request_fault
 
 
 class RequestGroup:
