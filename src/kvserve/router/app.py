@@ -1,6 +1,7 @@
 """The router's ASGI app: the worker's OpenAI API, proxied to the worker a policy picks.
 
-    POST /v1/chat/completions, /v1/completions   keyed (tokens + tenant namespace), routed, proxied
+    POST /v1/chat/completions, /v1/completions   keyed (tokens + tenant namespace), routed, proxied; a
+                                                  prompt_cache_key follows its last request (affinity.py)
     POST /v1/responses                            the same; a continuation (previous_response_id) goes to the
                                                   worker that holds that response (affinity.py)
     GET, DELETE /v1/responses/{id}                to the worker holding it (else each worker in turn)
@@ -26,7 +27,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from kvserve.router.affinity import ResponseAffinity
+from kvserve.router.affinity import CacheKeyAffinity, ResponseAffinity
 from kvserve.router.handoff import FallbackLog, run_prefill
 from kvserve.router.keys import CHAT_PATH, COMPLETIONS_PATH, RESPONSES_PATH, RequestKeyer, RouteKey
 from kvserve.router.metrics import RouterMetrics
@@ -59,6 +60,7 @@ class Router:
     max_attempts: int = 3
     metrics_keys: ApiKeys | None = None  # /metrics needs an admin key from these (None: open)
     affinity: ResponseAffinity = field(default_factory=ResponseAffinity)
+    cache_keys: CacheKeyAffinity = field(default_factory=CacheKeyAffinity)
     fallbacks: FallbackLog = field(init=False)
 
     def __post_init__(self) -> None:
@@ -82,6 +84,11 @@ class Router:
             first = self.affinity.worker(parsed.get("previous_response_id"), self.pool.healthy())
             if first is not None:
                 self.metrics.decisions.labels(self.policy.name, "response_affinity").inc()
+        cache_key = parsed.get("prompt_cache_key") if isinstance(parsed, dict) else None
+        if first is None and not isinstance(self.policy, PdPolicy):
+            first = self.cache_keys.worker(cache_key, key.namespace, self.pool.healthy())
+            if first is not None:
+                self.metrics.decisions.labels(self.policy.name, "cache_key_affinity").inc()
         tried: set[Worker] = set()
         errors: list[str] = []
         for attempt in range(self.max_attempts):
@@ -97,6 +104,7 @@ class Router:
                 worker, prefill = decision.worker, decision.uncached(key)
                 route = route_header(decision, key, candidates)
             tried.add(worker)
+            self.cache_keys.learn(cache_key, key.namespace, worker)
             learn = (lambda answer, at=worker: self.affinity.learn(at, answer)) if path == RESPONSES_PATH else None
             upstream = Upstream(self.client, worker, path, body, forward_headers(request), self.metrics,
                                 prefill, route, learn)

@@ -122,6 +122,9 @@ class SamplingFields(RefusingModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     user: str | None = None  # accepted: identifies the end user to OpenAI; kvserve keeps no record
+    # OpenAI's cache-routing hint: `kvserve router` keeps requests with one key on one worker (router/affinity.py);
+    # a single server's prefix cache needs none (it matches prefixes by content)
+    prompt_cache_key: str | None = Field(None, max_length=1024)
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's: each prompt token's, top N
     allowed_token_ids: list[int] | None = Field(None, min_length=1)  # vLLM's: only these may be sampled
     bad_words: list[str] | None = None  # vLLM's: never generated (each word's last token banned in context)

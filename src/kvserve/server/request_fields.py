@@ -26,7 +26,6 @@ COMMON: dict[str, Refused] = {
     "service_tier": Refused("kvserve has one service tier", (None, "auto", "default")),
     "store": Refused("kvserve stores no completions", (None, False)),
     "metadata": Refused("kvserve stores no completions, so there is nothing to tag", (None, {})),
-    "prompt_cache_key": Refused("kvserve's prefix cache needs no key; use cache_salt to isolate callers"),
     "safety_identifier": Refused("kvserve runs no abuse monitoring"),
     # vLLM extras
     "spaces_between_special_tokens": Refused("special tokens are decoded as the tokenizer writes them",
@@ -80,7 +79,6 @@ RESPONSES: dict[str, Refused] = {
     "top_logprobs": Refused("kvserve returns no log-probs on /v1/responses", (None, 0)),
     "max_tool_calls": Refused("kvserve returns every call the model makes"),
     "service_tier": COMMON["service_tier"],
-    "prompt_cache_key": COMMON["prompt_cache_key"],
     "safety_identifier": COMMON["safety_identifier"],
 }
 

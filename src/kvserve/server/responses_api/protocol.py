@@ -103,6 +103,7 @@ class ResponsesRequest(RefusingModel):
     store: bool = True
     metadata: dict[str, str] | None = Field(None, max_length=16)
     user: str | None = None
+    prompt_cache_key: str | None = Field(None, max_length=1024)  # a routing hint (server/protocol.py)
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
     parallel_tool_calls: bool = True
