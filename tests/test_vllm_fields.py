@@ -84,6 +84,7 @@ SAMPLES = {
 CHAT_SAMPLES = {**SAMPLES, "logprobs": {"logprobs": True}, "top_logprobs": {"logprobs": True, "top_logprobs": 2}}
 COMPLETION_SAMPLES = {**SAMPLES, "logprobs": {"logprobs": 2},
                       "length_penalty": {"use_beam_search": True, "length_penalty": 0.5}}
+NEEDS_SERVER_FLAG = {"priority": "needs priority scheduling"}  # the shared server runs fcfs
 CHAT_BASE = {"model": "tiny-chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 COMPLETION_BASE = {"model": "tiny-chat", "prompt": "hi", "max_tokens": 2}
 CASES = (
@@ -109,7 +110,10 @@ def test_each_field_is_implemented_or_refused(server, path, name, model, refused
     base = CHAT_BASE if path.endswith("chat/completions") else COMPLETION_BASE
     samples = CHAT_SAMPLES if path.endswith("chat/completions") else COMPLETION_SAMPLES
     response = httpx.post(server.url + path, json={**base, **samples[name]}, timeout=60)
-    if implemented:
+    if name in NEEDS_SERVER_FLAG:  # implemented, and refused naming itself on a server without the flag
+        assert response.status_code == 400 and response.json()["error"]["param"] == name, response.text
+        assert NEEDS_SERVER_FLAG[name] in response.json()["error"]["message"]
+    elif implemented:
         assert response.status_code == 200, (name, response.text)
     else:
         assert response.status_code == 400, (name, response.text)

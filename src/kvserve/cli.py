@@ -50,8 +50,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                        help="most sequences running at once")
     group.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens,
                        help="token budget of one step (prefill chunks + decodes)")
-    group.add_argument("--schedule-policy", default=defaults.schedule_policy, choices=SCHEDULE_POLICIES,
-                       help="admission order: first come first served, or longest cached prefix first")
+    group.add_argument("--schedule-policy", "--scheduling-policy", default=defaults.schedule_policy,
+                       choices=SCHEDULE_POLICIES, help="admission order: first come first served, longest cached "
+                       "prefix first, or each request's priority (lower first; preempts lower ones for it)")
     group.add_argument("--max-blocks-per-request", type=int, default=None,
                        help="KV blocks one request may need at worst, all its n / best_of / beam sequences "
                        "together; larger requests get 400 (default: half the pool, or one max-model-len "

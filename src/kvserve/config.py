@@ -14,7 +14,7 @@ __all__ = [
     "ACTIVATION_QUANTS", "ATTENTION_DTYPES", "DTYPES", "KV_CACHE_DTYPES", "PREFIX_CACHE_KINDS", "PREFIX_HASH_KINDS",
     "SCHEDULE_POLICIES", "EngineConfig", "parse_size",
 ]
-SCHEDULE_POLICIES = ("fcfs", "lpm")
+SCHEDULE_POLICIES = ("fcfs", "lpm", "priority")
 DTYPES = ("float32", "bfloat16", "float16", "auto")  # auto: bf16 only where the CPU has it natively
 KERNEL_BACKENDS = ("native", "torch")  # C++ kernels (falling back to torch if unavailable) or torch only
 WEIGHT_FORMATS = ("dense", "native")  # float32 weights, or a GGUF's quantized tensors kept as stored

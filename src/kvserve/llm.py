@@ -48,12 +48,14 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         cache_salt: str | None = None, *, use_tqdm: bool | Callable[..., tqdm] = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Complete every prompt; outputs in input order.
 
         `sampling_params` is one SamplingParams for all prompts or one per prompt; `lora_request` likewise one
-        adapter (or None: the base model) for all or one per prompt (needs `enable_lora=True`). All prompts
-        are validated before any is queued, so one bad prompt queues nothing.
+        adapter (or None: the base model) for all or one per prompt (needs `enable_lora=True`); `priority`
+        one int per prompt, lower first (vLLM's; needs `schedule_policy="priority"`). All prompts are validated
+        before any is queued, so one bad prompt queues nothing.
         """
         prompt_list = _as_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -61,8 +63,11 @@ class LLM:
         if len(sampling_params) != len(prompt_list):
             raise ValueError(f"got {len(sampling_params)} SamplingParams for {len(prompt_list)} prompts")
         adapters = [self.engine.resolve_lora(lora) for lora in _per_prompt_lora(lora_request, len(prompt_list))]
-        requests = [self._make_request(prompt, p, cache_salt, adapter)
-                    for prompt, p, adapter in zip(prompt_list, sampling_params, adapters, strict=True)]
+        priorities = [0] * len(prompt_list) if priority is None else list(priority)
+        if len(priorities) != len(prompt_list):
+            raise ValueError(f"got {len(priorities)} priorities for {len(prompt_list)} prompts")
+        requests = [self._make_request(prompt, p, cache_salt, adapter, rank) for prompt, p, adapter, rank
+                    in zip(prompt_list, sampling_params, adapters, priorities, strict=True)]
         return self._run_to_completion(requests, use_tqdm)
 
     def beam_search(
@@ -156,7 +161,7 @@ class LLM:
 
     def _make_request(
         self, prompt: Prompt, params: SamplingParams | BeamSearchParams | None, cache_salt: str | None,
-        lora: LoRAAdapter | None = None,
+        lora: LoRAAdapter | None = None, priority: int = 0,
     ) -> Request:
         if isinstance(prompt, Mapping):
             unknown = set(prompt) - PROMPT_KEYS
@@ -167,7 +172,8 @@ class LLM:
                 raise ValueError("a prompt dict needs exactly one of 'prompt' and 'prompt_token_ids'")
             cache_salt = prompt.get("cache_salt", cache_salt)
             prompt = prompt["prompt"] if "prompt" in prompt else prompt["prompt_token_ids"]
-        return self.engine.make_request(prompt, params, namespace=make_namespace(cache_salt), lora=lora)
+        return self.engine.make_request(prompt, params, namespace=make_namespace(cache_salt), lora=lora,
+                                        priority=priority)
 
     def _with_vllm_logprobs(self, output: RequestOutput) -> RequestOutput:
         """Fill each completion's vLLM-shaped `logprobs`, and the prompt's (decoded tokens included)."""

@@ -48,7 +48,7 @@ from kvserve.engine.step_cost import make_auto_row_cap
 from kvserve.engine.step_threads import StepThreads
 from kvserve.engine.structured import GrammarCompiler
 from kvserve.engine.tokens import append_sampled_token
-from kvserve.engine.validation import check_fits, prompt_ids_of, validate_token_params
+from kvserve.engine.validation import check_fits, check_priority, prompt_ids_of, validate_token_params
 from kvserve.kernels.ops import Kernels
 from kvserve.kv.block_allocator import BlockAllocator
 from kvserve.lora.adapter import LoRAAdapter, LoRARequest
@@ -118,7 +118,7 @@ class LLMEngine:
 
     def make_request(
         self, prompt: str | Sequence[int], params: SamplingParams | BeamSearchParams | None = None,
-        request_id: str | None = None, namespace: Namespace = (), lora: LoRAAdapter | None = None,
+        request_id: str | None = None, namespace: Namespace = (), lora: LoRAAdapter | None = None, priority: int = 0,
     ) -> Request:
         """Validate and build a request without queueing it; raises ValueError naming the problem.
 
@@ -144,7 +144,7 @@ class LLMEngine:
         request = Request(
             request_id, prompt_ids, sampling, namespace=namespace,
             prompt=prompt if isinstance(prompt, str) else None, eos_token_ids=self.eos_token_ids,
-            beam_params=beam_params, lora=lora,
+            beam_params=beam_params, lora=lora, priority=check_priority(priority, self.config.schedule_policy),
         )
         if sampling.structured_outputs is not None:  # sampling hook: the grammar masks every row
             request.grammar = self._grammar_compiler().matcher(sampling.structured_outputs)

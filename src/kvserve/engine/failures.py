@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
-from kvserve.engine.request import Request, RequestOutput
+from kvserve.engine.request import Request, RequestError, RequestOutput
 
 if TYPE_CHECKING:
     from kvserve.engine.scheduler import ScheduledRequest
@@ -85,11 +85,6 @@ class FailureStreak:
         self.count += 1
         if self.count >= self.limit:
             raise EngineLoopError(f"{self.count} consecutive steps failed every request they ran")
-
-
-class RequestError(ValueError):
-    """A failure the request itself caused, found only while generating (e.g. its masks leave no token):
-    its message names no internals, so the caller is told it instead of the generic one."""
 
 
 def failed_output(root: Request, error: BaseException | None = None) -> RequestOutput:

@@ -14,8 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvserve.engine.failures import RequestError
-from kvserve.engine.request import Request
+from kvserve.engine.request import Request, RequestError
 
 
 class NoTokenAllowed(RequestError):

@@ -50,6 +50,11 @@ class FinishReason(enum.Enum):
     ERROR = "error"  # failed inside the engine; the output carries a generic message, the log the details
 
 
+class RequestError(ValueError):
+    """A failure the request itself caused, found only while generating (e.g. its masks leave no token):
+    its message names no internals, so the caller is told it instead of the generic one (failures.py)."""
+
+
 @dataclass(slots=True)
 class TokenLogprob:
     """kvserve's per-token log-prob record (what the sampler produces and the server formats)."""
@@ -224,6 +229,7 @@ class Request:
     stop_reason: str | int | None = None  # the stop string or stop token id that finished it
     grammar: Any = None  # a structured-output matcher (engine/structured.py) when params ask for one
     lora: LoRAAdapter | None = None  # the adapter it runs under (its id is also in `namespace`)
+    priority: int = 0  # --schedule-policy priority: lower first (vLLM's convention; engine/waiting_order.py)
     held_since_step: int = 0  # scheduler step at which it last got blocks (admission or fork): fair preemption
     table_version: int = 0  # renumbered by the block manager on every change to `block_table` (engine/pool_share.py)
     speculate: bool = False  # a plain request on an engine with speculative_config: steps may carry drafts

@@ -31,6 +31,7 @@ from kvserve.engine.pool_share import PoolShare
 from kvserve.engine.prefix_admission import PrefixHold
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.step_rows import RowRotation, group_sit_outs
+from kvserve.engine.waiting_order import oldest_group_first, order_by_priority, unserved_groups_first
 from kvserve.tiers.offload import SOURCES
 
 if TYPE_CHECKING:
@@ -41,30 +42,6 @@ if TYPE_CHECKING:
 LPM_MAX_WAITING = 128  # beyond this many waiting requests, lpm's per-step matching costs too much
 PROTECT_WAITING = 4  # head-of-queue requests whose cached prefixes are refreshed before running ones grow
 IDLE_LOAD_WAIT_S = 0.01  # a step that scheduled nothing while loads are in flight waits this long for one
-
-
-def unserved_groups_first(waiting: deque[Request], running: list[Request]) -> deque[Request]:
-    """The queue with requests whose group has no running sequence first (FCFS among them), then the
-    members of groups already running: one group of n samples cannot keep newcomers out by
-    re-admitting its own preempted members ahead of them."""
-    served = {request.group_id for request in running}
-    if not any(request.group_id in served for request in waiting):
-        return waiting
-    return deque([r for r in waiting if r.group_id not in served] + [r for r in waiting if r.group_id in served])
-
-
-def oldest_group_first(waiting: deque[Request], running: list[Request]) -> deque[Request]:
-    """The queue with the waiting members of the oldest running sequence's group first, when that
-    sequence waits for them (a beam holding its logits): the oldest sequence is the one that must always
-    finish (`pool_share`), and a beam cannot finish without its siblings. Without this, groups in a small
-    pool each keep one beam computed while its sibling waits behind newcomers, forever
-    (tests/test_scheduler_livelock.py)."""
-    if not running or running[0].num_tokens > running[0].num_computed_tokens:
-        return waiting
-    keeper = running[0].group_id
-    if not any(request.group_id == keeper for request in waiting):
-        return waiting
-    return deque([r for r in waiting if r.group_id == keeper] + [r for r in waiting if r.group_id != keeper])
 
 
 @dataclass(slots=True)
@@ -150,6 +127,8 @@ class Scheduler:
         if self.tiers is not None:
             self._requeue_loaded()
         self.running = self.pool_share.order(self.running, self.num_steps)
+        if self.policy == "priority":
+            output.preempted += order_by_priority(self)
         self._contended = len(self.waiting) + len(self.running) > 1
         self._protect_waiting()
         budget = self._schedule_running(output, self.max_num_batched_tokens)
@@ -202,7 +181,7 @@ class Scheduler:
                 continue
             while not self.block_manager.can_grow(request, num_new):
                 victim = self.running.pop()
-                self._preempt(victim)
+                self.preempt(victim)
                 output.preempted.append(victim)
                 if victim is request:
                     break
@@ -332,11 +311,11 @@ class Scheduler:
         keep their logits and go to the back: they need no compute before their group's next step."""
         while self.running and not output.scheduled:
             victim = self.running.pop()
-            self._preempt(victim, front=False)
+            self.preempt(victim, front=False)
             output.preempted.append(victim)
             self._schedule_waiting(output, self.max_num_batched_tokens)
 
-    def _preempt(self, request: Request, front: bool = True) -> None:
+    def preempt(self, request: Request, front: bool = True) -> None:
         self.block_manager.free(request)
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1

@@ -85,3 +85,18 @@ def check_fits(num_prompt_tokens: int, max_tokens: int, max_model_len: int, bloc
             f"request needs {num_blocks_needed} KV blocks but the whole pool has "
             f"{num_blocks}; lower max_tokens or raise --kv-cache-memory"
         )
+
+
+PRIORITY_RANGE = (-(2**31), 2**31 - 1)
+
+
+def check_priority(priority: object, schedule_policy: str) -> int:
+    """A request's `priority` (an int; lower runs first): any value under the priority policy, only 0
+    otherwise (vLLM refuses it the same way rather than ignore it)."""
+    low, high = PRIORITY_RANGE
+    if not isinstance(priority, int) or isinstance(priority, bool) or not low <= priority <= high:
+        raise ValueError(f"priority must be an integer from {low} to {high}, got {priority!r}")
+    if priority and schedule_policy != "priority":
+        raise ValueError(f"priority {priority} needs priority scheduling (schedule_policy='priority'; this engine "
+                         f"runs {schedule_policy!r})")
+    return priority

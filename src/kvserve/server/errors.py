@@ -29,7 +29,7 @@ _PARAM_OF_ENGINE_FIELD = {
     "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
     "frequency_penalty": "frequency_penalty", "structured_outputs": "structured_outputs",
     "seed": "seed", "stop_token_ids": "stop_token_ids", "allowed_token_ids": "allowed_token_ids",
-    "bad_words": "bad_words", "truncate_prompt_tokens": "truncate_prompt_tokens",
+    "bad_words": "bad_words", "truncate_prompt_tokens": "truncate_prompt_tokens", "priority": "priority",
 }
 
 

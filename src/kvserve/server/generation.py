@@ -58,7 +58,7 @@ class StreamFormat:
 async def submit(
     state: ServerState, ctx: ResponseContext, prompts: Sequence[list[int]],
     params: SamplingParams | BeamSearchParams, namespace: Namespace, prompt_param: str,
-    lora: LoRAAdapter | None = None,
+    lora: LoRAAdapter | None = None, priority: int = 0,
 ) -> RequestGroup:
     """Queue one engine request per prompt (each carries its n choices) as one group; 429 when
     `max_queue` requests already wait that cannot start now."""
@@ -66,7 +66,7 @@ async def submit(
     if queue_backlog(engine, state.limits.max_num_seqs) >= max_queue:
         raise ApiError(429, f"the server's request queue is full ({max_queue} waiting); retry later",
                        code="queue_full", type_="rate_limit_error")
-    specs = [RequestSpec(ids, params, ctx.request_id(p), namespace, lora) for p, ids in enumerate(prompts)]
+    specs = [RequestSpec(ids, params, ctx.request_id(p), namespace, lora, priority) for p, ids in enumerate(prompts)]
     try:
         return await engine.add_requests(specs)
     except ValueError as err:

@@ -125,6 +125,7 @@ class SamplingFields(RefusingModel):
     # OpenAI's cache-routing hint: `kvserve router` keeps requests with one key on one worker (router/affinity.py);
     # a single server's prefix cache needs none (it matches prefixes by content)
     prompt_cache_key: str | None = Field(None, max_length=1024)
+    priority: int = Field(0, ge=-(2**31), le=2**31 - 1)  # vLLM's: lower first, with --schedule-policy priority
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's: each prompt token's, top N
     allowed_token_ids: list[int] | None = Field(None, min_length=1)  # vLLM's: only these may be sampled
     bad_words: list[str] | None = None  # vLLM's: never generated (each word's last token banned in context)

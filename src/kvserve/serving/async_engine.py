@@ -48,6 +48,7 @@ class RequestSpec:
     request_id: str
     namespace: Namespace = ()
     lora: LoRAAdapter | None = None  # the adapter the request runs under (None: the base model)
+    priority: int = 0  # lower first, under --schedule-policy priority (else only 0)
 
 
 @dataclass(slots=True)
@@ -319,7 +320,7 @@ class AsyncEngine:
             raise ValueError("request ids within a group must be unique")
         requests = [
             self._engine.make_request(spec.prompt, spec.params, request_id=spec.request_id,
-                                      namespace=spec.namespace, lora=spec.lora)
+                                      namespace=spec.namespace, lora=spec.lora, priority=spec.priority)
             for spec in specs
         ]  # all validated before any is queued
         for request, sink in zip(requests, sinks, strict=True):

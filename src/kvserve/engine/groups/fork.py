@@ -17,7 +17,7 @@ def fork_sequence(parent: Request, child_id: str) -> Request:
         child_id, parent.prompt_token_ids, parent.params, namespace=parent.namespace, prompt=parent.prompt,
         eos_token_ids=parent.eos_token_ids, group_id=parent.group_id,
         metrics=RequestMetrics(parent.metrics.arrival_time, parent.metrics.first_scheduled_time),
-        lora=parent.lora,
+        lora=parent.lora, priority=parent.priority,
     )
     child.output_token_ids = list(parent.output_token_ids)
     child.all_token_ids = list(parent.all_token_ids)

@@ -1,0 +1,78 @@
+"""The order the scheduler admits waiting requests in, besides fcfs / lpm: groups' members, and priority.
+
+`--schedule-policy priority` (vLLM's `--scheduling-policy priority`): each request carries an integer
+`priority`, lower first (vLLM's convention); among equal priorities the order stays what it was (arrival,
+preempted requests first). Running sequences are ordered the same way, stably over the pool-share order
+(engine/pool_share.py), so the lowest-priority sequences are the ones preempted first; and when the queue's
+head outranks the lowest-priority running sequence but cannot be admitted (no room in the pool, or
+`max_num_seqs` reached), that sequence is preempted for it. Lower priorities can wait indefinitely while
+higher ones keep coming: that is the policy. Within one priority, the liveness rules below still hold.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Protocol
+
+from kvserve.engine.block_manager import BlockManager
+from kvserve.engine.request import Request
+
+
+class Queues(Protocol):
+    """What `order_by_priority` needs of the scheduler."""
+
+    running: list[Request]
+    waiting: deque[Request]
+    block_manager: BlockManager
+    max_num_seqs: int
+    max_num_batched_tokens: int
+
+    def preempt(self, request: Request, front: bool = True) -> None: ...
+
+
+def unserved_groups_first(waiting: deque[Request], running: list[Request]) -> deque[Request]:
+    """The queue with requests whose group has no running sequence first (FCFS among them), then the
+    members of groups already running: one group of n samples cannot keep newcomers out by
+    re-admitting its own preempted members ahead of them."""
+    served = {request.group_id for request in running}
+    if not any(request.group_id in served for request in waiting):
+        return waiting
+    return deque([r for r in waiting if r.group_id not in served] + [r for r in waiting if r.group_id in served])
+
+
+def oldest_group_first(waiting: deque[Request], running: list[Request]) -> deque[Request]:
+    """The queue with the waiting members of the oldest running sequence's group first, when that
+    sequence waits for them (a beam holding its logits): the oldest sequence is the one that must always
+    finish (`pool_share`), and a beam cannot finish without its siblings. Without this, groups in a small
+    pool each keep one beam computed while its sibling waits behind newcomers, forever
+    (tests/test_scheduler_livelock.py)."""
+    if not running or running[0].num_tokens > running[0].num_computed_tokens:
+        return waiting
+    keeper = running[0].group_id
+    if not any(request.group_id == keeper for request in waiting):
+        return waiting
+    return deque([r for r in waiting if r.group_id == keeper] + [r for r in waiting if r.group_id != keeper])
+
+
+def _rank(request: Request) -> int:
+    return request.priority
+
+
+def order_by_priority(scheduler: Queues) -> list[Request]:
+    """Both queues by priority (stable), then room for the queue's head: the lowest-priority running
+    sequences below it are preempted while it cannot be admitted (returned, to report). It is admitted at
+    the next step (a step that preempts admits nobody), when the queue is ordered again."""
+    scheduler.running.sort(key=_rank)
+    scheduler.waiting = deque(sorted(scheduler.waiting, key=_rank))
+    victims: list[Request] = []
+    if not scheduler.waiting:
+        return victims
+    head, manager = scheduler.waiting[0], scheduler.block_manager
+    while scheduler.running and scheduler.running[-1].priority > head.priority:
+        matched = manager.match_prefix(head)
+        first_chunk = min(head.num_tokens - len(matched) * manager.block_size, scheduler.max_num_batched_tokens)
+        if len(scheduler.running) < scheduler.max_num_seqs and manager.can_admit(head, matched, first_chunk):
+            break
+        victims.append(scheduler.running.pop())
+        scheduler.preempt(victims[-1], front=False)
+    return victims
