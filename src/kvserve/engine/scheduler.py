@@ -31,7 +31,12 @@ from kvserve.engine.pool_share import PoolShare
 from kvserve.engine.prefix_admission import PrefixHold
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.step_rows import RowRotation, group_sit_outs
-from kvserve.engine.waiting_order import oldest_group_first, order_by_priority, unserved_groups_first
+from kvserve.engine.waiting_order import (
+    oldest_group_first,
+    order_by_priority,
+    priority_of,
+    unserved_groups_first,
+)
 from kvserve.tiers.offload import SOURCES
 
 if TYPE_CHECKING:
@@ -205,6 +210,8 @@ class Scheduler:
             self._order_waiting_by_longest_prefix()
         self.waiting = unserved_groups_first(self.waiting, self.running)
         self.waiting = oldest_group_first(self.waiting, self.running)
+        if self.policy == "priority":  # the group rules above reorder within a priority, never across
+            self.waiting = deque(sorted(self.waiting, key=priority_of))
         hold, held = self.prefix_hold, []  # held: waiting for a running request's prefix blocks
         if hold is not None:
             hold.begin_step(self.num_steps, self.running, self.waiting)

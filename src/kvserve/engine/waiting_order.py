@@ -6,7 +6,8 @@ preempted requests first). Running sequences are ordered the same way, stably ov
 (engine/pool_share.py), so the lowest-priority sequences are the ones preempted first; and when the queue's
 head outranks the lowest-priority running sequence but cannot be admitted (no room in the pool, or
 `max_num_seqs` reached), that sequence is preempted for it. Lower priorities can wait indefinitely while
-higher ones keep coming: that is the policy. Within one priority, the liveness rules below still hold.
+higher ones keep coming: that is the policy. The group rules below reorder the queue within a priority,
+never across (the scheduler sorts it again after them).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def oldest_group_first(waiting: deque[Request], running: list[Request]) -> deque
     return deque([r for r in waiting if r.group_id == keeper] + [r for r in waiting if r.group_id != keeper])
 
 
-def _rank(request: Request) -> int:
+def priority_of(request: Request) -> int:
     return request.priority
 
 
@@ -62,8 +63,8 @@ def order_by_priority(scheduler: Queues) -> list[Request]:
     """Both queues by priority (stable), then room for the queue's head: the lowest-priority running
     sequences below it are preempted while it cannot be admitted (returned, to report). It is admitted at
     the next step (a step that preempts admits nobody), when the queue is ordered again."""
-    scheduler.running.sort(key=_rank)
-    scheduler.waiting = deque(sorted(scheduler.waiting, key=_rank))
+    scheduler.running.sort(key=priority_of)
+    scheduler.waiting = deque(sorted(scheduler.waiting, key=priority_of))
     victims: list[Request] = []
     if not scheduler.waiting:
         return victims
