@@ -131,6 +131,7 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(llm, hf):
     ({"allowed_token_ids": []}, "allowed_token_ids"),
     ({"allowed_token_ids": [-1]}, "allowed_token_ids"),
     ({"allowed_token_ids": [10**6]}, "allowed_token_ids"),
+    ({"allowed_token_ids": [5] * 5000}, "allowed_token_ids: at most"),  # longer than the vocabulary
     ({"bad_words": [""]}, "bad_words"),
     ({"bad_words": "fox"}, "bad_words"),
     ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),

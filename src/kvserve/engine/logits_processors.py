@@ -41,7 +41,9 @@ def _process_row(row: torch.Tensor, request: Request) -> None:
     params = request.params
     vocab_size = row.shape[-1]
     if params.allowed_token_ids is not None:
-        allowed = torch.tensor(params.allowed_token_ids, dtype=torch.long)
+        if request.allowed_ids is None:  # once per sequence, not per step (the list can be the vocabulary)
+            request.allowed_ids = torch.tensor(params.allowed_token_ids, dtype=torch.long)
+        allowed = request.allowed_ids
         kept = row[allowed]
         row.fill_(float("-inf"))
         row[allowed] = kept

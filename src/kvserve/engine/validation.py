@@ -25,6 +25,8 @@ def validate_token_params(params: SamplingParams, vocab_size: int, tokenizer: To
         bad = [t for t in ids if not 0 <= t < vocab_size]
         if bad:
             raise ValueError(f"{name}: token ids must be in [0, {vocab_size}), got {bad[0]}")
+    if len(params.allowed_token_ids or ()) > vocab_size:
+        raise ValueError(f"allowed_token_ids: at most the vocabulary's {vocab_size} ids")
     params.bad_words_token_ids = bad_words_token_ids(tokenizer, params.bad_words) if params.bad_words else None
     always_banned = {word[0] for word in params.bad_words_token_ids or [] if len(word) == 1}
     if params.allowed_token_ids is not None and set(params.allowed_token_ids) <= always_banned:
