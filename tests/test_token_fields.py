@@ -274,3 +274,27 @@ def test_server_answers_a_400_when_the_masks_leave_no_token(server, llm):  # noq
     chunks = _stream(server.url, "/v1/completions", **body)
     assert "every token is masked" in chunks[-1]["error"]["message"]
     assert _post(server.url, "/v1/completions", prompt=PROMPT).status_code == 200  # everyone else goes on
+
+
+def test_add_special_tokens_puts_the_tokenizers_bos_first():
+    """vLLM's completions field: text prompts get the tokenizer's own special tokens (here a post-processor
+    that writes `<|im_start|>` first, as a BOS); token-id prompts are taken as sent; the router keys alike."""
+    from tokenizers import processors
+
+    from kvserve.model.tokenizer import Tokenizer
+    from kvserve.router.keys import RequestKeyer
+    from kvserve.server.inputs import completion_prompt_ids
+    from test_server_support import make_chat_tokenizer
+
+    backend = make_chat_tokenizer()
+    backend.post_processor = processors.TemplateProcessing(single="<|im_start|> $A",
+                                                           special_tokens=[("<|im_start|>", 1)])
+    tokenizer = Tokenizer(backend)
+    plain = completion_prompt_ids(tokenizer, "the quick fox", 384)[0]
+    special = completion_prompt_ids(tokenizer, "the quick fox", 384, add_special_tokens=True)[0]
+    assert special == [1, *plain] and plain[0] != 1
+    assert completion_prompt_ids(tokenizer, [5, 6], 384, add_special_tokens=True) == [[5, 6]]
+    keyer = RequestKeyer(tokenizer, None)
+    body = {"model": "m", "prompt": "the quick fox"}
+    assert keyer.key("/v1/completions", {**body, "add_special_tokens": True}, None).tokens == tuple(special)
+    assert keyer.key("/v1/completions", body, None).tokens == tuple(plain)

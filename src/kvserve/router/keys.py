@@ -104,8 +104,8 @@ class RequestKeyer:
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
             return tuple(prompt), True
         if isinstance(prompt, str) and prompt:
-            if self.tokenizer is not None:
-                return tuple(self.tokenizer.encode(prompt)), True
+            if self.tokenizer is not None:  # as the worker will (a BOS with add_special_tokens, vLLM's field)
+                return tuple(self.tokenizer.encode(prompt, body.get("add_special_tokens") is True)), True
             return tuple(ord(char) for char in prompt), False
         return None, False
 

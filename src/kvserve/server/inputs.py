@@ -60,8 +60,8 @@ def chat_prompt_ids(tokenizer: Any, body: ChatCompletionRequest) -> list[int]:
     return _encode(tokenizer, text)
 
 
-def _encode(tokenizer: Any, text: str) -> list[int]:
-    return tokenizer.encode(text)  # releases the GIL while it works (see Tokenizer.encode)
+def _encode(tokenizer: Any, text: str, add_special_tokens: bool = False) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens)  # releases the GIL while it works (see Tokenizer.encode)
 
 
 def prompt_token_limit(info: EngineInfo) -> int:
@@ -116,8 +116,10 @@ def _too_long(what: str, limit: int, param: str) -> ApiError:
                     "completion)", param, "context_length_exceeded")
 
 
-def completion_prompt_ids(tokenizer: Any, prompt: Any, vocab_size: int) -> list[list[int]]:
-    """`prompt` as a list of token-id prompts: a string, strings, token ids, or lists of token ids."""
+def completion_prompt_ids(tokenizer: Any, prompt: Any, vocab_size: int, add_special_tokens: bool = False
+                          ) -> list[list[int]]:
+    """`prompt` as a list of token-id prompts: a string, strings, token ids, or lists of token ids; text with
+    the tokenizer's own special tokens (e.g. a BOS) when `add_special_tokens` (vLLM's field)."""
     if isinstance(prompt, str):
         prompts: list[str | list[int]] = [prompt]
     elif prompt and all(isinstance(token, int) for token in prompt):
@@ -126,7 +128,7 @@ def completion_prompt_ids(tokenizer: Any, prompt: Any, vocab_size: int) -> list[
         prompts = list(prompt)
     if not prompts:
         raise bad_request("prompt is empty", "prompt")
-    return [_prompt_ids(tokenizer, p, vocab_size) for p in prompts]
+    return [_prompt_ids(tokenizer, p, vocab_size, add_special_tokens) for p in prompts]
 
 
 def echo_texts(tokenizer: Any, prompt: Any, prompts_ids: list[list[int]]) -> list[str]:
@@ -141,13 +143,13 @@ def echo_texts(tokenizer: Any, prompt: Any, prompts_ids: list[list[int]]) -> lis
     return [tokenizer.decode(ids, skip_special_tokens=False) for ids in prompts_ids]
 
 
-def _prompt_ids(tokenizer: Any, prompt: str | list[int], vocab_size: int) -> list[int]:
+def _prompt_ids(tokenizer: Any, prompt: str | list[int], vocab_size: int, add_special_tokens: bool) -> list[int]:
     if isinstance(prompt, str):
         if not prompt:
             raise bad_request("prompt is empty", "prompt")
         if tokenizer is None:
             raise bad_request("this model has no tokenizer: send the prompt as token ids", "prompt")
-        return _encode(tokenizer, prompt)
+        return _encode(tokenizer, prompt, add_special_tokens)
     if not prompt:
         raise bad_request("prompt is empty", "prompt")
     for token_id in prompt:

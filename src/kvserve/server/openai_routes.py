@@ -107,7 +107,8 @@ async def completions(request: Request, caller: Caller) -> Response:
     lora = _check_request(state, body)
     inputs.check_completion_size(body, state.engine.info)
     prompts = await state.off_loop(
-        inputs.completion_prompt_ids, state.engine.tokenizer, body.prompt, state.engine.info.vocab_size
+        inputs.completion_prompt_ids, state.engine.tokenizer, body.prompt, state.engine.info.vocab_size,
+        body.add_special_tokens,
     )
     prompts = [inputs.truncated(p, body.truncate_prompt_tokens, state.engine.info) for p in prompts]
     prompt_lens = [len(p) for p in prompts]

@@ -164,6 +164,9 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = Field(None, ge=0, le=MAX_TOKENS_LIMIT)  # 0: with echo, score the prompt only
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False  # the prompt comes back before the completion (with its log-probs when logprobs is set)
+    # vLLM's: text prompts with the tokenizer's own special tokens (a BOS where it adds one). kvserve's default
+    # is False (vLLM's True): the same for tokenizers that add none, as the default model's
+    add_special_tokens: bool = False
     use_beam_search: bool = False
     # Beam search (with use_beam_search): the n best of `beam_width` beams come back, best first.
     beam_width: int | None = Field(None, ge=1, le=MAX_N)  # default: n

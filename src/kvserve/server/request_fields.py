@@ -61,7 +61,6 @@ CHAT: dict[str, Refused] = {
 
 COMPLETION: dict[str, Refused] = {
     **COMMON,
-    "add_special_tokens": Refused("prompts are tokenized without added special tokens", (None, False)),
     "suffix": Refused("kvserve has no fill-in-the-middle completion"),
 }
 
