@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from functools import partial
 
@@ -19,6 +20,7 @@ from kvserve.server.errors import bad_request
 from kvserve.server.generation import ClientDisconnected, StreamFormat, collect, sse_stream, submit
 from kvserve.server.lora_routes import lora_model_cards, resolve_model
 from kvserve.server.protocol import (
+    CLIENT_ID_PATTERN,
     ChatCompletion,
     ChatCompletionRequest,
     Completion,
@@ -82,7 +84,7 @@ async def chat_completions(request: Request, caller: Caller) -> Response:
     template = body.chat_template or getattr(state.engine.tokenizer, "chat_template", None)
     params = inputs.engine_params(body, max_tokens, inputs.chat_logprobs(body), template)
     ctx = responses.ResponseContext.new(
-        "chatcmpl", body.model, body.n, [len(prompt_ids)], state.token_texts
+        "chatcmpl", body.model, body.n, [len(prompt_ids)], state.token_texts, client_request_id(request, body)
     )
     ctx.prompt_logprobs = body.prompt_logprobs is not None
     ctx.ask_for_token_ids(body, [prompt_ids])
@@ -116,7 +118,8 @@ async def completions(request: Request, caller: Caller) -> Response:
         body.max_tokens, prompt_lens, state.engine.info, inputs.DEFAULT_COMPLETION_MAX_TOKENS, "prompt"
     )
     params = inputs.engine_params(body, max_tokens, body.logprobs)
-    ctx = responses.ResponseContext.new("cmpl", body.model, body.n, prompt_lens, state.token_texts)
+    ctx = responses.ResponseContext.new("cmpl", body.model, body.n, prompt_lens, state.token_texts,
+                                        client_request_id(request, body))
     ctx.prompt_logprobs = body.prompt_logprobs is not None
     ctx.ask_for_token_ids(body, prompts)
     if body.echo:
@@ -143,6 +146,17 @@ def _check_request(state: ServerState, body: ChatCompletionRequest | CompletionR
     return lora
 
 
+def client_request_id(request: Request, body: ChatCompletionRequest | CompletionRequest) -> str | None:
+    """The caller's id for this request: the X-Request-Id header, else the body's `request_id` (vLLM's
+    order); None: kvserve makes one. A header that is no such id is a 400 naming it."""
+    header = request.headers.get("x-request-id")
+    if header is None:
+        return body.request_id
+    if not 1 <= len(header) <= 256 or not re.fullmatch(CLIENT_ID_PATTERN, header):
+        raise bad_request("X-Request-Id must be 1-256 characters of letters, digits and ._:@/+=-", "X-Request-Id")
+    return header
+
+
 def request_namespace(caller: Principal, cache_salt: str | None) -> Namespace:
     """The caller's cache namespace; a bad `cache_salt` is a 400 naming it."""
     try:
@@ -160,7 +174,8 @@ async def _respond(
     A prefill worker (`--role prefill`) first waits for `handoff`'s prompt blocks to reach the store."""
     if stream_format is not None:
         events = sse_stream(group, ctx, stream_format, state.metrics)
-        return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
+        headers = {**SSE_HEADERS, "X-Request-Id": ctx.id}
+        return StreamingResponse(events, media_type="text/event-stream", headers=headers)
     try:
         finals = await collect(group, request, state.metrics)
     except ClientDisconnected:
@@ -169,4 +184,4 @@ async def _respond(
     # Off the loop: n choices with logprobs can be megabytes of JSON.
     body = await state.off_loop(lambda: final(finals).model_dump_json())
     headers = await roles.handoff_headers(state.replica, state.engine.info.block_size, *handoff)
-    return Response(body, media_type="application/json", headers=headers)
+    return Response(body, media_type="application/json", headers={**headers, "X-Request-Id": ctx.id})

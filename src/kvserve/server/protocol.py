@@ -33,6 +33,7 @@ from kvserve.server.constraints import ResponseFormat, StructuredOutputsField, T
 # caller's share (the prompt itself is prefilled once and shared).
 MAX_N = 16
 MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty| (OpenAI's range)
+CLIENT_ID_PATTERN = r"^[A-Za-z0-9._:@/+=-]+$"  # a caller's request id: no spaces, quotes or control characters
 
 # --- requests ----------------------------------------------------------------------------------------
 
@@ -126,6 +127,8 @@ class SamplingFields(RefusingModel):
     # a single server's prefix cache needs none (it matches prefixes by content)
     prompt_cache_key: str | None = Field(None, max_length=1024)
     priority: int = Field(0, ge=-(2**31), le=2**31 - 1)  # vLLM's: lower first, with --schedule-policy priority
+    # vLLM's: the response's id (after "chatcmpl-" / "cmpl-"); the X-Request-Id header wins, as in vLLM
+    request_id: str | None = Field(None, min_length=1, max_length=256, pattern=CLIENT_ID_PATTERN)
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's: each prompt token's, top N
     allowed_token_ids: list[int] | None = Field(None, min_length=1)  # vLLM's: only these may be sampled
     bad_words: list[str] | None = None  # vLLM's: never generated (each word's last token banned in context)

@@ -30,7 +30,6 @@ COMMON: dict[str, Refused] = {
     # vLLM extras
     "spaces_between_special_tokens": Refused("special tokens are decoded as the tokenizer writes them",
                                              (None, True)),
-    "request_id": Refused("kvserve names requests itself"),
     "logits_processors": Refused("custom logits processors cannot be sent over HTTP to kvserve"),
     "kv_transfer_params": Refused("kvserve has no disaggregated prefill"),
     "vllm_xargs": Refused("kvserve takes no engine-specific extra arguments"),

@@ -78,12 +78,20 @@ class ResponseContext:
     prompt_token_ids: list[list[int]] | None = None  # return_token_ids: each prompt's ids (None: not asked)
     ids_as_tokens: bool = False  # return_tokens_as_token_ids: log-prob tokens written as "token_id:N"
     prompt_ids_sent: set[int] = field(default_factory=set)  # streamed choices whose prompt ids went out
+    engine_id: str = ""  # what the engine's request ids start with ("": `id`)
 
     @classmethod
     def new(
-        cls, prefix: str, model: str, n: int, prompt_lens: list[int], token_texts: TokenTexts
+        cls, prefix: str, model: str, n: int, prompt_lens: list[int], token_texts: TokenTexts,
+        client_id: str | None = None,
     ) -> ResponseContext:
-        return cls(f"{prefix}-{uuid.uuid4().hex}", model, n, prompt_lens, token_texts)
+        """`client_id` (vLLM's `request_id` / `X-Request-Id`): the response's id is `prefix-client_id`; the
+        engine's ids add a random part, so equal ids from different callers never meet in the engine."""
+        if client_id is None:
+            return cls(f"{prefix}-{uuid.uuid4().hex}", model, n, prompt_lens, token_texts)
+        context = cls(f"{prefix}-{client_id}", model, n, prompt_lens, token_texts)
+        context.engine_id = f"{context.id}-{uuid.uuid4().hex[:12]}"
+        return context
 
     @property
     def num_choices(self) -> int:
@@ -116,7 +124,7 @@ class ResponseContext:
 
     def request_id(self, prompt_index: int) -> str:
         """The engine request id of one prompt (all its choices)."""
-        return f"{self.id}-{prompt_index}"
+        return f"{self.engine_id or self.id}-{prompt_index}"
 
 
 Choice = tuple[int, CompletionOutput]  # (choice index, completion)
