@@ -107,8 +107,9 @@ def test_streaming_passes_through_chunk_by_chunk(router, workers):
     assert streamed_text(through) == post(router.url, "/v1/chat/completions", body)["choices"][0]["message"]["content"]
     # Relayed as produced, not buffered: the first event arrives well before the last.
     arrivals = []
-    with httpx.stream("POST", router.url + "/v1/chat/completions", json={**body, "stream": True}, headers=ALICE,
-                      timeout=60) as response:
+    with httpx.stream("POST", router.url + "/v1/chat/completions", json={**body, "stream": True},
+                      headers={**ALICE, "X-Request-Id": "through-1"}, timeout=60) as response:
+        assert response.headers["x-request-id"] == "chatcmpl-through-1"  # the caller's id, both ways
         for line in response.iter_lines():
             if line.startswith("data: "):
                 arrivals.append(time.perf_counter())
@@ -134,7 +135,7 @@ def test_route_header_names_the_decision_and_pending_prefill_comes_back(router):
     prompt = list(range(40, 80))
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 4, **GREEDY}
     first = httpx.post(router.url + "/v1/completions", json=body, headers=ALICE, timeout=120)
-    assert first.status_code == 200
+    assert first.status_code == 200 and first.headers["x-request-id"] == first.json()["id"]
     route = dict(item.strip().split("=", 1) for item in first.headers["x-kvserve-route"].split(";"))
     assert route["prompt"] == "40" and route["ahead_requests"] == "0" and route["ahead_tokens"] == "0"
     again = sse_events(router.url, "/v1/completions", {**body, "prompt": prompt + [81, 82]})

@@ -40,7 +40,8 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _DROPPED_REQUEST_HEADERS = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "upgrade",
                             "te", "trailer", "proxy-authorization", "proxy-connection", "accept-encoding"}
 # ... and a prefill worker's hand-off report (handoff.py).
-_PASSED_RESPONSE_HEADERS = ("content-type", "retry-after", FLUSH_HEADER, FLUSH_BYTES_HEADER, FLUSH_MS_HEADER)
+_PASSED_RESPONSE_HEADERS = ("content-type", "retry-after", "x-request-id", FLUSH_HEADER, FLUSH_BYTES_HEADER,
+                            FLUSH_MS_HEADER)
 T = TypeVar("T")
 
 
@@ -148,7 +149,8 @@ class Upstream:
         self.metrics.first_byte.observe(time.perf_counter() - started)
         return RelayedResponse(self._relay(request, answer, first, chunks), status_code=200,
                                media_type=answer.headers.get("content-type", "text/event-stream"),
-                               headers=SSE_HEADERS | self._own_headers(), on_close=lambda: self._close(answer))
+                               headers=SSE_HEADERS | _request_id_header(answer) | self._own_headers(),
+                               on_close=lambda: self._close(answer))
 
     async def _close(self, answer: httpx.Response) -> None:
         self._end()
@@ -208,6 +210,11 @@ async def _wait_for_disconnect(request: Request) -> None:
     # The body has been read: from here the ASGI server's receive() blocks until the client leaves.
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+def _request_id_header(answer: httpx.Response) -> dict[str, str]:
+    """The worker's X-Request-Id (the response's id), passed on to the caller."""
+    return {"x-request-id": answer.headers["x-request-id"]} if "x-request-id" in answer.headers else {}
 
 
 def _response_headers(answer: httpx.Response) -> dict[str, str]:
