@@ -111,12 +111,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--hf-dtypes", nargs="*", default=["bfloat16"], help="transformers runners (none: skip)")
     parser.add_argument("--no-llama-cpp", action="store_true")
+    parser.add_argument("--kvserve", nargs="+", choices=list(KVSERVE), default=list(KVSERVE), metavar="NAME",
+                        help="the kvserve runners to include (default: all)")
     parser.add_argument("--out", default="batch_decode")
     args = parser.parse_args()
     workloads = load_workloads()["batch"]
     batches = [int(b) for b in args.batches.split(",")]
     notes = [f"Load average (1 / 5 / 15 min) before: {load_average()}."]
-    specs = [("kvserve", (name, variant)) for name, variant in KVSERVE.items()]
+    specs = [("kvserve", (name, KVSERVE[name])) for name in args.kvserve]
     specs += [("hf", dtype) for dtype in args.hf_dtypes]
     if not args.no_llama_cpp and _llama_cpp_python(notes):
         specs.append(("llama", None))
@@ -137,7 +139,7 @@ def main() -> None:
     peers = [name for name in median if not name.startswith("kvserve")]
     for peer in peers:
         rows += [[f"{name} / {peer}", *(median[name][b] / median[peer][b] for b in batches), *([""] * len(batches))]
-                 for name in KVSERVE]
+                 for name in args.kvserve]
     notes.append(f"Load average after: {load_average()}. {args.rounds} rounds; {args.new} greedy new tokens per "
                  f"request, EOS ignored; tok/s = generated tokens / wall seconds of the whole batch (prefill "
                  f"included); threads: {torch.get_num_threads()}; every runner once per round and batch, in turn; "

@@ -7,6 +7,7 @@ import datetime as _dt
 import json
 import os
 import platform
+import shlex
 import subprocess
 import sys
 import time
@@ -64,7 +65,7 @@ KERNEL_ENV = ("KVSERVE_ISA", "KVSERVE_AMX")
 
 def command_line() -> str:
     env = [f"{name}={os.environ[name]} " for name in KERNEL_ENV if name in os.environ]
-    return "".join(env) + "python " + " ".join([os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]])
+    return "".join(env) + "python " + shlex.join([os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]])  # copyable
 
 
 def write_result(name: str, title: str, table: str, notes: str = "") -> Path:

@@ -24,13 +24,14 @@ ORDER = [
     "fp_rate_zen1", "load_footprint_zen1", "kernels_zen4", "kernels_zen4_decode", "kernels_zen4_crossover",
     "kernels_zen4_prefetch", "long_decode", "batch_decode", "kernels_zen4_bf16attn_prefill",
     "kernels_zen4_avx2_decode", "kernels_zen4_avx2", "isa_pairing", "kernels_amx_bf16attn",
-    "kernels_amx_bf16attn_prefill", "kernels_amx_bf16attn_final_prefill", "batch_decode_amx_fresh", "perplexity",
-    "kernels_amx", "configs", "configs_amx", "configs_amx_kv", "amx", "amx_exact", "kernels_prefill",
-    "kernels_amx_prefill", "membw", "kernels_decode", "decode_step", "decode_step_batch", "decode_step_batch_split",
-    "decode_attention", "decode_step_mixed_2t", "decode_step_mixed_1t", "decode_step_mixed_1t_cached1024", "qgemm",
-    "qgemm_avx2", "avx2_exact_gemm", "qgemm_zen4", "qgemm_small_zen4_1t", "qgemm_end_to_end", "crossover_zen4",
-    "llama_cpp_peers", "int8", "int8_packed_avx2", "int8_packed", "perplexity_earlier", "kv_dtype", "step_profile",
-    "shared_prefix", "speculative", "vmm", "disagg", "lora", "fairness", "scheduler_overhead", "step_rows_native",
+    "kernels_amx_bf16attn_prefill", "kernels_amx_bf16attn_final_prefill", "batch_decode_amx_fresh",
+    "batch_decode_amx_pair", "perplexity", "kernels_amx", "configs", "configs_amx", "configs_amx_kv", "amx",
+    "amx_exact", "kernels_prefill", "kernels_amx_prefill", "membw", "kernels_decode", "decode_step",
+    "decode_step_batch", "decode_step_batch_split", "decode_attention", "decode_step_mixed_2t",
+    "decode_step_mixed_1t", "decode_step_mixed_1t_cached1024", "qgemm", "qgemm_avx2", "avx2_exact_gemm",
+    "qgemm_zen4", "qgemm_small_zen4_1t", "qgemm_end_to_end", "crossover_zen4", "llama_cpp_peers", "int8",
+    "int8_packed_avx2", "int8_packed", "perplexity_earlier", "kv_dtype", "step_profile", "shared_prefix",
+    "speculative", "vmm", "disagg", "lora", "fairness", "scheduler_overhead", "step_rows_native",
 ]
 # Sections that are write-ups of several runs (their commands are inside): assembled, never run.
 WRITE_UPS = {"avx2_exact_gemm", "perplexity_earlier", "decode_step_batch_split", "kernels_avx2_prefill",
@@ -101,6 +102,9 @@ SCRIPTS = {
     "kernels_amx_bf16attn_final_prefill": ("native_kernels",
                                            ["--prefill-only", "--rounds", "3", "--out", "kernels_amx_bf16attn_final"]),
     "batch_decode_amx_fresh": ("batch_decode", ["--rounds", "5", "--out", "batch_decode_amx_fresh"]),
+    "batch_decode_amx_pair": ("batch_decode", ["--batches", "32", "--rounds", "5", "--kvserve",
+                                               "kvserve native Q4_1 int8, bf16 KV", "--no-llama-cpp",
+                                               "--out", "batch_decode_amx_pair"]),
     "configs_amx_kv": ("configs", ["--out", "configs_amx_kv"]),
     "perplexity": ("perplexity", ["--chunks", "4", "--no-tool"]),
     "qgemm_avx2": ("qgemm", ["--rows", "32,64,128,256,512,1024", "--rounds", "3", "--out", "qgemm_avx2"]),
@@ -184,7 +188,8 @@ and 1.60-1.87x int8 after 128 to 2,000 tokens (112 / 132 against 83 tok/s at 2,0
 before). Batches at the workload's 128 new tokens (section "Batched decode at the workload's 128 new tokens"):
 batch 32 int8 2.6x transformers bf16, 2.8x with a bf16 KV cache (3x in one round of three), exact 1.14x --
 measured with later rounds reusing the prompts' cache; counting every round's prefill (2026-12-06, the AMX
-Xeon, section "Batched decode ...") int8 with a bf16 KV cache is 1.8x by the median, 1.5-3.3x by round.
+Xeon, sections "Batched decode ...") int8 with a bf16 KV cache is 2.35x by the median of 5 paired rounds against
+transformers alone (2.28-2.44x by round), 1.8x in a six-runner run whose kvserve rounds ran slow.
 **Router where a replica's cache is the limit** (section "... (router_rag_bounded)"): hit rate
 85-90% against round_robin's 63-69%, median TTFT 2.8-5.5x lower, p90 only 1.4-1.6x (2.0-2.1x at 160 blocks)
 over 2 workers; over 4, hit rate 94% against 66.5% and **p90 9.1x / 8.8x** (section "... (router_rag_bounded_4w)");
@@ -207,7 +212,7 @@ fp32 979 / 803, **transformers bf16 2,874 / 2,783: still ahead of both on prefil
 attention products (`--attention-dtype bfloat16`, with a bf16 KV cache) run on AMX tiles there, 2.3x float32
 attention: with int8 activations prefill 2,466 / 1,907 tok/s (1.16x / 1.52x int8 alone; **0.85x / 0.74x
 transformers bf16**), 16 requests sharing a 1,900-token prefix 3.05 s; batch 32 at 128 new tokens, every
-round's prefill counted (2026-12-06), 1.8x transformers bf16 by the median of 5 rounds; perplexity 13.517
+round's prefill counted (2026-12-06), 2.35x transformers bf16 (5 paired rounds); perplexity 13.517
 against transformers' 13.447 and llama.cpp's 13.466 (sections "... (kernels_amx_bf16attn)" and the three after
 it).
 Sections measured on another machine (the AMD EPYC rows, the AMX Xeon rows) or under load (most of the second round's,
