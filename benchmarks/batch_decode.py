@@ -24,7 +24,6 @@ Writes benchmarks/results/batch_decode.md (or --out).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import multiprocessing
 import statistics
 import sys
@@ -35,7 +34,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import load_workloads, markdown_table, write_result  # noqa: E402
-from native_kernels import VARIANTS, HFRunner, KvserveRunner, llama_cpp_python_runner, load_average  # noqa: E402
+from native_kernels import (  # noqa: E402
+    VARIANTS,
+    HFRunner,
+    KvserveRunner,
+    llama_cpp_python_runner,
+    llama_cpp_python_usable,
+    load_average,
+)
 
 KVSERVE = {
     "kvserve native Q4_1": VARIANTS["kvserve native Q4_1"],
@@ -90,20 +96,6 @@ def _serve_runner(kind: str, spec: object, pipe: Connection) -> None:
         pipe.send(runner.batch(*message))
 
 
-def _llama_cpp_python(notes: list[str]) -> bool:
-    """Whether llama-cpp-python can run here (native_kernels.llama_cpp_python_runner's rules, without
-    loading the model in this process); the notes say why not."""
-    import llama_cpp_tools
-
-    if llama_cpp_tools.forced_avx2():
-        notes.append("KVSERVE_ISA=avx2: llama-cpp-python left out (its wheel uses the CPU's widest ISA).")
-        return False
-    if importlib.util.find_spec("llama_cpp") is None:
-        notes.append("llama-cpp-python: not installed (`pip install -e .[bench]`).")
-        return False
-    return True
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", default="8,32", help="batch sizes of the `batch` workload")
@@ -120,7 +112,7 @@ def main() -> None:
     notes = [f"Load average (1 / 5 / 15 min) before: {load_average()}."]
     specs = [("kvserve", (name, KVSERVE[name])) for name in args.kvserve]
     specs += [("hf", dtype) for dtype in args.hf_dtypes]
-    if not args.no_llama_cpp and _llama_cpp_python(notes):
+    if not args.no_llama_cpp and llama_cpp_python_usable(notes):
         specs.append(("llama", None))
     runners = [RunnerProcess(kind, spec) for kind, spec in specs]
     for runner in runners:

@@ -184,20 +184,27 @@ class LlamaCppRunner:
         return timer.seconds
 
 
-def llama_cpp_python_runner(notes: list[str]) -> list:
-    """llama.cpp through llama-cpp-python, when installed; not with KVSERVE_ISA=avx2 (its wheel runs the CPU's
-    widest ISA, while llama_cpp_tools then builds its tools for AVX2 like kvserve's forced path)."""
+def llama_cpp_python_usable(notes: list[str]) -> bool:
+    """Whether llama-cpp-python can run here (without loading it): installed, and not with KVSERVE_ISA=avx2
+    (its wheel runs the CPU's widest ISA, while llama_cpp_tools then builds its tools for AVX2 like kvserve's
+    forced path); the notes say why not."""
+    import importlib.util
+
     import llama_cpp_tools
 
     if llama_cpp_tools.forced_avx2():
         notes.append("KVSERVE_ISA=avx2: kvserve on its AVX2 kernels, llama.cpp's tools built for AVX2 / FMA "
                      "(llama_cpp_tools.AVX2_ARGS); llama-cpp-python left out (its wheel uses the CPU's widest ISA).")
-        return []
-    try:
-        return [LlamaCppRunner()]
-    except ImportError:
+        return False
+    if importlib.util.find_spec("llama_cpp") is None:
         notes.append("llama-cpp-python: not installed (`pip install -e .[bench]`).")
-        return []
+        return False
+    return True
+
+
+def llama_cpp_python_runner(notes: list[str]) -> list:
+    """llama.cpp through llama-cpp-python, when `llama_cpp_python_usable`."""
+    return [LlamaCppRunner()] if llama_cpp_python_usable(notes) else []
 
 
 def llama_cpp_tools_runner(notes: list[str]) -> list:

@@ -54,12 +54,18 @@ def prompt_ids_of(tokenizer: Tokenizer | None, prompt: str | Sequence[int], para
                   max_model_len: int) -> list[int]:
     """A prompt's token ids, left-truncated as `params.truncate_prompt_tokens` asks (-1: to max_model_len),
     each in the vocabulary."""
-    prompt_ids = encode_prompt(tokenizer, prompt)
-    truncate = getattr(params, "truncate_prompt_tokens", None)
-    if truncate is not None:
-        prompt_ids = prompt_ids[-(max_model_len if truncate == -1 else truncate):]
+    prompt_ids = truncate_prompt(encode_prompt(tokenizer, prompt), getattr(params, "truncate_prompt_tokens", None),
+                                 max_model_len)
     validate_prompt_ids(prompt_ids, vocab_size)
     return prompt_ids
+
+
+def truncate_prompt(prompt_ids: list[int], truncate: int | None, max_model_len: int) -> list[int]:
+    """vLLM's `truncate_prompt_tokens`: the prompt's last N tokens (-1: the last max_model_len); all of it
+    when None. A prompt that still does not fit is refused afterwards, as any other."""
+    if truncate is None:
+        return prompt_ids
+    return prompt_ids[-(max_model_len if truncate == -1 else truncate):]
 
 
 def encode_prompt(tokenizer: Tokenizer | None, prompt: str | Sequence[int]) -> list[int]:

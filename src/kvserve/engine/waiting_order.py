@@ -60,15 +60,15 @@ def priority_of(request: Request) -> int:
 
 
 def order_by_priority(scheduler: Queues) -> list[Request]:
-    """Both queues by priority (stable), then room for the queue's head: the lowest-priority running
-    sequences below it are preempted while it cannot be admitted (returned, to report). It is admitted at
-    the next step (a step that preempts admits nobody), when the queue is ordered again."""
+    """Running sequences by priority (stable), then room for the highest-priority waiting request (the first
+    of them): the lowest-priority running sequences below it are preempted while it cannot be admitted
+    (returned, to report). The queue itself is sorted where admission reads it (`Scheduler._schedule_waiting`);
+    the request is admitted at the next step (a step that preempts admits nobody)."""
     scheduler.running.sort(key=priority_of)
-    scheduler.waiting = deque(sorted(scheduler.waiting, key=priority_of))
     victims: list[Request] = []
     if not scheduler.waiting:
         return victims
-    head, manager = scheduler.waiting[0], scheduler.block_manager
+    head, manager = min(scheduler.waiting, key=priority_of), scheduler.block_manager
     while scheduler.running and scheduler.running[-1].priority > head.priority:
         matched = manager.match_prefix(head)
         first_chunk = min(head.num_tokens - len(matched) * manager.block_size, scheduler.max_num_batched_tokens)

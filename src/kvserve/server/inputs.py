@@ -22,6 +22,7 @@ from typing import Any
 import jinja2
 
 from kvserve.engine.params import BeamSearchParams, SamplingParams
+from kvserve.engine.validation import truncate_prompt
 from kvserve.server.constraints import ConstraintError, structured_of
 from kvserve.server.errors import ApiError, bad_request, from_engine_value_error
 from kvserve.server.limits import MAX_BYTES_PER_TOKEN, max_prompt_bytes
@@ -94,11 +95,8 @@ def check_completion_size(body: CompletionRequest, info: EngineInfo) -> None:
 
 
 def truncated(prompt_ids: list[int], truncate: int | None, info: EngineInfo) -> list[int]:
-    """vLLM's `truncate_prompt_tokens`: the prompt's last N tokens (-1: the last max_model_len); all of
-    it when None. A prompt that still does not fit is refused afterwards, as any other."""
-    if truncate is None:
-        return prompt_ids
-    return prompt_ids[-(info.max_model_len if truncate == -1 else truncate):]
+    """The engine's `truncate_prompt`, here so the server's length checks see what the engine will keep."""
+    return truncate_prompt(prompt_ids, truncate, info.max_model_len)
 
 
 def _utf8_size(text: str) -> int:
