@@ -35,6 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import load_workloads, markdown_table, write_result  # noqa: E402
 from native_kernels import (  # noqa: E402
+    BF16_PREFILL,
     VARIANTS,
     HFRunner,
     KvserveRunner,
@@ -49,6 +50,9 @@ KVSERVE = {
     "kvserve native Q4_1 int8, bf16 KV": {**VARIANTS["kvserve native Q4_1 int8"], "kv_cache_dtype": "bfloat16"},
     "kvserve native Q4_1 int8, bf16 KV + attention": VARIANTS["kvserve native Q4_1 int8, bf16 KV + attention"],
 }
+if BF16_PREFILL in VARIANTS:  # AMX-BF16 only: the prompts' matmuls as bf16 products on the tiles
+    KVSERVE["kvserve native Q4_1 int8, bf16 KV + prefill"] = {**KVSERVE["kvserve native Q4_1 int8, bf16 KV"],
+                                                            "prefill_dtype": "bfloat16"}
 
 
 class RunnerProcess:

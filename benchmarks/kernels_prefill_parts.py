@@ -3,7 +3,8 @@
 A prefill of N tokens of the default model (smollm2-135m, native Q4_1 weights) runs 30 layers of four
 matmuls with N rows and one causal attention of N queries over N keys. This times, per N and per
 activation mode (exact: qgemm.h on float32 activations; int8: qmatmul_i8.h; int8-bf16kv: int8 with a bf16 KV
-cache; fast: that and bf16 attention products, `--attention-dtype bfloat16`), the whole prefill through
+cache; fast: that and bf16 attention products, `--attention-dtype bfloat16`; fast-bf16-prefill: that and the prefill
+rows' matmuls as bf16 products on AMX tiles, `--prefill-dtype bfloat16`), the whole prefill through
 `LLM.generate` (one token), the four matmuls of one layer at N rows (x 30), and csrc/prefill.h's attention
 of one span of N tokens (x 30); what is left over is norms, RoPE, SwiGLU, activation quantization, the
 head and Python. The matmuls' share of the multiply-adds is fixed per token, attention's grows with N
@@ -57,16 +58,20 @@ def _attention_seconds(native, clock, tokens: int, config, repeats: int, bf16_po
 def measure(mode: str, sizes: list[int], threads: int, clock, repeats: int) -> list[list[object]]:
     from kvserve import LLM, SamplingParams
 
-    fast, bf16_pool = mode == "fast", mode in ("fast", "int8-bf16kv")
+    fast, bf16_pool = mode in ("fast", "fast-bf16-prefill"), mode in ("fast", "fast-bf16-prefill", "int8-bf16kv")
+    bf16_prefill = mode == "fast-bf16-prefill"
     llm = LLM("smollm2-135m", progress=False, kv_cache_memory="512MiB", kernels="native", weights="native",
               num_threads=threads, activation_quant="none" if mode == "exact" else "int8",
-              kv_cache_dtype="bfloat16" if bf16_pool else "auto", attention_dtype="bfloat16" if fast else "float32")
+              kv_cache_dtype="bfloat16" if bf16_pool else "auto", attention_dtype="bfloat16" if fast else "float32",
+              prefill_dtype="bfloat16" if bf16_prefill else "float32")
     model = llm.engine.model
     native, config = model.kernels.native, model.config
     native.lib.kv_set_num_threads(threads)
     exact = native.qgemm  # int8: Kernels.linear, which reads the packed layout where the engine packed it
 
-    def matmul(x, w):
+    def matmul(x, w, name):
+        if bf16_prefill:  # the prefill rows' tiles (kernels/bf16pack.py)
+            return model.kernels.linear_prefill(x, w, model.layers[0].prefill_bf16[name])
         return model.kernels.linear(x, w) if mode != "exact" else exact(x, w.data, w.qtype, w.in_features)
     prompt = load_workloads()["prefill"]["2048"]
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
@@ -82,7 +87,7 @@ def measure(mode: str, sizes: list[int], threads: int, clock, repeats: int) -> l
         for name in PROJECTIONS:
             weight = getattr(model.layers[0], name)
             x = torch.randn(tokens, weight.in_features)
-            mm += _best(clock, lambda w=weight, x=x: matmul(x, w), repeats)
+            mm += _best(clock, lambda w=weight, x=x, name=name: matmul(x, w, name), repeats)
         attention = _attention_seconds(native, clock, tokens, config, repeats, bf16_pool, fast)
         mm, attention = layers * mm, layers * attention
         rest = whole - mm - attention
@@ -97,7 +102,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--wall", action="store_true", help="wall seconds instead of the process's CPU seconds")
     parser.add_argument("--repeats", type=int, default=3)
-    modes = ["exact", "int8", "int8-bf16kv", "fast"]
+    modes = ["exact", "int8", "int8-bf16kv", "fast", "fast-bf16-prefill"]
     parser.add_argument("--modes", nargs="+", default=modes, choices=modes)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

@@ -63,6 +63,10 @@ VARIANTS = {
 
 
 FAST = "kvserve native Q4_1 int8, bf16 KV + attention"
+# ... and prefill rows' matmuls as bf16 products on AMX-BF16 tiles (`--prefill-dtype bfloat16`), where there are any
+BF16_PREFILL = "kvserve native Q4_1 int8, bf16 KV + attention + prefill"
+if "amx_bf16" in cpu_flags():
+    VARIANTS[BF16_PREFILL] = {**VARIANTS[FAST], "prefill_dtype": "bfloat16"}
 
 
 def greedy(n: int) -> SamplingParams:
@@ -301,7 +305,7 @@ def _paired_ratios(samples: dict[str, dict[str, list[float]]], names: tuple[str,
 def prefill_only(args: argparse.Namespace, workloads: dict) -> None:
     """Prefill 512 / 2,048 for kvserve (exact and int8) and transformers fp32 and bf16, `args.rounds` rounds
     interleaved runner by runner (medians), then the seed's example; to results/kernels_prefill.md."""
-    names = ("kvserve native Q4_1", "kvserve native Q4_1 int8", FAST)
+    names = ("kvserve native Q4_1", "kvserve native Q4_1 int8", FAST) + ((BF16_PREFILL,) * (BF16_PREFILL in VARIANTS))
     runners: list = [KvserveRunner(name, VARIANTS[name]) for name in names]
     if args.before_src:  # the same variants from another checkout's sources (source_ab.py), same threads
         from source_ab import SourceRunner
@@ -331,7 +335,7 @@ def prefill_only(args: argparse.Namespace, workloads: dict) -> None:
         if hasattr(runner, "close"):
             runner.close()
     del runners
-    seeds = {name: seed_example(VARIANTS[name], workloads, 3) for name in ("kvserve native Q4_1", FAST)}
+    seeds = {name: seed_example(VARIANTS[name], workloads, 3) for name in ("kvserve native Q4_1", *names[2:])}
     table = (markdown_table(header, rows) + _paired_ratios(samples, names)
              + "\n\nThe seed's example, one-token request wall seconds (medians of 3; target: cached ≤ 1.2 × "
              "fresh):\n\n"

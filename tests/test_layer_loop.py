@@ -52,6 +52,24 @@ def test_rope_kv_write_matches_reference(kernels, rows, kv_heads, group, head_di
     assert torch.equal(pools[1], pools[0])
 
 
+def test_rope_kv_write_and_swiglu_split_long_steps_across_threads(kernels):
+    """From 33 rows both kernels split their rows across the threads: still bit-identical to the twins (each row
+    computed alone), every slot written once."""
+    generator = torch.Generator().manual_seed(7)
+    rows, heads, kv_heads, head_dim, num_blocks, block_size = 300, 6, 2, 64, 40, 16
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim, generator=generator)
+    angles = torch.rand(400, head_dim, generator=generator) * 6.3
+    positions = torch.randint(0, 400, (rows,), generator=generator)
+    slots = torch.randperm(num_blocks * block_size, generator=generator)[:rows]
+    pools = [torch.zeros(2, num_blocks, block_size, kv_heads, head_dim) for _ in range(2)]
+    args = (heads, kv_heads, positions, angles.cos(), angles.sin())
+    expected = reference.rope_kv_write(qkv, *args, pools[0][0], pools[0][1], slots)
+    assert torch.equal(kernels.rope_kv_write(qkv, *args, pools[1][0], pools[1][1], slots), expected)
+    assert torch.equal(pools[1], pools[0])
+    gate_up = torch.randn(rows, 2 * 96, generator=generator) * 6
+    torch.testing.assert_close(kernels.swiglu(gate_up), reference.swiglu(gate_up), rtol=2e-6, atol=1e-6)
+
+
 def test_rope_kv_write_rejects_bad_slots(kernels):
     qkv, tables = torch.zeros(2, 4 * 16), torch.zeros(10, 16)
     blocks = torch.zeros(4, 2, 1, 16)

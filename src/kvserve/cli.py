@@ -12,6 +12,7 @@ from kvserve.config import (
     DTYPES,
     KERNEL_BACKENDS,
     KV_CACHE_DTYPES,
+    PREFILL_DTYPES,
     PREFIX_CACHE_KINDS,
     PREFIX_HASH_KINDS,
     SCHEDULE_POLICIES,
@@ -86,6 +87,11 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                        "probabilities by the bf16 KV cache (needs --kv-cache-dtype bfloat16; approximate, "
                        "as llama.cpp's f16 cache; 2x the products' rate with AVX512-BF16, tiles with AMX); float32: "
                        "exact")
+    group.add_argument("--prefill-dtype", default=defaults.prefill_dtype, choices=PREFILL_DTYPES,
+                       help="bfloat16: the rows of prefill chunks multiply bf16 activations by a bf16 copy of the "
+                       "weights on AMX-BF16 tiles (a bf16 model's arithmetic, approximate; ~2 bytes a weight more "
+                       "memory; needs AMX, or --kernels torch); decode rows keep their arithmetic. float32: as "
+                       "--activation-quant says")
     group.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (implied by --lora-modules)")
     group.add_argument("--max-loras", type=int, default=defaults.max_loras,
                        help="LoRA adapters resident at once (more are swapped in from host memory)")

@@ -7,12 +7,13 @@ import re
 from dataclasses import dataclass, fields
 
 from kvserve.engine.speculative import parse_speculative_config
+from kvserve.kernels.ops import PREFILL_DTYPES
 from kvserve.prefix.factory import PREFIX_CACHE_KINDS, PREFIX_HASH_KINDS
 from kvserve.prefix.policies import DEFAULT_EVICTION, ONLINE_POLICIES
 
 __all__ = [
-    "ACTIVATION_QUANTS", "ATTENTION_DTYPES", "DTYPES", "KV_CACHE_DTYPES", "PREFIX_CACHE_KINDS", "PREFIX_HASH_KINDS",
-    "SCHEDULE_POLICIES", "EngineConfig", "parse_size",
+    "ACTIVATION_QUANTS", "ATTENTION_DTYPES", "DTYPES", "KV_CACHE_DTYPES", "PREFILL_DTYPES", "PREFIX_CACHE_KINDS",
+    "PREFIX_HASH_KINDS", "SCHEDULE_POLICIES", "EngineConfig", "parse_size",
 ]
 SCHEDULE_POLICIES = ("fcfs", "lpm", "priority")
 DTYPES = ("float32", "bfloat16", "float16", "auto")  # auto: bf16 only where the CPU has it natively
@@ -88,6 +89,7 @@ class EngineConfig:
     weights: str = "native"  # a quantized GGUF runs as stored; "dense": float32, the transformers-exact reference
     activation_quant: str = "none"  # int8 needs quantized weights (weights="native")
     attention_dtype: str = "float32"  # bfloat16: bf16 products in prefill attention (needs a bfloat16 KV cache)
+    prefill_dtype: str = "float32"  # bfloat16: prefill rows' matmuls bf16 x bf16 on AMX tiles (kernels/bf16pack.py)
     enable_lora: bool = False
     max_loras: int = 4
     max_lora_rank: int = 16
@@ -158,6 +160,11 @@ class EngineConfig:
         _require(self.attention_dtype == "float32" or self.kv_cache_dtype == "bfloat16",
                  f"attention_dtype={self.attention_dtype!r} multiplies bf16 keys and values: it needs "
                  f"kv_cache_dtype='bfloat16', got {self.kv_cache_dtype!r}")
+        _require(self.prefill_dtype in PREFILL_DTYPES,
+                 f"prefill_dtype must be one of {PREFILL_DTYPES}, got {self.prefill_dtype!r}")
+        _require(self.prefill_dtype == "float32" or self.speculative_config is None,
+                 f"prefill_dtype={self.prefill_dtype!r} computes prefill rows in bf16, and speculative decoding "
+                 "verifies its drafts as prefill rows, so its output would differ from plain decoding: use one")
         _require(self.activation_quant in ACTIVATION_QUANTS,
                  f"activation_quant must be one of {ACTIVATION_QUANTS}, got {self.activation_quant!r}")
         _require(self.activation_quant == "none" or self.weights != "dense",

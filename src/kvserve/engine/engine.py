@@ -76,7 +76,7 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         check_activation_quant(config, loaded.weights)
         kernels = Kernels.create(config.kernels, activation_quant=config.activation_quant,
-                                  attention_dtype=config.attention_dtype)
+                                  attention_dtype=config.attention_dtype, prefill_dtype=config.prefill_dtype)
         dtype, loaded.weights, bf16_weights = model_weights(kernels, config, loaded.weights)
         self.model = LlamaModel(loaded.config, loaded.weights, dtype, config.device, kernels)
         tensor_shapes = {name: tuple(tensor.shape) for name, tensor in loaded.weights.items()}

@@ -203,14 +203,17 @@ class EngineTiers:
 
 def arithmetic_config(config: EngineConfig, model_config: ModelConfig, bf16_weights: bool = False) -> dict:
     """The model's config plus the flags that change the KV's floats (weights format, activation
-    quantization, kernels, weights rounded to bf16 for storage, bf16 attention products): replicas that differ
-    in them must not exchange blocks through a shared tier, or loading from the tier would change outputs
-    (native and dense agree only up to summation order). Defaults add no field (fingerprints stay as they were)."""
+    quantization, kernels, weights rounded to bf16 for storage, bf16 attention products, bf16 prefill matmuls):
+    replicas that differ in them must not exchange blocks through a shared tier, or loading from the tier would
+    change outputs (native and dense agree only up to summation order). Defaults add no field (fingerprints stay
+    as they were)."""
     fields = asdict(model_config) | {
         "weights": config.weights, "activation_quant": config.activation_quant, "kernels": config.kernels,
     }
     if config.attention_dtype != "float32":  # later layers' keys depend on earlier layers' attention
         fields["attention_dtype"] = config.attention_dtype
+    if config.prefill_dtype != "float32":  # a prompt's keys and values come out of its prefill's matmuls
+        fields["prefill_dtype"] = config.prefill_dtype
     return fields | {"weight_storage": "bf16"} if bf16_weights else fields
 
 

@@ -30,5 +30,6 @@ def check(tensor: torch.Tensor, dtype: torch.dtype, name: str) -> None:
 def ok(status: int, kernel: str) -> None:
     if status != 0:
         reasons = {-1: "unsupported quantization type", -2: "unsupported shape", -3: "unknown ISA", -4: "KV dtype",
-                   -5: "bf16 attention products need a bfloat16 KV pool"}
+                   -5: "bf16 attention products need a bfloat16 KV pool",
+                   -6: "the bf16 GEMM needs AMX-BF16 tiles, switched on (kernels/bf16pack.py)"}
         raise ValueError(f"native {kernel}: {reasons.get(status, f'error {status}')}")

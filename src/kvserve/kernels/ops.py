@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvserve.kernels import reference
+from kvserve.kernels import bf16pack, reference
+from kvserve.kernels.bf16pack import PackedBf16Weight
 from kvserve.kernels.cascade_plan import CascadeTensors, check_cascade_plan
 from kvserve.kernels.crossover import DEFAULT_MIN_ROWS
 from kvserve.kernels.i8pack import PACKED_BLOCK_BYTES, PackedI8Weight
@@ -35,6 +36,9 @@ ACTIVATION_QUANTS = ("none", "int8")  # int8: quantized weights see int8 activat
 # bfloat16: prefill and shared-prefix attention round queries and probabilities to bf16 against a bf16 KV pool
 # (csrc/prefill.h's ATTN_BF16; AVX512-BF16 pair products where the CPU has them); decode rows stay float32.
 ATTENTION_DTYPES = ("float32", "bfloat16")
+# bfloat16: the rows of prefill chunks run their matmuls as bf16 x bf16 products on AMX-BF16 tiles, on a bf16
+# copy of the weights (kernels/bf16pack.py); decode rows keep `activation_quant`'s arithmetic.
+PREFILL_DTYPES = ("float32", "bfloat16")
 ISA_ENV = "KVSERVE_ISA"
 # Up to this many activation rows the per-row kernel (csrc/impl.h) runs the layer loop's matmuls.
 NATIVE_QMATMUL_MAX_ROWS = 16
@@ -58,34 +62,49 @@ class Kernels:
     native: NativeLibrary | None = None
     activation_quant: str = "none"  # one of ACTIVATION_QUANTS
     attention_dtype: str = "float32"  # one of ATTENTION_DTYPES
+    prefill_dtype: str = "float32"  # one of PREFILL_DTYPES
 
     def __post_init__(self) -> None:
         if self.activation_quant not in ACTIVATION_QUANTS:
             raise ValueError(f"activation_quant must be one of {ACTIVATION_QUANTS}, got {self.activation_quant!r}")
         if self.attention_dtype not in ATTENTION_DTYPES:
             raise ValueError(f"attention_dtype must be one of {ATTENTION_DTYPES}, got {self.attention_dtype!r}")
+        if self.prefill_dtype not in PREFILL_DTYPES:
+            raise ValueError(f"prefill_dtype must be one of {PREFILL_DTYPES}, got {self.prefill_dtype!r}")
 
     @classmethod
     def create(cls, requested: str = "native", isa: str | None = None, activation_quant: str = "none",
-               attention_dtype: str = "float32") -> Kernels:
+               attention_dtype: str = "float32", prefill_dtype: str = "float32") -> Kernels:
         if requested not in KERNEL_BACKENDS:
             raise ValueError(f"kernels must be one of {KERNEL_BACKENDS}, got {requested!r}")
+        modes = {"activation_quant": activation_quant, "attention_dtype": attention_dtype,
+                 "prefill_dtype": prefill_dtype}
         if requested == "torch":
-            return cls("torch", activation_quant=activation_quant, attention_dtype=attention_dtype)
+            return cls("torch", **modes)
         try:
             from kvserve.kernels.build import build
 
             library = NativeLibrary.load(build(), isa or os.environ.get(ISA_ENV) or None)
         except (RuntimeError, OSError, ValueError, AttributeError) as err:
             logger.warning("native kernels unavailable, using the torch kernels instead: %s", err)
-            return cls("torch", activation_quant=activation_quant, attention_dtype=attention_dtype)
+            return cls("torch", **modes)
         logger.info("native kernels: %s (CPU features: %s)", library.isa, ", ".join(sorted(library.features)))
-        return cls("native", library, activation_quant, attention_dtype)
+        if prefill_dtype == "bfloat16" and not bf16pack.enable(library):
+            raise ValueError(
+                f"prefill_dtype='bfloat16' runs on AMX-BF16 tiles, which this CPU or kernel does not offer (ISA "
+                f"{library.isa}, features: {', '.join(sorted(library.features))}); kernels='torch' runs its "
+                "arithmetic anywhere, slowly")
+        return cls("native", library, **modes)
 
     @property
     def bf16_products(self) -> bool:
         """Whether prefill and shared-prefix attention run bf16 products (ATTENTION_DTYPES)."""
         return self.attention_dtype == "bfloat16"
+
+    @property
+    def bf16_prefill(self) -> bool:
+        """Whether prefill rows' matmuls run bf16 x bf16 (PREFILL_DTYPES)."""
+        return self.prefill_dtype == "bfloat16"
 
     @property
     def isa(self) -> str | None:
@@ -97,6 +116,8 @@ class Kernels:
         attention = ""
         if self.bf16_products:
             attention = ", bf16 attention products" + (" on AMX tiles" if exact_tiles else "")
+        if self.bf16_prefill:
+            attention += ", bf16 prefill matmuls" + (" on AMX tiles" if self.native is not None else "")
         if self.activation_quant == "none":
             return backend + (", wide matmuls on AMX tiles" if exact_tiles else "") + attention
         tiles = " on AMX tiles" if self.native is not None and self.native.amx else ""
@@ -170,6 +191,25 @@ class Kernels:
         else:
             out = F.linear(x32, self.dequantize(weight))
         return out.to(x.dtype)
+
+    def prepare_bf16(self, weight: torch.Tensor | QuantWeight) -> PackedBf16Weight | None:
+        """The bf16 tiles `linear_prefill` reads (native, `bf16_prefill`), from a quantized weight (as stored,
+        ``[out, in]``) or a dense one (transposed, ``[in, out]``); None elsewhere: the twin rounds per call."""
+        if not self.bf16_prefill or self.native is None:
+            return None
+        rows = self.dequantize(weight) if isinstance(weight, QuantWeight) else weight.t()
+        return bf16pack.pack(rows)
+
+    def linear_prefill(self, x: torch.Tensor, weight: torch.Tensor | QuantWeight,
+                       packed: PackedBf16Weight | None) -> torch.Tensor:
+        """``bf16(x) @ bf16(W).T`` in float32 (`bf16_prefill`): on the tiles with `packed`, else the torch twin on
+        `weight` (quantized ``[out, in]`` or dense ``[in, out]``)."""
+        if packed is not None and self.native is not None:
+            return bf16pack.gemm(self.native, x.float().contiguous(), packed).to(x.dtype)
+        if isinstance(weight, PackedI8Weight):
+            raise ValueError("the bf16 prefill twin needs the weight's GGUF blocks, not the int8 packing")
+        rows = reference.dequantize(weight) if isinstance(weight, QuantWeight) else weight.t()
+        return reference.linear_bf16(x, rows).to(x.dtype)
 
     def dequantize(self, weight: QuantWeight, rows: torch.Tensor | None = None) -> torch.Tensor:
         if self.native is None:

@@ -36,6 +36,13 @@ def qlinear(x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
     return F.linear(x.float(), dequantize(weight))
 
 
+def linear_bf16(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``bf16(x) @ bf16(W).T`` in float32 for ``weight [out, in]``: both operands rounded to bf16 (nearest even),
+    their products exact in float32 and summed there -- csrc/gemm_bf16.h's arithmetic up to summation order
+    (kernels/bf16pack.py, `--prefill-dtype bfloat16`)."""
+    return F.linear(x.to(torch.bfloat16).float(), weight.to(torch.bfloat16).float())
+
+
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rows of x as int8 blocks of 32, rounded as the native kernel does: d = max|x| / 127, q = x * (1/d)
     rounded to nearest (ties to even) and clamped to +-127, s = d * sum(q). Returns (q int8 [rows, k],

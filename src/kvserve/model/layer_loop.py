@@ -40,8 +40,9 @@ from kvserve.kv.attention import AttentionMetadata, native_spans
 from kvserve.kv.pool import KVPool
 
 if TYPE_CHECKING:
-    from kvserve.model.llama import LlamaModel
+    from kvserve.model.llama import LayerWeights, LlamaModel
 
+PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # llama.py's, in _Layer's order
 MAX_ROWS = NATIVE_QMATMUL_MAX_ROWS
 # Steps with the engine's metadata run here up to this many rows (decodes, prefill chunks, any mix) with int8
 # activations; past it (a --max-num-batched-tokens above the default 2,048) the Python loop, whose per-layer
@@ -60,7 +61,8 @@ class _Matrix(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = [("input_norm", _P), ("post_attention_norm", _P), ("qkv", _Matrix), ("o", _Matrix),
-                ("gate_up", _Matrix), ("down", _Matrix)]
+                ("gate_up", _Matrix), ("down", _Matrix), ("qkv16", _Matrix), ("o16", _Matrix),
+                ("gate_up16", _Matrix), ("down16", _Matrix)]
 
 
 class _Model(ctypes.Structure):
@@ -75,6 +77,14 @@ def _matrix(weight: QuantWeight | PackedI8Weight) -> _Matrix:
     return _Matrix(weight.data.data_ptr(), weight.qtype, weight.out_features, weight.row_bytes)
 
 
+def _tiles(layer: LayerWeights, name: str) -> _Matrix:
+    """`--prefill-dtype bfloat16`'s tiles of projection `name` (csrc/gemm_bf16.h), or a null matrix."""
+    packed = layer.prefill_bf16[name] if layer.prefill_bf16 is not None else None
+    if packed is None:
+        return _Matrix(None, -1, 0, 0)
+    return _Matrix(packed.data.data_ptr(), -1, packed.out_features, 0)
+
+
 class LayerLoop:
     """The C-side description of one `LlamaModel` and the per-step call."""
 
@@ -87,10 +97,12 @@ class LayerLoop:
         # the Python loop, unless glibc's mmap threshold is pinned (a server: kernels/malloc.py), where that
         # loop's torch temporaries would each fault in fresh pages.
         exact = MAX_STEP_ROWS if mmap_threshold_pinned() else EXACT_MAX_STEP_ROWS
-        self.max_step_rows = MAX_STEP_ROWS if self.act_quant else exact
+        # bf16 prefill: prefill rows never reach the exact wide GEMM, so steps are bounded as the int8 path's
+        self.max_step_rows = MAX_STEP_ROWS if self.act_quant or kernels.bf16_prefill else exact
         self._layers = (_Layer * len(model.layers))(*[
             _Layer(layer.input_norm.data_ptr(), layer.post_attention_norm.data_ptr(), _matrix(layer.qkv_proj),
-                   _matrix(layer.o_proj), _matrix(layer.gate_up_proj), _matrix(layer.down_proj))
+                   _matrix(layer.o_proj), _matrix(layer.gate_up_proj), _matrix(layer.down_proj),
+                   *[_tiles(layer, name) for name in PROJECTIONS])
             for layer in model.layers
         ])
         self._model = _Model(
@@ -109,8 +121,7 @@ class LayerLoop:
         width = 16 if kernels.isa == "avx512" else 8
         if config.hidden_size % width or config.head_dim % width or config.num_heads % config.num_kv_heads:
             return None
-        projections = [getattr(layer, name) for layer in model.layers
-                       for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")]
+        projections = [getattr(layer, name) for layer in model.layers for name in PROJECTIONS]
         if not all(isinstance(weight, QuantWeight | PackedI8Weight) for weight in projections):
             return None
         if kernels.activation_quant != "none" and any(getattr(w, "qtype", None) == BF16 for w in projections):

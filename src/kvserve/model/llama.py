@@ -23,13 +23,14 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from kvserve.kernels.bf16pack import PackedBf16Weight
 from kvserve.kernels.i8pack import PackedI8Weight
 from kvserve.kernels.ops import Kernels
 from kvserve.kernels.quant import QuantWeight, concat_rows
 from kvserve.kv.attention import AttentionMetadata, paged_attention
 from kvserve.kv.pool import KVPool
 from kvserve.model.config import ModelConfig, rope_inv_freq
-from kvserve.model.layer_loop import LayerLoop
+from kvserve.model.layer_loop import PROJECTIONS, LayerLoop
 
 Weight = torch.Tensor | QuantWeight | PackedI8Weight  # packed: int8-path projections only (kernels/i8pack.py)
 
@@ -49,6 +50,8 @@ class LayerWeights:
     post_attention_norm: torch.Tensor
     gate_up_proj: Weight  # [hidden, 2 * intermediate]
     down_proj: Weight  # [intermediate, hidden]
+    # `--prefill-dtype bfloat16` on the native kernels: PROJECTIONS' bf16 tiles for prefill rows (bf16pack.py)
+    prefill_bf16: dict[str, PackedBf16Weight] | None = None
 
 
 class LlamaModel:
@@ -79,10 +82,13 @@ class LlamaModel:
         self.lm_head_t = self.lm_head.t().contiguous() if dense_head else None
         # int8 activations on AVX-512: the projections (read by the int8 matmul only) replaced by their packed
         # layout; the head packed beside its GGUF blocks when the embedding lookup shares them (tied).
+        if self.kernels.bf16_prefill and self.kernels.native is not None:  # before the int8 packing replaces them
+            for layer in self.layers:
+                layer.prefill_bf16 = {name: self.kernels.prepare_bf16(getattr(layer, name)) for name in PROJECTIONS}
         self.lm_head_i8 = None
         if self.kernels.packs_int8() and self.device.type == "cpu":
             for layer in self.layers:
-                for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+                for name in PROJECTIONS:
                     weight = getattr(layer, name)
                     if isinstance(weight, QuantWeight):
                         setattr(layer, name, self.kernels.prepare_int8(weight))
@@ -135,6 +141,8 @@ class LlamaModel:
         if lora is None and loop is not None and loop.applies(input_ids.shape[0], key_blocks, meta):
             return loop.forward(input_ids, positions, kv_pool, meta)
         kernels, eps = self.kernels, self.config.rms_norm_eps
+        # bf16 prefill: rows from here on (the prefill chunks', after the decode rows) run bf16 x bf16 matmuls
+        split = meta.num_decodes if kernels.bf16_prefill and meta.prefills else None
         # Each norm also adds the previous sub-layer's output into the residual stream (HF's order).
         residual = kernels.embedding(input_ids, self.embed_tokens).to(self.dtype)
         delta = None
@@ -142,9 +150,9 @@ class LlamaModel:
             key_blocks, value_blocks = kv_pool.layer(index)
             layer_lora = lora.for_layer(index) if lora is not None else None  # LoRA hook
             normed, residual = kernels.rms_norm(residual, layer.input_norm, eps, delta)
-            attended = self._attention(normed, layer, positions, key_blocks, value_blocks, meta, layer_lora)
+            attended = self._attention(normed, layer, positions, key_blocks, value_blocks, meta, layer_lora, split)
             normed, residual = kernels.rms_norm(attended, layer.post_attention_norm, eps, residual)
-            delta = self._mlp(normed, layer, layer_lora)
+            delta = self._mlp(normed, layer, layer_lora, split)
         return kernels.rms_norm(delta, self.final_norm, eps, residual)[0]
 
     @torch.inference_mode()
@@ -160,10 +168,10 @@ class LlamaModel:
     def _attention(
         self, normed: torch.Tensor, layer: LayerWeights, positions: torch.Tensor,
         key_blocks: torch.Tensor, value_blocks: torch.Tensor, meta: AttentionMetadata,
-        lora: LayerLoRA | None = None,
+        lora: LayerLoRA | None = None, split: int | None = None,
     ) -> torch.Tensor:
         config = self.config
-        qkv = self.kernels.linear(normed, layer.qkv_proj)
+        qkv = self._linear(normed, layer, "qkv_proj", split)
         if lora is not None:  # LoRA hook: per-adapter low-rank update after the base matmul
             lora.add(qkv, normed, "qkv")
         queries = self.kernels.rope_kv_write(
@@ -173,20 +181,31 @@ class LlamaModel:
         attended = paged_attention(
             queries, None, None, key_blocks, value_blocks, meta, self.scale, kernels=self.kernels, kv_written=True
         )
-        out = self.kernels.linear(attended, layer.o_proj)
+        out = self._linear(attended, layer, "o_proj", split)
         if lora is not None:  # LoRA hook
             lora.add(out, attended, "o")
         return out
 
-    def _mlp(self, normed: torch.Tensor, layer: LayerWeights, lora: LayerLoRA | None = None) -> torch.Tensor:
-        gate_up = self.kernels.linear(normed, layer.gate_up_proj)
+    def _mlp(
+        self, normed: torch.Tensor, layer: LayerWeights, lora: LayerLoRA | None = None, split: int | None = None
+    ) -> torch.Tensor:
+        gate_up = self._linear(normed, layer, "gate_up_proj", split)
         if lora is not None:  # LoRA hook
             lora.add(gate_up, normed, "gate_up")
         activated = self.kernels.swiglu(gate_up)
-        out = self.kernels.linear(activated, layer.down_proj)
+        out = self._linear(activated, layer, "down_proj", split)
         if lora is not None:  # LoRA hook
             lora.add(out, activated, "down")
         return out
+
+    def _linear(self, x: torch.Tensor, layer: LayerWeights, name: str, split: int | None) -> torch.Tensor:
+        """Projection `name` of `x`; with a `split` (bf16 prefill), rows from it on as bf16 x bf16 products."""
+        weight = getattr(layer, name)
+        if split is None or split >= x.shape[0]:
+            return self.kernels.linear(x, weight)
+        packed = layer.prefill_bf16[name] if layer.prefill_bf16 is not None else None
+        tail = self.kernels.linear_prefill(x[split:], weight, packed)
+        return tail if split == 0 else torch.cat([self.kernels.linear(x[:split], weight), tail])
 
 
 def _rope_tables(config: ModelConfig, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

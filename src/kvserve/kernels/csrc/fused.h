@@ -11,6 +11,10 @@ static inline V vsub(V a, V b) { return _mm256_sub_ps(a, b); }
 static inline V vdiv(V a, V b) { return _mm256_div_ps(a, b); }
 #endif
 
+// From how many rows RoPE + the KV write and SwiGLU split their rows across the threads (fewer: one thread, no
+// parallel region to enter).
+constexpr int64_t FUSED_PARALLEL_ROWS = 32;
+
 // One head's rotate-half RoPE: out[i] = x[i]*cos[i] - x[i+h]*sin[i]; out[i+h] = x[i+h]*cos[i+h] + x[i]*sin[i+h],
 // stored as OT (a query: float; a key: the pool's element type, rounded by kvstore).
 template <typename OT>
@@ -46,6 +50,8 @@ static int rope_kv_write(const float* qkv, int64_t T, int64_t H, int64_t KVH, in
                          const int64_t* slots) {
     if (D % 2 != 0) return -2;
     const int64_t width = (H + 2 * KVH) * D;
+    // Rows are independent (each its own slot): a prefill's thousands of rows split across the threads.
+#pragma omp parallel for schedule(static) if (T > FUSED_PARALLEL_ROWS) num_threads(kv_threads())
     for (int64_t t = 0; t < T; ++t) {
         const float* row = qkv + t * width;
         const float* cos = cos_table + positions[t] * D;
@@ -62,6 +68,7 @@ static int rope_kv_write(const float* qkv, int64_t T, int64_t H, int64_t KVH, in
 // out[t, j] = silu(gate_up[t, j]) * gate_up[t, I + j] with silu(x) = x / (1 + exp(-x)).
 static int swiglu(const float* gate_up, int64_t T, int64_t I, float* out) {
     const V one = vset1(1.0f);
+#pragma omp parallel for schedule(static) if (T > FUSED_PARALLEL_ROWS) num_threads(kv_threads())
     for (int64_t t = 0; t < T; ++t) {
         const float* g = gate_up + t * 2 * I;
         const float* u = g + I;

@@ -73,6 +73,10 @@ static inline int kv_amx_mode() { return g_amx; }
 // has AMX-BF16 and Linux has granted the tile state; off by default, as g_amx.
 static bool g_amx_exact = false;
 static inline bool kv_amx_exact() { return g_amx_exact; }
+// Whether `--prefill-dtype bfloat16`'s GEMM (gemm_bf16.h) may run: set by kv_bf16_gemm once the CPU has
+// AMX-BF16 and Linux has granted the tile state; off by default, as g_amx.
+static bool g_bf16_gemm = false;
+static inline bool kv_bf16_gemm_on() { return g_bf16_gemm; }
 static inline const float* kv_half_table() { return g_half_table.value; }
 // From how many rows the AVX2 build's exact wide GEMM runs qgemm_wide.h (weights as the vector side) instead of
 // qgemm.h's tiles: set by kv_qgemm_wide_rows (benchmarks and tests compare both in one process).
@@ -101,6 +105,7 @@ namespace isa_avx2 {
 #include "cascade.h"
 #include "fused.h"
 #include "qgemm.h"
+#include "gemm_bf16.h"
 #include "layer.h"
 #undef KV_AVX512
 }  // namespace isa_avx2
@@ -129,6 +134,7 @@ namespace isa_avx512 {
 #include "cascade.h"
 #include "fused.h"
 #include "qgemm.h"
+#include "gemm_bf16.h"
 #include "layer.h"
 #undef KV_AVX512
 }  // namespace isa_avx512
@@ -167,8 +173,9 @@ static int with_kv_type(int kvt, F fn) {
 
 extern "C" {
 
-int kv_abi_version() { return 5; }  // 5: attention products (attn) on prefill / cascade calls and in the layer
-                                    // model; 4: the pool's element type (kvt) on every pool call; 3: kv_pack_i8
+int kv_abi_version() { return 6; }  // 6: the layer model's bf16 prefill weights; 5: attention products (attn) on
+                                    // prefill / cascade calls and in the layer model; 4: the pool's element type
+                                    // (kvt) on every pool call; 3: kv_pack_i8
 
 void kv_set_num_threads(int n) { g_threads = n; }
 
@@ -210,6 +217,15 @@ int kv_amx_exact(int on) {
     if (on == 0) return g_amx_exact = false;
     if (!KV_HAS_AMX || !cpu_has_amx_bf16() || !amx_permitted()) return -1;
     return g_amx_exact = true;
+}
+
+// `--prefill-dtype bfloat16`'s GEMM on AMX-BF16 tiles (gemm_bf16.h): 1 on, 0 off, -1 as it is; returns the state
+// now, or -1 when this CPU or kernel cannot run it.
+int kv_bf16_gemm(int on) {
+    if (on < 0) return g_bf16_gemm;
+    if (on == 0) return g_bf16_gemm = false;
+    if (!KV_HAS_AMX || !cpu_has_amx_bf16() || !amx_permitted()) return -1;
+    return g_bf16_gemm = true;
 }
 
 // bf16 attention products as AVX512-BF16 pair dot products: 1 on, 0 off, -1 as it is; returns the state now, or
@@ -254,6 +270,20 @@ int kv_qmatmul(int isa, int qt, const float* x, int64_t rows, int64_t k, const u
 int kv_qgemm(int isa, int qt, const float* x, int64_t rows, int64_t k, const uint8_t* w, int64_t n,
              int64_t row_bytes, float* y, int64_t ystride) {
     KV_DISPATCH(qgemm(qt, x, rows, k, w, n, row_bytes, y, ystride));
+}
+
+// y = bf16(x) @ W.T on AMX-BF16 tiles (gemm_bf16.h), W packed by kernels/bf16pack.py (n rows, padded to 32);
+// -6 unless kv_bf16_gemm is on.
+int kv_gemm_bf16(int isa, const float* x, int64_t rows, int64_t k, const uint8_t* w, int64_t n, float* y,
+                 int64_t ystride) {
+    KV_DISPATCH(gemm_bf16(x, rows, k, w, n, y, ystride));
+}
+
+// act = swiglu(bf16(x) @ W.T) for W the packed [2I, k] gate_up rows (I a multiple of 16): gemm_bf16 and fused.h's
+// swiglu in one pass (gemm_bf16.h).
+int kv_gemm_bf16_swiglu(int isa, const float* x, int64_t rows, int64_t k, const uint8_t* w, int64_t I, float* act,
+                        int64_t astride) {
+    KV_DISPATCH(gemm_bf16_swiglu(x, rows, k, w, I, act, astride));
 }
 
 // As kv_qmatmul, with the activation rows quantized to int8 blocks first (qmatmul_i8.h). qt may carry

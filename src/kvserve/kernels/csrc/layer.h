@@ -20,6 +20,9 @@ struct LayerWeightsDesc {
     const float* input_norm;
     const float* post_attention_norm;
     LayerMatrix qkv, o, gate_up, down;
+    // `--prefill-dtype bfloat16`: the same projections as bf16 B tiles (gemm_bf16.h; qtype unused), which the
+    // prefill spans' rows run on; data null when the mode is off.
+    LayerMatrix qkv16, o16, gate_up16, down16;
 };
 
 struct LayerModel {
@@ -43,6 +46,15 @@ static inline int layer_qmatmul(int act_quant, const float* x, int64_t rows, int
     if (rows >= kv_qgemm_min_rows_for(KV_AVX512, static_cast<int>(m.qtype)))
         return qgemm(static_cast<int>(m.qtype), x, rows, k, m.data, m.rows, m.row_bytes, y, m.rows);
     return qmatmul(static_cast<int>(m.qtype), x, rows, k, m.data, m.rows, m.row_bytes, y, m.rows);
+}
+
+// A step's matmul with prefill spans: rows [0, decodes) in the configured arithmetic, the spans' rows after them
+// on the bf16 copy (`--prefill-dtype bfloat16`) where there is one.
+static inline int layer_span_matmul(int act_quant, const float* x, int64_t rows, int64_t decodes, int64_t k,
+                                    const LayerMatrix& m, const LayerMatrix& m16, float* y) {
+    if (m16.data == nullptr || decodes >= rows) return layer_qmatmul(act_quant, x, rows, k, m, y);
+    const int rc = decodes > 0 ? layer_qmatmul(act_quant, x, decodes, k, m, y) : 0;
+    return rc | gemm_bf16(x + decodes * k, rows - decodes, k, m16.data, m.rows, y + decodes * m.rows, m.rows);
 }
 
 #include "decode_step.h"
@@ -88,33 +100,38 @@ static int layer_forward_spans(const void* desc, int act_quant, float* hidden, i
     float* gate_up = attn + T * H * D;    // [T, 2I]
     float* act = gate_up + T * 2 * I;     // [T, I]
     float* residual = hidden;
+    const int64_t Tp = spans.num_spans > 0 ? spans.num_decodes : T;  // rows before the prefill spans'
     int rc = 0;
     for (int64_t l = 0; l < m.num_layers && rc == 0; ++l) {
         const LayerWeightsDesc& w = m.layers[l];
         KT* kpool = pool + l * layer_stride;
         KT* vpool = kpool + layer_stride / 2;
         rc |= rms_norm(residual, l ? delta : nullptr, w.input_norm, T, E, eps, normed);  // residual += delta
-        rc |= layer_qmatmul(act_quant, normed, T, E, w.qkv, qkv);
+        rc |= layer_span_matmul(act_quant, normed, T, Tp, E, w.qkv, w.qkv16, qkv);
         rc |= rope_kv_write(qkv, T, H, KVH, D, positions, m.rope_cos, m.rope_sin, q, kpool, vpool, slots);
-        const int64_t Td = spans.num_spans > 0 ? spans.num_decodes : T;  // rows of decode attention
         if (num_groups > 0)
-            rc |= cascade_attention(q, Td, H, KVH, D, kpool, vpool, bs, tables, table_stride, ctx_lens, num_groups,
+            rc |= cascade_attention(q, Tp, H, KVH, D, kpool, vpool, bs, tables, table_stride, ctx_lens, num_groups,
                                     group_offsets, group_rows, group_shared_blocks, row_shared_blocks, scale,
                                     static_cast<int>(m.attention), attn);
-        else if (Td > 0)
-            rc |= paged_attention(q, Td, H, KVH, D, kpool, vpool, bs, tables, table_stride, ctx_lens, scale, attn);
+        else if (Tp > 0)
+            rc |= paged_attention(q, Tp, H, KVH, D, kpool, vpool, bs, tables, table_stride, ctx_lens, scale, attn);
         if (spans.num_spans > 0)
             rc |= prefill_attention(q, H, KVH, D, kpool, vpool, bs, spans.num_spans, spans.start, spans.len,
                                     spans.ctx, spans.tables, spans.table_stride, scale, static_cast<int>(m.attention),
                                     attn);
-        rc |= layer_qmatmul(act_quant, attn, T, H * D, w.o, other);
+        rc |= layer_span_matmul(act_quant, attn, T, Tp, H * D, w.o, w.o16, other);
         rc |= rms_norm(other, residual, w.post_attention_norm, T, E, eps, normed);  // other = attended + residual
         float* swap = residual;
         residual = other;
         other = swap;
-        rc |= layer_qmatmul(act_quant, normed, T, E, w.gate_up, gate_up);
-        rc |= swiglu(gate_up, T, I, act);
-        rc |= layer_qmatmul(act_quant, act, T, I, w.down, delta);
+        if (w.gate_up16.data != nullptr && Tp < T && I % 16 == 0) {  // the spans' rows: gate_up fused with SwiGLU
+            if (Tp > 0) rc |= layer_qmatmul(act_quant, normed, Tp, E, w.gate_up, gate_up) | swiglu(gate_up, Tp, I, act);
+            rc |= gemm_bf16_swiglu(normed + Tp * E, T - Tp, E, w.gate_up16.data, I, act + Tp * I, I);
+        } else {
+            rc |= layer_span_matmul(act_quant, normed, T, Tp, E, w.gate_up, w.gate_up16, gate_up);
+            rc |= swiglu(gate_up, T, I, act);
+        }
+        rc |= layer_span_matmul(act_quant, act, T, Tp, I, w.down, w.down16, delta);
     }
     if (rc == 0) rc = rms_norm(residual, m.num_layers ? delta : nullptr, m.final_norm, T, E, eps, out);
     return rc;

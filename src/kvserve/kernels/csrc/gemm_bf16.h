@@ -1,0 +1,178 @@
+// `--prefill-dtype bfloat16`'s GEMM on AMX-BF16 tiles: y = bf16(x) @ W.T for prefill rows, with W a bf16 copy
+// of the weights made once at load (kernels/bf16pack.py) and bf16(x) the activations rounded to nearest even.
+// Products of two bf16 values are exact in float32 and the tiles sum them in float32, so y is the float32
+// matmul of the two rounded operands up to summation order (the torch twin: reference.linear_bf16). This is the
+// arithmetic class of a bf16 model (transformers' bf16 GEMMs, oneDNN), not the exact path's: the weights'
+// dequantized values and the activations each lose their bits below bf16's 8-bit significand.
+//
+// Why it exists: the exact path's tiles (qgemm_amx.h) multiply three activation splits by two or three weight
+// pieces unpacked per task, and the int8 path runs VNNI dot products with per-block scales (AMX-INT8 needs an
+// epilogue per 32-value block, qmatmul_amx.h); one bf16 product per multiply-add on weights already in AMX's
+// layout needs neither, and runs near the tiles' rate.
+//
+// Layout: W is packed as B tiles -- for column tile j (16 weight rows, zero past n) and k block b (32 inputs),
+// 1 KiB at (j * k/32 + b) KiB: row t holds each of the 16 weight rows' inputs 2t and 2t + 1. The activations
+// are A tiles: 16 rows of 32 bf16, row-major, converted once per call into scratch (rows past `rows` zero).
+// Blocking: 2 x 2 (32 activation rows x 32 weight rows) per pass over k: four C tiles, two A and two B loads
+// feed four products. Each thread takes whole 32-column panels (their B tiles stay in L2 across every row
+// pair).
+//
+// Defined in both builds; only the AVX-512 build with AMX runs it, and only once kv_bf16_gemm has found the
+// tiles usable (-6 otherwise).
+
+#if KV_AVX512 && KV_HAS_AMX
+#ifndef GB_CHUNK_ROWS
+#define GB_CHUNK_ROWS 256  // activation rows per pass over the panels: their bf16 rows stay in L2 (k = 1,536: 768 KiB)
+#endif
+// x [rows, k] float32 -> bf16 (round to nearest even) as A tiles: 16 rows x 32 inputs, 1 KiB each, for row
+// group g and k block b at (g * k/32 + b) KiB; rows past `rows` zero.
+static inline void gb_round_rows(const float* x, int64_t rows, int64_t rows_pad, int64_t k, uint16_t* out) {
+    const int64_t nb = k / 32;
+#pragma omp parallel for num_threads(kv_threads()) schedule(static)
+    for (int64_t r = 0; r < rows_pad; ++r)
+        for (int64_t b = 0; b < nb; ++b) {
+            __m512i v = _mm512_setzero_si512();
+            if (r < rows)
+                v = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + r * k + b * 32 + 16), _mm512_loadu_ps(x + r * k + b * 32));
+            _mm512_store_si512(out + ((r / 16) * nb + b) * 512 + (r % 16) * 32, v);
+        }
+}
+
+// C tiles 0..3 = (A row groups a, a + nb KiB) x (B column tiles b0, b1) over nb k blocks: tile 0 = rows 0-15 x
+// b0, 1 = rows 0-15 x b1, 2 = rows 16-31 x b0, 3 = rows 16-31 x b1.
+static inline void gb_product(const uint16_t* a, const uint8_t* b0, const uint8_t* b1, int64_t nb) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t b = 0; b < nb; ++b) {
+        _tile_loadd(4, a + b * 512, 64);
+        _tile_loadd(5, a + (nb + b) * 512, 64);
+        _tile_loadd(6, b0 + b * 1024, 64);
+        _tile_loadd(7, b1 + b * 1024, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+    }
+}
+
+// One C tile (16 activation rows x 16 weight rows, float32, at acc) into y: the rows and columns that exist.
+static inline void gb_store(const float* acc, int64_t live_rows, int64_t live_cols, float* y, int64_t ystride) {
+    const __mmask16 keep = static_cast<__mmask16>((1u << live_cols) - 1u);
+    for (int64_t r = 0; r < live_rows; ++r) _mm512_mask_storeu_ps(y + r * ystride, keep, _mm512_load_ps(acc + r * 16));
+}
+
+// C tile `tile` (literal) to y, directly when all 16 x 16 exist, else through acc.
+#define GB_STORE(tile, r0, c0)                                                                            \
+    do {                                                                                                  \
+        const int64_t lr = rows - (r0) < 16 ? rows - (r0) : 16, lc = n - (c0) < 16 ? n - (c0) : 16;       \
+        if (lr == 16 && lc == 16) {                                                                       \
+            _tile_stored(tile, y + (r0) * ystride + (c0), ystride * 4);                                   \
+        } else if (lr > 0 && lc > 0) {                                                                    \
+            _tile_stored(tile, acc, 64);                                                                  \
+            gb_store(acc, lr, lc, y + (r0) * ystride + (c0), ystride);                                    \
+        }                                                                                                 \
+    } while (0)
+
+static int gemm_bf16(const float* x, int64_t rows, int64_t k, const uint8_t* w, int64_t n, float* y,
+                     int64_t ystride) {
+    if (!kv_bf16_gemm_on()) return -6;
+    if (rows <= 0) return 0;
+    if (k % 32 != 0 || n <= 0 || ystride < n) return -2;
+    const int64_t nb = k / 32, rows_pad = (rows + 31) / 32 * 32, panels = (n + 31) / 32;
+    ScratchScope scope;  // scratch.h
+    uint16_t* xb = scope.take<uint16_t>(rows_pad * k);
+    gb_round_rows(x, rows, rows_pad, k, xb);
+#pragma omp parallel num_threads(kv_threads())
+    {
+        ScratchScope own;
+        float* acc = own.take<float>(256);
+        static const AmxBf16TileConfig config;  // simd.h: every tile 16 x 64 bytes
+        _tile_loadconfig(&config);
+        for (int64_t chunk = 0; chunk < rows_pad; chunk += GB_CHUNK_ROWS) {
+            const int64_t chunk_end = chunk + GB_CHUNK_ROWS < rows_pad ? chunk + GB_CHUNK_ROWS : rows_pad;
+#pragma omp for schedule(static)
+            for (int64_t p = 0; p < panels; ++p) {
+                const uint8_t* b0 = w + (2 * p) * nb * 1024;
+                const uint8_t* b1 = b0 + nb * 1024;  // packed n is a multiple of 32: this tile exists (maybe zero)
+                const int64_t c0 = 32 * p;
+                for (int64_t r0 = chunk; r0 < chunk_end; r0 += 32) {
+                    gb_product(xb + (r0 / 16) * nb * 512, b0, b1, nb);
+                    GB_STORE(0, r0, c0);
+                    GB_STORE(1, r0, c0 + 16);
+                    GB_STORE(2, r0 + 16, c0);
+                    GB_STORE(3, r0 + 16, c0 + 16);
+                }
+            }
+        }
+        _tile_release();
+    }
+    return 0;
+}
+
+// The gate_up projection fused with SwiGLU: act[r, j] = silu(g) * u for g, u = bf16(x) @ W.T's columns j and
+// I + j (W: the packed [2I, k] gate_up rows, I a multiple of 16, so gate tile t and up tile I/16 + t pair up
+// as one panel). The epilogue is fused.h's swiglu on the same floats (the result equals gemm_bf16 then swiglu),
+// and the 2I-wide product never reaches memory.
+static inline void gb_swiglu_tile(const float* g, const float* u, int64_t live_rows, float* act, int64_t astride) {
+    const V one = vset1(1.0f);
+    for (int64_t r = 0; r < live_rows; ++r) {
+        const V x = vload(g + r * 16);
+        const V e = vexp(vsub(vzero(), x));
+        vstore(act + r * astride, vmul(vdiv(x, vadd(one, e)), vload(u + r * 16)));
+    }
+}
+
+static int gemm_bf16_swiglu(const float* x, int64_t rows, int64_t k, const uint8_t* w, int64_t I, float* act,
+                            int64_t astride) {
+    if (!kv_bf16_gemm_on()) return -6;
+    if (rows <= 0) return 0;
+    if (k % 32 != 0 || I <= 0 || I % 16 != 0 || astride < I) return -2;
+    const int64_t nb = k / 32, rows_pad = (rows + 31) / 32 * 32, tiles = I / 16;
+    ScratchScope scope;  // scratch.h
+    uint16_t* xb = scope.take<uint16_t>(rows_pad * k);
+    gb_round_rows(x, rows, rows_pad, k, xb);
+#pragma omp parallel num_threads(kv_threads())
+    {
+        ScratchScope own;
+        float* acc = own.take<float>(512);
+        static const AmxBf16TileConfig config;  // simd.h: every tile 16 x 64 bytes
+        _tile_loadconfig(&config);
+        for (int64_t chunk = 0; chunk < rows_pad; chunk += GB_CHUNK_ROWS) {
+            const int64_t chunk_end = chunk + GB_CHUNK_ROWS < rows_pad ? chunk + GB_CHUNK_ROWS : rows_pad;
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < tiles; ++t) {
+                const uint8_t* gate = w + t * nb * 1024;
+                const uint8_t* up = w + (tiles + t) * nb * 1024;
+                for (int64_t r0 = chunk; r0 < chunk_end; r0 += 32) {
+                    gb_product(xb + (r0 / 16) * nb * 512, gate, up, nb);
+                    for (int half = 0; half < 2; ++half) {
+                        const int64_t first = r0 + 16 * half;
+                        if (first >= rows) break;
+                        if (half == 0) {
+                            _tile_stored(0, acc, 64);
+                            _tile_stored(1, acc + 256, 64);
+                        } else {
+                            _tile_stored(2, acc, 64);
+                            _tile_stored(3, acc + 256, 64);
+                        }
+                        const int64_t live = rows - first < 16 ? rows - first : 16;
+                        gb_swiglu_tile(acc, acc + 256, live, act + first * astride + 16 * t, astride);
+                    }
+                }
+            }
+        }
+        _tile_release();
+    }
+    return 0;
+}
+#undef GB_STORE
+#else
+static inline int gemm_bf16(const float*, int64_t, int64_t, const uint8_t*, int64_t, float*, int64_t) {
+    return -6;  // no AMX in this build
+}
+static inline int gemm_bf16_swiglu(const float*, int64_t, int64_t, const uint8_t*, int64_t, float*, int64_t) {
+    return -6;
+}
+#endif
