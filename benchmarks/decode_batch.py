@@ -32,6 +32,7 @@ from common import best_cpu_ms, load_workloads, markdown_table, write_result
 from kvserve import LLM, SamplingParams
 from kvserve.engine import engine as engine_module
 from kvserve.kernels import ops
+from kvserve.kernels.i8pack import PackedI8Weight
 from kvserve.kernels.native import NativeLibrary
 from native_kernels import build_revision, load_average
 
@@ -81,9 +82,10 @@ class BatchProbe:
     def _matmuls(self, native: NativeLibrary, min_rows: int) -> None:
         entry = (native.lib.kv_qmatmul_i8 if self.int8 else
                  native.lib.kv_qgemm if self.rows >= min_rows else native.lib.kv_qmatmul)
-        for w in self.weights:
-            entry(native.code, w.qtype, self.x.data_ptr(), self.rows, w.in_features, w.data.data_ptr(), w.out_features,
-                  w.row_bytes, self.y.data_ptr(), w.out_features)
+        for w in self.weights:  # int8: the engine's packed layout (kernels/i8pack.py) where it packed them
+            code, row_bytes = (w.code, w.group_bytes) if isinstance(w, PackedI8Weight) else (w.qtype, w.row_bytes)
+            entry(native.code, code, self.x.data_ptr(), self.rows, w.in_features, w.data.data_ptr(), w.out_features,
+                  row_bytes, self.y.data_ptr(), w.out_features)
 
     def _attention(self, native: NativeLibrary) -> None:
         _, _, kv_pool, meta = self.step[0][:4]

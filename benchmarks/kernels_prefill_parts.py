@@ -5,7 +5,8 @@ matmuls with N rows and one causal attention of N queries over N keys. This time
 activation mode (exact: qgemm.h on float32 activations; int8: qmatmul_i8.h; int8-bf16kv: int8 with a bf16 KV
 cache; fast: that and bf16 attention products, `--attention-dtype bfloat16`; fast-bf16-prefill: that and the prefill
 rows' matmuls as bf16 products on AMX tiles, `--prefill-dtype bfloat16`), the whole prefill through
-`LLM.generate` (one token), the four matmuls of one layer at N rows (x 30), and csrc/prefill.h's attention
+`LLM.generate` (one token), the four matmuls of one layer at N rows (x 30; fast-bf16-prefill's gate_up with its fused
+SwiGLU), and csrc/prefill.h's attention
 of one span of N tokens (x 30); what is left over is norms, RoPE, SwiGLU, activation quantization, the
 head and Python. The matmuls' share of the multiply-adds is fixed per token, attention's grows with N
 (9 heads x 64 x 2 per query-key pair: 7% of the MACs at 512 tokens, 25% at 2,048).
@@ -57,6 +58,7 @@ def _attention_seconds(native, clock, tokens: int, config, repeats: int, bf16_po
 
 def measure(mode: str, sizes: list[int], threads: int, clock, repeats: int) -> list[list[object]]:
     from kvserve import LLM, SamplingParams
+    from kvserve.kernels import bf16pack
 
     fast, bf16_pool = mode in ("fast", "fast-bf16-prefill"), mode in ("fast", "fast-bf16-prefill", "int8-bf16kv")
     bf16_prefill = mode == "fast-bf16-prefill"
@@ -70,8 +72,8 @@ def measure(mode: str, sizes: list[int], threads: int, clock, repeats: int) -> l
     exact = native.qgemm  # int8: Kernels.linear, which reads the packed layout where the engine packed it
 
     def matmul(x, w, name):
-        if bf16_prefill:  # the prefill rows' tiles (kernels/bf16pack.py)
-            return model.kernels.linear_prefill(x, w, model.layers[0].prefill_bf16[name])
+        if bf16_prefill:  # the prefill rows' tiles (kernels/bf16pack.py), gate_up fused with SwiGLU as the loop runs it
+            return bf16pack.gemm(native, x, model.layers[0].prefill_bf16[name], swiglu=name == "gate_up_proj")
         return model.kernels.linear(x, w) if mode != "exact" else exact(x, w.data, w.qtype, w.in_features)
     prompt = load_workloads()["prefill"]["2048"]
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)

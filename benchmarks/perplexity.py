@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, load_hf_model, markdown_table, write_result  # noqa: E402
 from kvserve import LLM, SamplingParams  # noqa: E402
 from kvserve.config import EngineConfig  # noqa: E402
+from kvserve.kernels.native import cpu_flags  # noqa: E402
 from kvserve.model.registry import resolve_model  # noqa: E402
 
 TEXT = ROOT / "benchmarks" / "data" / "perplexity_python_reference.txt"
@@ -53,6 +54,10 @@ KVSERVE_VARIANTS = {
     "kvserve native Q4_1, int8 activations, bf16 KV + attention": {
         "weights": "native", "activation_quant": "int8", "kv_cache_dtype": "bfloat16", "attention_dtype": "bfloat16"},
 }
+if "amx_bf16" in cpu_flags():  # --prefill-dtype bfloat16 runs on AMX-BF16 tiles: every scored row is a prefill row
+    KVSERVE_VARIANTS["kvserve native Q4_1, bf16 prefill matmuls"] = {"weights": "native", "prefill_dtype": "bfloat16"}
+    KVSERVE_VARIANTS["kvserve native Q4_1, int8 activations, bf16 KV + attention + prefill"] = {
+        **KVSERVE_VARIANTS["kvserve native Q4_1, int8 activations, bf16 KV + attention"], "prefill_dtype": "bfloat16"}
 Logits = Callable[[list[int]], np.ndarray]  # a chunk's token ids -> float32 logits [len(chunk), vocab]
 
 

@@ -25,7 +25,8 @@ ORDER = [
     "kernels_zen4_prefetch", "long_decode", "batch_decode", "kernels_zen4_bf16attn_prefill",
     "kernels_zen4_avx2_decode", "kernels_zen4_avx2", "isa_pairing", "kernels_amx_bf16attn",
     "kernels_amx_bf16attn_prefill", "kernels_amx_bf16attn_final_prefill", "batch_decode_amx_fresh",
-    "batch_decode_amx_pair", "perplexity", "kernels_amx", "configs", "configs_amx", "configs_amx_kv", "amx",
+    "batch_decode_amx_pair", "kernels_amx_bf16prefill_prefill", "batch_decode_amx_bf16prefill", "perplexity",
+    "kernels_amx", "configs", "configs_amx", "configs_amx_kv", "amx",
     "amx_exact", "kernels_prefill", "kernels_amx_prefill", "membw", "kernels_decode", "decode_step",
     "decode_step_batch", "decode_step_batch_split", "decode_attention", "decode_step_mixed_2t",
     "decode_step_mixed_1t", "decode_step_mixed_1t_cached1024", "qgemm", "qgemm_avx2", "avx2_exact_gemm",
@@ -105,6 +106,12 @@ SCRIPTS = {
     "batch_decode_amx_pair": ("batch_decode", ["--batches", "32", "--rounds", "5", "--kvserve",
                                                "kvserve native Q4_1 int8, bf16 KV", "--no-llama-cpp",
                                                "--out", "batch_decode_amx_pair"]),
+    # bf16 prefill matmuls on AMX tiles (--prefill-dtype bfloat16; on a CPU with AMX-BF16)
+    "kernels_amx_bf16prefill_prefill": ("native_kernels",
+                                        ["--prefill-only", "--rounds", "3", "--out", "kernels_amx_bf16prefill"]),
+    "batch_decode_amx_bf16prefill": ("batch_decode", ["--batches", "32", "--rounds", "5", "--kvserve",
+                                                      "kvserve native Q4_1 int8, bf16 KV + prefill", "--no-llama-cpp",
+                                                      "--out", "batch_decode_amx_bf16prefill"]),
     "configs_amx_kv": ("configs", ["--out", "configs_amx_kv"]),
     "perplexity": ("perplexity", ["--chunks", "4", "--no-tool"]),
     "qgemm_avx2": ("qgemm", ["--rows", "32,64,128,256,512,1024", "--rounds", "3", "--out", "qgemm_avx2"]),
@@ -214,7 +221,11 @@ attention: with int8 activations prefill 2,466 / 1,907 tok/s (1.16x / 1.52x int8
 transformers bf16**), 16 requests sharing a 1,900-token prefix 3.05 s; batch 32 at 128 new tokens, every
 round's prefill counted (2026-12-06), 2.35x transformers bf16 (5 paired rounds); perplexity 13.517
 against transformers' 13.447 and llama.cpp's 13.466 (sections "... (kernels_amx_bf16attn)" and the three after
-it).
+it). Since 2026-12-06 02:00 UTC **`--prefill-dtype bfloat16`** runs the prompts' matmuls as bf16 products on AMX
+tiles (a bf16 copy of the weights; decode rows keep their arithmetic): with int8 activations and bf16 KV +
+attention, **prefill 5,111 / 3,277 tok/s, 1.64x / 1.12x transformers bf16** at 512 / 2,048 tokens (3 paired
+rounds), batch 32 **2.64x transformers bf16** (5 paired rounds; 3x not met), perplexity 13.442 (sections "...
+(kernels_amx_bf16prefill_prefill)", "... (batch_decode_amx_bf16prefill)" and the perplexity section).
 Sections measured on another machine (the AMD EPYC rows, the AMX Xeon rows) or under load (most of the second round's,
 marked in each) are not comparable across sections.
 
