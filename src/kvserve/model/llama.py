@@ -82,7 +82,8 @@ class LlamaModel:
         self.lm_head_t = self.lm_head.t().contiguous() if dense_head else None
         # int8 activations on AVX-512: the projections (read by the int8 matmul only) replaced by their packed
         # layout; the head packed beside its GGUF blocks when the embedding lookup shares them (tied).
-        if self.kernels.bf16_prefill and self.kernels.native is not None:  # before the int8 packing replaces them
+        # The tiles' bf16 copies (CPU only; elsewhere the twin runs on the device), before the int8 packing
+        if self.kernels.bf16_prefill and self.kernels.native is not None and self.device.type == "cpu":
             for layer in self.layers:
                 layer.prefill_bf16 = {name: self.kernels.prepare_bf16(getattr(layer, name)) for name in PROJECTIONS}
         self.lm_head_i8 = None
