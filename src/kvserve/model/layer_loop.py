@@ -14,8 +14,9 @@ It applies to: native kernels, float32 on the CPU (a float32 or bf16 KV pool), e
 quantized (GGUF blocks), hidden and head sizes a multiple of the SIMD width, no LoRA in the step, and a step
 of at most `MAX_ROWS` tokens or, with the engine's metadata, of up to `EXACT_MAX_STEP_ROWS` rows (float32
 activations; `MAX_STEP_ROWS` where glibc's mmap threshold is pinned, as a server does: kernels/malloc.py)
-or `MAX_STEP_ROWS` (int8): decodes, prefill chunks, any mix. From 5 rows its exact matmuls run the wide GEMM
-of csrc/qgemm.h (qgemm_wide.h on AVX2 from 48 rows); int8 activations run the int8 matmul at any row count.
+or `MAX_STEP_ROWS` (int8, or bf16 prefill rows): decodes, prefill chunks, any mix. From 5 rows its exact
+matmuls run the wide GEMM of csrc/qgemm.h (qgemm_wide.h on AVX2 from 48 rows); int8 activations run the int8
+matmul at any row count; with `--prefill-dtype bfloat16` the prefill spans' rows run csrc/gemm_bf16.h.
 Prefill, 1 thread, CPU time, whole request (benchmarks/results/kernels_prefill.md): exact 256-512 tokens
 1.03-1.11x the Python loop, 1,024-2,048 0.85x (torch's GEMM on dequantized weights is faster there, hence the
 exact bound); int8 512 tokens 1.07x, 2,048 1.22x (the same int8 kernel; the Python loop's fresh per-layer

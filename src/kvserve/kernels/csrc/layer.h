@@ -7,7 +7,8 @@
 // structures, kernels/layer_loop.py); each step passes only its tokens' slots, block tables and context lens.
 // Each kernel is the same one the Python loop calls, in the same order: decode rows are bit-identical to it;
 // prefill rows attend through prefill.h as the Python loop's native path does (the matmuls may differ: from
-// QGEMM_MAX_ROWS rows the Python loop dequantizes for torch's GEMM, this loop always runs qgemm.h).
+// QGEMM_MAX_ROWS rows the Python loop dequantizes for torch's GEMM, this loop always runs qgemm.h). With
+// `--prefill-dtype bfloat16` the prefill spans' rows run gemm_bf16.h on the layer's bf16 tiles in both loops.
 
 struct LayerMatrix {       // a quantized [out, in] weight as stored (GGUF blocks)
     const uint8_t* data;
