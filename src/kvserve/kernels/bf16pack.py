@@ -20,15 +20,13 @@ inputs), 1 KiB at (j * in/32 + b) KiB, row t holding each of the 16 rows' inputs
 from __future__ import annotations
 
 import ctypes
+import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
+from kvserve.kernels.native import AMX_ENV, NativeLibrary
 from kvserve.kernels.native_checks import check, ok
-
-if TYPE_CHECKING:
-    from kvserve.kernels.native import NativeLibrary
 
 PANEL = 32  # weight rows per panel of the kernel's 2 x 2 tile blocking
 BLOCK = 32  # inputs per k block (one tile row: 16 pairs)
@@ -66,9 +64,11 @@ def unpack(weight: PackedBf16Weight) -> torch.Tensor:
 
 def enable(native: NativeLibrary) -> bool:
     """Turn the library's bf16 GEMM on where this CPU has AMX-BF16 and Linux grants the tile state (the AVX-512
-    build; library-wide, as the other AMX switches); returns whether it is on."""
+    build; library-wide, as the other AMX switches; never with ``KVSERVE_AMX=0``); returns whether it is on."""
     switch = getattr(native.lib, _SWITCH, None)
     if switch is None or native.isa != "avx512" or "amx_bf16" not in native.features:
+        return False
+    if os.environ.get(AMX_ENV, "1") == "0":
         return False
     switch.argtypes, switch.restype = [ctypes.c_int], ctypes.c_int
     for name in (_GEMM, _SWIGLU):

@@ -27,7 +27,7 @@ from kvserve.kernels.bf16pack import PackedBf16Weight
 from kvserve.kernels.cascade_plan import CascadeTensors, check_cascade_plan
 from kvserve.kernels.crossover import DEFAULT_MIN_ROWS
 from kvserve.kernels.i8pack import PACKED_BLOCK_BYTES, PackedI8Weight
-from kvserve.kernels.native import NativeLibrary, cpu_flags
+from kvserve.kernels.native import AMX_ENV, NativeLibrary, cpu_flags
 from kvserve.kernels.native_checks import KV_DTYPE_CODES
 from kvserve.kernels.quant import BLOCK_QTYPES, QuantWeight
 
@@ -91,9 +91,9 @@ class Kernels:
         logger.info("native kernels: %s (CPU features: %s)", library.isa, ", ".join(sorted(library.features)))
         if prefill_dtype == "bfloat16" and not bf16pack.enable(library):
             raise ValueError(
-                f"prefill_dtype='bfloat16' runs on AMX-BF16 tiles, which this CPU or kernel does not offer (ISA "
-                f"{library.isa}, features: {', '.join(sorted(library.features))}); kernels='torch' runs its "
-                "arithmetic anywhere, slowly")
+                f"prefill_dtype='bfloat16' runs on AMX-BF16 tiles, not usable here (ISA {library.isa}, features: "
+                f"{', '.join(sorted(library.features))}; Linux >= 5.16 must grant the tile state, and {AMX_ENV}=0 "
+                "turns tiles off); kernels='torch' runs its arithmetic anywhere, slowly")
         return cls("native", library, **modes)
 
     @property
