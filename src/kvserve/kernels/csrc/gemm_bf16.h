@@ -75,40 +75,57 @@ static inline void gb_store(const float* acc, int64_t live_rows, int64_t live_co
         }                                                                                                 \
     } while (0)
 
-static int gemm_bf16(const float* x, int64_t rows, int64_t k, const uint8_t* w, int64_t n, float* y,
-                     int64_t ystride) {
-    if (!kv_bf16_gemm_on()) return -6;
-    if (rows <= 0) return 0;
-    if (k % 32 != 0 || n <= 0 || ystride < n) return -2;
-    const int64_t nb = k / 32, rows_pad = (rows + 31) / 32 * 32, panels = (n + 31) / 32;
+struct GbPanel {  // the two B tiles' first k block of one panel
+    const uint8_t* b0;
+    const uint8_t* b1;
+};
+
+// Both GEMMs' frame: x rounded into A tiles once, then each thread takes whole panels (two 16-row B tiles) of
+// every GB_CHUNK_ROWS-row chunk; `epilogue(p, r0, acc)` stores C tiles 0..3 of panel p and rows r0..r0 + 31
+// (acc: 512 floats of the thread's scratch), after gb_product with the B tiles `panel(p)`.
+template <typename Panel, typename Epilogue>
+static int gb_run(const float* x, int64_t rows, int64_t k, int64_t panels, Panel panel, Epilogue epilogue) {
+    const int64_t nb = k / 32, rows_pad = (rows + 31) / 32 * 32;
     ScratchScope scope;  // scratch.h
     uint16_t* xb = scope.take<uint16_t>(rows_pad * k);
     gb_round_rows(x, rows, rows_pad, k, xb);
 #pragma omp parallel num_threads(kv_threads())
     {
         ScratchScope own;
-        float* acc = own.take<float>(256);
+        float* acc = own.take<float>(512);
         static const AmxBf16TileConfig config;  // simd.h: every tile 16 x 64 bytes
         _tile_loadconfig(&config);
         for (int64_t chunk = 0; chunk < rows_pad; chunk += GB_CHUNK_ROWS) {
             const int64_t chunk_end = chunk + GB_CHUNK_ROWS < rows_pad ? chunk + GB_CHUNK_ROWS : rows_pad;
 #pragma omp for schedule(static)
             for (int64_t p = 0; p < panels; ++p) {
-                const uint8_t* b0 = w + (2 * p) * nb * 1024;
-                const uint8_t* b1 = b0 + nb * 1024;  // packed n is a multiple of 32: this tile exists (maybe zero)
-                const int64_t c0 = 32 * p;
+                const GbPanel b = panel(p);
                 for (int64_t r0 = chunk; r0 < chunk_end; r0 += 32) {
-                    gb_product(xb + (r0 / 16) * nb * 512, b0, b1, nb);
-                    GB_STORE(0, r0, c0);
-                    GB_STORE(1, r0, c0 + 16);
-                    GB_STORE(2, r0 + 16, c0);
-                    GB_STORE(3, r0 + 16, c0 + 16);
+                    gb_product(xb + (r0 / 16) * nb * 512, b.b0, b.b1, nb);
+                    epilogue(p, r0, acc);
                 }
             }
         }
         _tile_release();
     }
     return 0;
+}
+
+static int gemm_bf16(const float* x, int64_t rows, int64_t k, const uint8_t* w, int64_t n, float* y,
+                     int64_t ystride) {
+    if (!kv_bf16_gemm_on()) return -6;
+    if (rows <= 0) return 0;
+    if (k % 32 != 0 || n <= 0 || ystride < n) return -2;
+    const int64_t nb = k / 32;
+    return gb_run(x, rows, k, (n + 31) / 32, [&](int64_t p) {  // packed n is a multiple of 32: both tiles exist
+        return GbPanel{w + (2 * p) * nb * 1024, w + (2 * p + 1) * nb * 1024};
+    }, [&](int64_t p, int64_t r0, float* acc) {
+        const int64_t c0 = 32 * p;
+        GB_STORE(0, r0, c0);
+        GB_STORE(1, r0, c0 + 16);
+        GB_STORE(2, r0 + 16, c0);
+        GB_STORE(3, r0 + 16, c0 + 16);
+    });
 }
 
 // The gate_up projection fused with SwiGLU: act[r, j] = silu(g) * u for g, u = bf16(x) @ W.T's columns j and
@@ -129,43 +146,24 @@ static int gemm_bf16_swiglu(const float* x, int64_t rows, int64_t k, const uint8
     if (!kv_bf16_gemm_on()) return -6;
     if (rows <= 0) return 0;
     if (k % 32 != 0 || I <= 0 || I % 16 != 0 || astride < I) return -2;
-    const int64_t nb = k / 32, rows_pad = (rows + 31) / 32 * 32, tiles = I / 16;
-    ScratchScope scope;  // scratch.h
-    uint16_t* xb = scope.take<uint16_t>(rows_pad * k);
-    gb_round_rows(x, rows, rows_pad, k, xb);
-#pragma omp parallel num_threads(kv_threads())
-    {
-        ScratchScope own;
-        float* acc = own.take<float>(512);
-        static const AmxBf16TileConfig config;  // simd.h: every tile 16 x 64 bytes
-        _tile_loadconfig(&config);
-        for (int64_t chunk = 0; chunk < rows_pad; chunk += GB_CHUNK_ROWS) {
-            const int64_t chunk_end = chunk + GB_CHUNK_ROWS < rows_pad ? chunk + GB_CHUNK_ROWS : rows_pad;
-#pragma omp for schedule(static)
-            for (int64_t t = 0; t < tiles; ++t) {
-                const uint8_t* gate = w + t * nb * 1024;
-                const uint8_t* up = w + (tiles + t) * nb * 1024;
-                for (int64_t r0 = chunk; r0 < chunk_end; r0 += 32) {
-                    gb_product(xb + (r0 / 16) * nb * 512, gate, up, nb);
-                    for (int half = 0; half < 2; ++half) {
-                        const int64_t first = r0 + 16 * half;
-                        if (first >= rows) break;
-                        if (half == 0) {
-                            _tile_stored(0, acc, 64);
-                            _tile_stored(1, acc + 256, 64);
-                        } else {
-                            _tile_stored(2, acc, 64);
-                            _tile_stored(3, acc + 256, 64);
-                        }
-                        const int64_t live = rows - first < 16 ? rows - first : 16;
-                        gb_swiglu_tile(acc, acc + 256, live, act + first * astride + 16 * t, astride);
-                    }
-                }
+    const int64_t nb = k / 32, tiles = I / 16;
+    return gb_run(x, rows, k, tiles, [&](int64_t t) {  // gate tile t, up tile tiles + t
+        return GbPanel{w + t * nb * 1024, w + (tiles + t) * nb * 1024};
+    }, [&](int64_t t, int64_t r0, float* acc) {
+        for (int half = 0; half < 2; ++half) {
+            const int64_t first = r0 + 16 * half;
+            if (first >= rows) break;
+            if (half == 0) {
+                _tile_stored(0, acc, 64);
+                _tile_stored(1, acc + 256, 64);
+            } else {
+                _tile_stored(2, acc, 64);
+                _tile_stored(3, acc + 256, 64);
             }
+            const int64_t live = rows - first < 16 ? rows - first : 16;
+            gb_swiglu_tile(acc, acc + 256, live, act + first * astride + 16 * t, astride);
         }
-        _tile_release();
-    }
-    return 0;
+    });
 }
 #undef GB_STORE
 #else
