@@ -221,9 +221,9 @@ attention: with int8 activations prefill 2,466 / 1,907 tok/s (1.16x / 1.52x int8
 transformers bf16**), 16 requests sharing a 1,900-token prefix 3.05 s; batch 32 at 128 new tokens, every
 round's prefill counted (2026-12-06), 2.35x transformers bf16 (5 paired rounds); perplexity 13.517
 against transformers' 13.447 and llama.cpp's 13.466 (sections "... (kernels_amx_bf16attn)" and the three after
-it). Since 2026-12-06 02:00 UTC **`--prefill-dtype bfloat16`** runs the prompts' matmuls as bf16 products on AMX
+it). Since 2026-12-06 **`--prefill-dtype bfloat16`** runs the prompts' matmuls as bf16 products on AMX
 tiles (a bf16 copy of the weights; decode rows keep their arithmetic): with int8 activations and bf16 KV +
-attention, **prefill 5,111 / 3,277 tok/s, 1.64x / 1.12x transformers bf16** at 512 / 2,048 tokens (3 paired
+attention, **prefill 5,097 / 3,792 tok/s, 1.73x / 1.33x transformers bf16** at 512 / 2,048 tokens (3 paired
 rounds), batch 32 **2.64x transformers bf16** (5 paired rounds; 3x not met), perplexity 13.442 (sections "...
 (kernels_amx_bf16prefill_prefill)", "... (batch_decode_amx_bf16prefill)" and the perplexity section).
 Sections measured on another machine (the AMD EPYC rows, the AMX Xeon rows) or under load (most of the second round's,
