@@ -84,7 +84,8 @@ def test_fused_swiglu_equals_the_product_then_swiglu(bf16_kernels, rows, blocks,
     packed, native = bf16pack.pack(w), bf16_kernels.native
     fused = bf16pack.gemm(native, x, packed, swiglu=True)
     assert torch.equal(fused, native.swiglu(bf16pack.gemm(native, x, packed)))
-    torch.testing.assert_close(fused, reference.swiglu(reference.linear_bf16(x, w)), rtol=1e-4, atol=1e-4)
+    twin = reference.swiglu(reference.linear_bf16(x, w))  # summation order only: <= 8.8e-7 of the scale in 300
+    assert (fused - twin).abs().max() <= 1e-5 * twin.abs().max()  # draws, where float32 products are 1e-3+ away
     with pytest.raises(ValueError, match="multiple of 16"):
         bf16pack.gemm(native, x, bf16pack.pack(torch.randn(2 * intermediate + 2, 32 * blocks)), swiglu=True)
 
