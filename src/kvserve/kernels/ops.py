@@ -197,8 +197,7 @@ class Kernels:
         ``[out, in]``) or a dense one (transposed, ``[in, out]``); None elsewhere: the twin rounds per call."""
         if not self.bf16_prefill or self.native is None:
             return None
-        rows = self.dequantize(weight) if isinstance(weight, QuantWeight) else weight.t()
-        return bf16pack.pack(rows)
+        return bf16pack.pack(self._rows(weight))
 
     def linear_prefill(self, x: torch.Tensor, weight: torch.Tensor | QuantWeight,
                        packed: PackedBf16Weight | None) -> torch.Tensor:
@@ -208,8 +207,11 @@ class Kernels:
             return bf16pack.gemm(self.native, x.float().contiguous(), packed).to(x.dtype)
         if isinstance(weight, PackedI8Weight):
             raise ValueError("the bf16 prefill twin needs the weight's GGUF blocks, not the int8 packing")
-        rows = reference.dequantize(weight) if isinstance(weight, QuantWeight) else weight.t()
-        return reference.linear_bf16(x, rows).to(x.dtype)
+        return reference.linear_bf16(x, self._rows(weight)).to(x.dtype)
+
+    def _rows(self, weight: torch.Tensor | QuantWeight) -> torch.Tensor:
+        """A projection as ``[out, in]`` rows: quantized ones dequantized, dense ones (stored ``[in, out]``) viewed."""
+        return self.dequantize(weight) if isinstance(weight, QuantWeight) else weight.t()
 
     def dequantize(self, weight: QuantWeight, rows: torch.Tensor | None = None) -> torch.Tensor:
         if self.native is None:

@@ -101,8 +101,8 @@ class LayerLoop:
         # bf16 prefill: prefill rows never reach the exact wide GEMM, so steps are bounded as the int8 path's
         self.max_step_rows = MAX_STEP_ROWS if self.act_quant or kernels.bf16_prefill else exact
         self._layers = (_Layer * len(model.layers))(*[
-            _Layer(layer.input_norm.data_ptr(), layer.post_attention_norm.data_ptr(), _matrix(layer.qkv_proj),
-                   _matrix(layer.o_proj), _matrix(layer.gate_up_proj), _matrix(layer.down_proj),
+            _Layer(layer.input_norm.data_ptr(), layer.post_attention_norm.data_ptr(),
+                   *[_matrix(getattr(layer, name)) for name in PROJECTIONS],
                    *[_tiles(layer, name) for name in PROJECTIONS])
             for layer in model.layers
         ])

@@ -58,6 +58,18 @@ static inline int layer_span_matmul(int act_quant, const float* x, int64_t rows,
     return rc | gemm_bf16(x + decodes * k, rows - decodes, k, m16.data, m.rows, y + decodes * m.rows, m.rows);
 }
 
+// gate_up, then SwiGLU into act [rows, I], as layer_span_matmul splits the rows; the spans' rows on the bf16 copy
+// take the fused kernel (gemm_bf16_swiglu: the 2I-wide product never reaches gate_up).
+static inline int layer_span_gate_up(int act_quant, const float* x, int64_t rows, int64_t decodes, int64_t k,
+                                     int64_t I, const LayerMatrix& m, const LayerMatrix& m16, float* gate_up,
+                                     float* act) {
+    if (m16.data == nullptr || decodes >= rows || I % 16 != 0)
+        return layer_span_matmul(act_quant, x, rows, decodes, k, m, m16, gate_up) | swiglu(gate_up, rows, I, act);
+    const int rc = decodes > 0 ? layer_qmatmul(act_quant, x, decodes, k, m, gate_up) | swiglu(gate_up, decodes, I, act)
+                               : 0;
+    return rc | gemm_bf16_swiglu(x + decodes * k, rows - decodes, k, m16.data, I, act + decodes * I, I);
+}
+
 #include "decode_step.h"
 
 // hidden [T, hidden]: the token embeddings in, scratch afterwards; out [T, hidden]: the final-normed states.
@@ -125,13 +137,7 @@ static int layer_forward_spans(const void* desc, int act_quant, float* hidden, i
         float* swap = residual;
         residual = other;
         other = swap;
-        if (w.gate_up16.data != nullptr && Tp < T && I % 16 == 0) {  // the spans' rows: gate_up fused with SwiGLU
-            if (Tp > 0) rc |= layer_qmatmul(act_quant, normed, Tp, E, w.gate_up, gate_up) | swiglu(gate_up, Tp, I, act);
-            rc |= gemm_bf16_swiglu(normed + Tp * E, T - Tp, E, w.gate_up16.data, I, act + Tp * I, I);
-        } else {
-            rc |= layer_span_matmul(act_quant, normed, T, Tp, E, w.gate_up, w.gate_up16, gate_up);
-            rc |= swiglu(gate_up, T, I, act);
-        }
+        rc |= layer_span_gate_up(act_quant, normed, T, Tp, E, I, w.gate_up, w.gate_up16, gate_up, act);
         rc |= layer_span_matmul(act_quant, act, T, Tp, I, w.down, w.down16, delta);
     }
     if (rc == 0) rc = rms_norm(residual, m.num_layers ? delta : nullptr, m.final_norm, T, E, eps, out);
