@@ -80,7 +80,7 @@ def _matrix(weight: QuantWeight | PackedI8Weight) -> _Matrix:
 
 def _tiles(layer: LayerWeights, name: str) -> _Matrix:
     """`--prefill-dtype bfloat16`'s tiles of projection `name` (csrc/gemm_bf16.h), or a null matrix."""
-    packed = layer.prefill_bf16[name] if layer.prefill_bf16 is not None else None
+    packed = layer.prefill_tiles(name)
     if packed is None:
         return _Matrix(None, -1, 0, 0)
     return _Matrix(packed.data.data_ptr(), -1, packed.out_features, 0)

@@ -53,6 +53,10 @@ class LayerWeights:
     # `--prefill-dtype bfloat16` on the native kernels: PROJECTIONS' bf16 tiles for prefill rows (bf16pack.py)
     prefill_bf16: dict[str, PackedBf16Weight] | None = None
 
+    def prefill_tiles(self, name: str) -> PackedBf16Weight | None:
+        """Projection `name`'s bf16 tiles, or None (no bf16 prefill here, or its torch twin)."""
+        return self.prefill_bf16[name] if self.prefill_bf16 is not None else None
+
 
 class LlamaModel:
     """A Llama causal LM that reads and writes a paged `KVPool`."""
@@ -204,8 +208,7 @@ class LlamaModel:
         weight = getattr(layer, name)
         if split is None or split >= x.shape[0]:
             return self.kernels.linear(x, weight)
-        packed = layer.prefill_bf16[name] if layer.prefill_bf16 is not None else None
-        tail = self.kernels.linear_prefill(x[split:], weight, packed)
+        tail = self.kernels.linear_prefill(x[split:], weight, layer.prefill_tiles(name))
         return tail if split == 0 else torch.cat([self.kernels.linear(x[:split], weight), tail])
 
 
