@@ -1,12 +1,13 @@
-"""The KV cache in bf16 (`--kv-cache-dtype bfloat16`) against float32, default model, native Q4_1 weights.
+"""The KV cache in bf16 and fp8 (`--kv-cache-dtype bfloat16 | fp8`) against float32, default model, native
+Q4_1 weights.
 
-What a bf16 pool buys and costs, side by side in one run:
+What a narrower pool buys and costs, side by side in one run:
 - capacity: blocks (and tokens) the same `--kv-cache-memory` holds;
 - quality: perplexity on the fixed text (benchmarks/data/perplexity_python_reference.txt, kvserve's own
   tokenization, chunks of 512 scored on their second half as benchmarks/perplexity.py does) and top-1
-  agreement of the bf16 cache's next token with the float32 cache's;
+  agreement of each narrow cache's next token with the float32 cache's;
 - speed: a 2,000-token prefill, and decode after a long prompt (64 tokens greedy after 1,900), where decode
-  attention streams the whole context from the pool every step: half the bytes in bf16.
+  attention streams the whole context from the pool every step: half the bytes in bf16, a quarter in fp8.
 
     python benchmarks/kv_dtype.py            # 4 quality chunks, 3 speed rounds (~3 minutes on 2 cores)
 """
@@ -27,7 +28,7 @@ from common import markdown_table, write_result  # noqa: E402
 from kvserve import LLM, SamplingParams  # noqa: E402
 from perplexity import TEXT, kvserve_logits, scored  # noqa: E402
 
-DTYPES = ("float32", "bfloat16")
+DTYPES = ("float32", "bfloat16", "fp8")
 MEMORY = "256MiB"
 
 
@@ -79,9 +80,9 @@ def main() -> None:
     del llms
     scores = quality(tokens, args.ctx, args.chunks)
     ppl = {d: math.exp(float(scores[d][0].mean())) for d in DTYPES}
-    agree = float((scores["float32"][1] == scores["bfloat16"][1]).mean())
+    agree = {d: float((scores["float32"][1] == scores[d][1]).mean()) for d in DTYPES}
     rows = [[f"{d} KV", f"{blocks[d]:,} ({blocks[d] * block_size:,} tokens)", ppl[d],
-             "1.00" if d == "float32" else f"{agree:.4f}", statistics.median(times[d]["prefill"]),
+             f"{agree[d]:.4f}", statistics.median(times[d]["prefill"]),
              statistics.median(times[d]["decode"])] for d in DTYPES]
     header = ["KV cache", f"blocks in {MEMORY}", "perplexity", "top-1 = float32 KV's",
               "prefill 2,000 tok/s", "decode after 1,900 tokens, tok/s"]
@@ -89,7 +90,7 @@ def main() -> None:
              f"speed: medians of {args.rounds} alternating rounds, wall clock, a fresh cache salt each (nothing "
              "cached); decode = 64 tokens / (a 65-token request's time - a 1-token request's on the same 1,900 "
              "tokens).")
-    path = write_result("kv_dtype", "KV cache dtype: bf16 against float32 (native Q4_1 weights)",
+    path = write_result("kv_dtype", "KV cache dtype: bf16 and fp8 against float32 (native Q4_1 weights)",
                         markdown_table(header, rows), notes)
     print(markdown_table(header, rows))
     print(f"wrote {path}")

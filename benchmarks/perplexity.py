@@ -54,10 +54,13 @@ KVSERVE_VARIANTS = {
     "kvserve native Q4_1, int8 activations, bf16 KV + attention": {
         "weights": "native", "activation_quant": "int8", "kv_cache_dtype": "bfloat16", "attention_dtype": "bfloat16"},
 }
+KVSERVE_VARIANTS["kvserve native Q4_1, fp8 KV cache"] = {"weights": "native", "kv_cache_dtype": "fp8"}
 if "amx_bf16" in cpu_flags():  # --prefill-dtype bfloat16 runs on AMX-BF16 tiles: every scored row is a prefill row
     KVSERVE_VARIANTS["kvserve native Q4_1, bf16 prefill matmuls"] = {"weights": "native", "prefill_dtype": "bfloat16"}
     KVSERVE_VARIANTS["kvserve native Q4_1, int8 activations, bf16 KV + attention + prefill"] = {
         **KVSERVE_VARIANTS["kvserve native Q4_1, int8 activations, bf16 KV + attention"], "prefill_dtype": "bfloat16"}
+    KVSERVE_VARIANTS["kvserve native Q4_1, int8 activations, fp8 KV, bf16 prefill"] = {
+        "weights": "native", "activation_quant": "int8", "kv_cache_dtype": "fp8", "prefill_dtype": "bfloat16"}
 Logits = Callable[[list[int]], np.ndarray]  # a chunk's token ids -> float32 logits [len(chunk), vocab]
 
 

@@ -161,22 +161,23 @@ def test_layer_loop_matches_python_loop(kernels, tiny_model_dir, block_size, mon
         assert torch.equal(ours.argmax(-1), reference_logits.argmax(-1))
 
 
+@pytest.mark.parametrize("pool_dtype", [torch.bfloat16, torch.float8_e4m3fn])
 @pytest.mark.parametrize("block_size", [1, 16])
-def test_layer_loop_with_a_bf16_pool(kernels, tiny_model_dir, block_size, monkeypatch):
-    """A bf16 KV pool (--kv-cache-dtype bfloat16) through the C layer loop: the same logits as the Python
-    loop on the same kernels (decode rows and short prefills run the same kernels in the same order; the
+def test_layer_loop_with_a_narrow_pool(kernels, tiny_model_dir, block_size, pool_dtype, monkeypatch):
+    """A bf16 or fp8 KV pool (--kv-cache-dtype bfloat16 / fp8) through the C layer loop: the same logits as the
+    Python loop on the same kernels (decode rows and short prefills run the same kernels in the same order; the
     rounding is the native write's in both), and close to the torch twin's."""
     model = quantized_tiny_llama(tiny_model_dir, kernels)
     calls = []
     original = LayerLoop.forward
     monkeypatch.setattr(LayerLoop, "forward", lambda self, *args: calls.append(1) or original(self, *args))
     prompts = [[5, 9, 200, 31, 7], list(range(3, 12)), list(range(40, 60)), [11]]
-    native = run_steps(model, prompts, block_size, steps=4, pool_dtype=torch.bfloat16)
+    native = run_steps(model, prompts, block_size, steps=4, pool_dtype=pool_dtype)
     assert len(calls) == 8
     model.layer_loop = None
-    python = run_steps(model, prompts, block_size, steps=4, pool_dtype=torch.bfloat16)
+    python = run_steps(model, prompts, block_size, steps=4, pool_dtype=pool_dtype)
     oracle = run_steps(quantized_tiny_llama(tiny_model_dir, Kernels.create("torch")), prompts, block_size, steps=4,
-                       pool_dtype=torch.bfloat16)
+                       pool_dtype=pool_dtype)
     for ours, theirs, reference_logits in zip(native, python, oracle, strict=True):
         scale = theirs.abs().max()
         assert (ours - theirs).abs().max() <= 1e-4 * scale

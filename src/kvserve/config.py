@@ -24,8 +24,10 @@ ACTIVATION_QUANTS = ("none", "int8")  # int8: quantized-weight matmuls take int8
 # and values, summing in float32 (llama.cpp's 16-bit KV path; twice the float32 FMA rate with AVX512-BF16).
 ATTENTION_DTYPES = ("float32", "bfloat16")
 # What the KV pool stores: auto = the model's dtype; bfloat16 halves the pool's bytes per token under float32
-# arithmetic (twice the cached tokens in the same memory; attention reads the rounded keys/values).
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
+# arithmetic (twice the cached tokens in the same memory; attention reads the rounded keys/values); fp8 (vLLM's
+# name; fp8_e4m3 the same) stores e4m3fn, a quarter of float32's bytes, unscaled (as vLLM's default scale 1.0).
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "fp8", "fp8_e4m3")
+FP8_KV_DTYPES = ("fp8", "fp8_e4m3")
 
 _SIZE_UNITS = {
     "": 1, "b": 1,
@@ -115,7 +117,7 @@ class EngineConfig:
             _require(self.kv_cache_memory > 0, "kv_cache_memory must be positive")
         _require(self.kv_cache_dtype in KV_CACHE_DTYPES,
                  f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
-                 + (" (no fp8 KV cache on this engine: bfloat16 halves the pool)"
+                 + (" (fp8 here is e4m3 only: e5m2's 2 mantissa bits lose too much for keys and values)"
                     if str(self.kv_cache_dtype).startswith("fp8") else ""))
         if self.num_blocks is not None:
             _require(self.num_blocks >= 1, f"num_blocks must be >= 1, got {self.num_blocks}")

@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from kvserve.config import EngineConfig, default_kv_cache_memory
+from kvserve.config import FP8_KV_DTYPES, EngineConfig, default_kv_cache_memory
 from kvserve.engine.limits import default_long_prefill_threshold
 from kvserve.kernels.ops import Kernels
 from kvserve.kernels.quant import BLOCK, BLOCK_QTYPES, QuantWeight, bf16_weight
@@ -81,7 +81,9 @@ def kv_cache_dtype(config: EngineConfig, model_dtype: torch.dtype) -> torch.dtyp
     """What the KV pool stores: `kv_cache_dtype`, or the model's dtype for auto. A bfloat16 pool under float32
     arithmetic holds each key and value rounded to nearest even (half the bytes per token); every attention
     path, native or torch, reads those rounded values back, fresh or cached alike, and a tier load returns the
-    same bits."""
+    same bits. fp8 (e4m3fn, unscaled) likewise, at a quarter of float32's bytes and with 3 mantissa bits."""
+    if config.kv_cache_dtype in FP8_KV_DTYPES:
+        return torch.float8_e4m3fn
     return model_dtype if config.kv_cache_dtype == "auto" else getattr(torch, config.kv_cache_dtype)
 
 

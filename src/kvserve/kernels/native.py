@@ -22,7 +22,7 @@ from kvserve.kernels.scratch import bind_scratch, scratch_call
 ISA_CODES = {"avx2": 1, "avx512": 2}
 FEATURE_BITS = {"avx2": 1, "avx512": 2, "avx512_vnni": 4, "avx512_bf16": 8, "amx_bf16": 16, "amx_int8": 32}
 AMX_ENV = "KVSERVE_AMX"  # "0": never use AMX tiles (the tests compare both paths in one process)
-ABI_VERSION = 6  # 6: bf16 prefill weights in the layer model; 5: attention products; 4: the pool's element type
+ABI_VERSION = 7  # 7: fp8 KV pools; 6: bf16 prefill weights in the layer model; 5: attention products; 4: pool dtype
 
 _P, _I, _F, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {

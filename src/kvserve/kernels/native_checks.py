@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-KV_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # pool element types (csrc/simd.h KT, KVT_* codes)
+# Pool element types (csrc/simd.h KT, KVT_* codes): float32, bf16, fp8 e4m3fn (`--kv-cache-dtype fp8`).
+KV_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}
 
 
 def check_range(values: torch.Tensor, count: int, limit: int, name: str) -> None:

@@ -174,11 +174,21 @@ def rope_kv_write(
     angle_cos, angle_sin = cos[positions], sin[positions]
     queries = apply_rope(queries.reshape(-1, num_heads, head_dim), angle_cos, angle_sin)
     keys = apply_rope(keys.reshape(-1, num_kv_heads, head_dim), angle_cos, angle_sin)
-    key_blocks.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, keys.to(key_blocks.dtype))
-    value_blocks.view(-1, num_kv_heads, head_dim).index_copy_(
-        0, slots, values.reshape(-1, num_kv_heads, head_dim).to(value_blocks.dtype)
-    )
+    store_slots(key_blocks, slots, keys)
+    store_slots(value_blocks, slots, values.reshape(-1, num_kv_heads, head_dim))
     return queries
+
+
+def store_slots(blocks: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """``rows [T, kv_heads, D]`` into pool slots `slots` of ``blocks [num_blocks, block_size, kv_heads, D]``,
+    converted to the pool's dtype (bf16 and fp8 e4m3fn: nearest even, fp8 saturating at +-448 -- torch's casts,
+    which csrc/simd.h's stores reproduce bit for bit). fp8 goes through byte views: torch has no index_copy_ for
+    float8 on CPU."""
+    flat = blocks.view(-1, rows.shape[-2], rows.shape[-1])
+    converted = rows.to(blocks.dtype)
+    if blocks.dtype == torch.float8_e4m3fn:
+        flat, converted = flat.view(torch.uint8), converted.view(torch.uint8)
+    flat.index_copy_(0, slots, converted)
 
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:

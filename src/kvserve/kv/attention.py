@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from kvserve.kernels.cascade_plan import CascadeTensors
 from kvserve.kernels.ops import Kernels
-from kvserve.kernels.reference import causal_attention
+from kvserve.kernels.reference import causal_attention, store_slots
 
 
 @dataclass(slots=True)
@@ -54,9 +54,8 @@ def write_kv(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Store this step's keys/values ``[num_tokens, kv_heads, head_dim]`` at their slots."""
-    num_kv_heads, head_dim = keys.shape[1], keys.shape[2]
-    key_blocks.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, keys.to(key_blocks.dtype))
-    value_blocks.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, values.to(value_blocks.dtype))
+    store_slots(key_blocks, slot_mapping, keys)
+    store_slots(value_blocks, slot_mapping, values)
 
 
 def paged_attention(

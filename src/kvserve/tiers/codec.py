@@ -26,7 +26,9 @@ from kvserve.tiers.store import KV_LAYOUT_VERSION
 
 _MAGIC = b"KVB" + bytes([KV_LAYOUT_VERSION])
 _ALIGN = 16
-_DTYPE_CODES: dict[torch.dtype, int] = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.uint8: 4}
+_DTYPE_CODES: dict[torch.dtype, int] = {
+    torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.uint8: 4, torch.float8_e4m3fn: 5,
+}
 
 
 class BlockFormatError(ValueError):

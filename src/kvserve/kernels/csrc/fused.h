@@ -33,9 +33,10 @@ static inline void rope_head(const float* x, const float* cos, const float* sin,
     }
 }
 
-// n floats into the pool as KT (float: a copy; bf16: rounded to nearest even).
+// n floats into the pool as KT (float: a copy; bf16 / fp8: rounded to nearest even, simd.h's kvstore).
 static inline void kv_copy(const float* src, int64_t n, float* dst) { __builtin_memcpy(dst, src, n * sizeof(float)); }
-static inline void kv_copy(const float* src, int64_t n, bf16_t* dst) {
+template <typename KT>
+static inline void kv_copy(const float* src, int64_t n, KT* dst) {
     int64_t i = 0;
     for (; i + W <= n; i += W) kvstore(dst + i, vload(src + i));
     for (; i < n; ++i) kvstore1(dst + i, src[i]);

@@ -161,19 +161,20 @@ static bool amx_permitted() {
 enum : int { F_AVX2 = 1, F_AVX512 = 2, F_VNNI = 4, F_BF16 = 8, F_AMX = 16, F_AMX_INT8 = 32 };
 
 // The KV pool's element type, for every call that reads or writes the pool (simd.h's KT).
-enum : int { KVT_F32 = 0, KVT_BF16 = 1 };
+enum : int { KVT_F32 = 0, KVT_BF16 = 1, KVT_FP8 = 2 };
 
 // Runs fn(KT{}) for the pool's element type: fn is a generic lambda that dispatches on the ISA.
 template <typename F>
 static int with_kv_type(int kvt, F fn) {
     if (kvt == KVT_F32) return fn(float{});
     if (kvt == KVT_BF16) return fn(uint16_t{});
+    if (kvt == KVT_FP8) return fn(uint8_t{});
     return -4;
 }
 
 extern "C" {
 
-int kv_abi_version() { return 6; }  // 6: the layer model's bf16 prefill weights; 5: attention products (attn) on
+int kv_abi_version() { return 7; }  // 7: fp8 (e4m3fn) KV pools (kvt 2); 6: the layer model's bf16 prefill weights; 5: attention products (attn) on
                                     // prefill / cascade calls and in the layer model; 4: the pool's element type
                                     // (kvt) on every pool call; 3: kv_pack_i8
 

@@ -195,14 +195,21 @@ static inline void pf_scores_keys_pairs(const bf16_t* const* krow, const uint32_
     });
 }
 
+// W pool elements at p as bf16 bits in the low halves of 32-bit lanes: a bf16 pool's as stored; an fp8 pool's
+// widened (simd.h) and truncated, exactly -- every e4m3 value is a bf16 value.
+static inline __m512i pf_bf16_lanes(const bf16_t* p) {
+    return _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+static inline __m512i pf_bf16_lanes(const fp8_t* p) { return _mm512_srli_epi32(_mm512_castps_si512(kvload(p)), 16); }
+
 // The step's n value rows as pairs of keys (2i, 2i + 1), vp [KEY_STEP / 2, D]; an odd last key pairs with 0.
-static void pf_pack_values(PrefillScratch w, int64_t D, const bf16_t* const* vrow, int64_t n) {
+template <typename KT>
+static void pf_pack_values(PrefillScratch w, int64_t D, const KT* const* vrow, int64_t n) {
     for (int64_t i2 = 0; 2 * i2 < n; ++i2) {
         const bool odd = 2 * i2 + 1 == n;
         for (int64_t c = 0; c < D; c += W) {
-            const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vrow[2 * i2] + c)));
-            const __m512i hi = odd ? _mm512_setzero_si512() : _mm512_cvtepu16_epi32(
-                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vrow[2 * i2 + 1] + c)));
+            const __m512i lo = pf_bf16_lanes(vrow[2 * i2] + c);
+            const __m512i hi = odd ? _mm512_setzero_si512() : pf_bf16_lanes(vrow[2 * i2 + 1] + c);
             _mm512_storeu_si512(w.vp + i2 * D + c, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
         }
     }
@@ -271,7 +278,8 @@ enum : int { PF_FMA = 0, PF_PAIRS = 1, PF_TILES = 2, PF_EXACT_TILES = 3 };
 template <typename KT>
 static inline int pf_route(int prod, int64_t D) {
 #if KV_AVX512 && KV_HAS_AMX
-    if (sizeof(KT) == 2 && kv_cpu_dpbf16() && pa_tiles(D)) return prod == ATTN_BF16 ? PF_TILES : PF_EXACT_TILES;
+    // An fp8 pool (ATTN_F32 only) takes the exact tiles too, its rows widened to bf16 as they are packed.
+    if (sizeof(KT) <= 2 && kv_cpu_dpbf16() && pa_tiles(D)) return prod == ATTN_BF16 ? PF_TILES : PF_EXACT_TILES;
 #endif
     (void)D;
     return prod == ATTN_BF16 && pf_pair_products<KT>() ? PF_PAIRS : PF_FMA;
@@ -282,12 +290,14 @@ template <typename KT>
 static inline void pf_step_scores(PrefillScratch w, int64_t Mp, int64_t D, const KT* const* krow, int64_t n,
                                   int route, int64_t k0, int64_t bs) {
 #if KV_AVX512 && KV_HAS_BF16
+#if KV_HAS_AMX
+    if constexpr (sizeof(KT) <= 2) {
+        if (route == PF_TILES) return pa_scores<1>(w, Mp, D, krow, n, k0, bs);
+        if (route == PF_EXACT_TILES) return pa_scores<3>(w, Mp, D, krow, n, k0, bs);
+    }
+#endif
     if constexpr (sizeof(KT) == 2) {
         const bf16_t* const* kb = reinterpret_cast<const bf16_t* const*>(krow);
-#if KV_HAS_AMX
-        if (route == PF_TILES) return pa_scores<1>(w, Mp, D, kb, n, k0, bs);
-        if (route == PF_EXACT_TILES) return pa_scores<3>(w, Mp, D, kb, n, k0, bs);
-#endif
         if (route == PF_PAIRS) {
             int64_t i = 0;
             for (; i + PF_KR <= n; i += PF_KR) pf_scores_keys_pairs<PF_KR>(kb + i, w.qp, Mp, D, w.s + i * Mp);
@@ -308,12 +318,14 @@ static inline void pf_step_values(PrefillScratch w, int64_t Mp, int64_t D, const
                                   int prod, int route) {
     const int64_t DV = D / W;
 #if KV_AVX512 && KV_HAS_BF16
+#if KV_HAS_AMX
+    if constexpr (sizeof(KT) <= 2) {
+        if (route == PF_TILES) return pa_values<1>(w, Mp, D, vrow, n);
+        if (route == PF_EXACT_TILES) return pa_values<3>(w, Mp, D, vrow, n);
+    }
+#endif
     if constexpr (sizeof(KT) == 2) {
         const bf16_t* const* vb = reinterpret_cast<const bf16_t* const*>(vrow);
-#if KV_HAS_AMX
-        if (route == PF_TILES) return pa_values<1>(w, Mp, D, vb, n);
-        if (route == PF_EXACT_TILES) return pa_values<3>(w, Mp, D, vb, n);
-#endif
         if (route == PF_PAIRS) {
             pf_pack_step(w, Mp, D, vb, n);
             const int64_t n2 = (n + 1) / 2;

@@ -60,16 +60,24 @@ static inline __m512i pa_prob_pair(const float* s, int64_t Mp, int64_t n, int64_
 
 // w.s[r * Mp + m] = key r . query m (queries in w.qp: S parts) for the step's keys k0..k0+n of block size bs;
 // rows n..16 * ceil(n / 16) of w.s get values nobody reads.
-template <int S>
-static void pa_scores(PrefillScratch w, int64_t Mp, int64_t D, const bf16_t* const* krow, int64_t n, int64_t k0,
+// KT: a bf16 pool's rows, read in place where they can be; an fp8 pool's, always copied widened to bf16.
+template <int S, typename KT>
+static void pa_scores(PrefillScratch w, int64_t Mp, int64_t D, const KT* const* krow, int64_t n, int64_t k0,
                       int64_t bs) {
     bf16_t* copy = reinterpret_cast<bf16_t*>(w.vp);  // [KEY_STEP, D]: free until pf_pack_values
     const int64_t nq = Mp / PA, nk = D / 32;
     for (int64_t r0 = 0; r0 < n; r0 += PA) {
         const int64_t nr = n - r0 < PA ? n - r0 : PA;
-        const bf16_t* rows = krow[r0];
+        const bf16_t* rows = reinterpret_cast<const bf16_t*>(krow[r0]);
         int64_t stride = (krow[r0 + 1 < n ? r0 + 1 : r0] - krow[r0]) * 2;
-        if (nr < PA || (k0 + r0) / bs != (k0 + r0 + PA - 1) / bs || stride <= 0) {  // not one block's run: copy
+        if constexpr (sizeof(KT) == 1) {
+            for (int64_t i = 0; i < nr; ++i)
+                for (int64_t c = 0; c < D; c += W)
+                    _mm256_storeu_si256(reinterpret_cast<__m256i*>(copy + (r0 + i) * D + c),
+                                        _mm512_cvtepi32_epi16(pf_bf16_lanes(krow[r0 + i] + c)));
+            rows = copy + r0 * D;
+            stride = D * 2;
+        } else if (nr < PA || (k0 + r0) / bs != (k0 + r0 + PA - 1) / bs || stride <= 0) {  // not one block's run
             for (int64_t i = 0; i < nr; ++i) __builtin_memcpy(copy + (r0 + i) * D, krow[r0 + i], D * 2);
             rows = copy + r0 * D;
             stride = D * 2;
@@ -97,8 +105,8 @@ static void pa_scores(PrefillScratch w, int64_t Mp, int64_t D, const bf16_t* con
 }
 
 // w.acc = w.acc x corr + P x V over the step's n keys (probabilities in w.s, key-major; S parts of each).
-template <int S>
-static void pa_values(PrefillScratch w, int64_t Mp, int64_t D, const bf16_t* const* vrow, int64_t n) {
+template <int S, typename KT>
+static void pa_values(PrefillScratch w, int64_t Mp, int64_t D, const KT* const* vrow, int64_t n) {
     const int64_t n2 = (n + 1) / 2, np = (n2 + PA - 1) / PA, nq = Mp / PA, nd = D / PA;
     pf_pack_values(w, D, vrow, n);
     for (int64_t e = n2 * D; e < np * PA * D; e += W) _mm512_storeu_si512(w.vp + e, _mm512_setzero_si512());

@@ -180,6 +180,83 @@ static inline void kvstore(bf16_t* p, V v) {
 }
 #endif
 
+// KV pool elements as fp8 e4m3fn (`--kv-cache-dtype fp8`, a quarter of float32's bytes): 1 sign, 4 exponent
+// (bias 7) and 3 mantissa bits, no infinities, largest finite 448, subnormals down to 2^-9. Loads are exact:
+// the byte's bits placed as a float16's (sign at bit 15, exponent-mantissa at bits 7-13: the value times 2^-8,
+// a subnormal e4m3 a subnormal float16), widened by F16C and scaled by 2^8 -- no float32 subnormal is ever an
+// operand (placing the bits in a float32 instead made 2^-120-scale subnormals, whose microcode assists ran
+// decode attention 3.5x slower than over bf16). 0x7F, the NaN, reads as 480. Stores round to
+// nearest even and saturate at +-448, NaN -> 0x7F with its sign -- as torch's `.to(torch.float8_e4m3fn)` does,
+// so the torch twin's pool holds the same bits (tests/test_fp8_kv.py compares every store bit for bit).
+typedef uint8_t fp8_t;
+constexpr float FP8_MAX = 448.0f, FP8_MIN_NORMAL = 0.015625f;  // 2^-6
+static inline float kvscalar(const fp8_t* p) {
+    const uint32_t b = *p;
+    return _cvtsh_ss(static_cast<unsigned short>(((b & 0x80u) << 8) | ((b & 0x7Fu) << 7))) * 256.0f;
+}
+static inline void kvstore1(fp8_t* p, float x) {
+    uint32_t bits;
+    __builtin_memcpy(&bits, &x, 4);
+    const uint8_t sign = static_cast<uint8_t>((bits >> 24) & 0x80u);
+    if (x != x) { *p = sign | 0x7Fu; return; }
+    float a = __builtin_fabsf(x);
+    a = a < FP8_MAX ? a : FP8_MAX;
+    if (a < FP8_MIN_NORMAL) {  // subnormal: a multiple of 2^-9, rounded to nearest even (8 -> 0x08, 2^-6)
+        *p = sign | static_cast<uint8_t>(__builtin_nearbyintf(a * 512.0f));
+        return;
+    }
+    uint32_t u;
+    __builtin_memcpy(&u, &a, 4);
+    *p = sign | static_cast<uint8_t>(((u + 0x7FFFFu + ((u >> 20) & 1u)) >> 20) - (120u << 3));
+}
+#if KV_AVX512
+// Sign-extended to 16 bits, shifted left by 7 (the sign's copies land in bits 14-15), bit 14 cleared: the
+// float16 bits above.
+static inline V kvload(const fp8_t* p) {
+    const __m256i s = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m256i h = _mm256_and_si256(_mm256_slli_epi16(s, 7), _mm256_set1_epi16(static_cast<short>(0xBF80)));
+    return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f));
+}
+static inline void kvstore(fp8_t* p, V v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i sign = _mm512_srli_epi32(_mm512_and_si512(u, _mm512_set1_epi32(INT32_MIN)), 24);
+    const V a = _mm512_min_ps(_mm512_abs_ps(v), _mm512_set1_ps(FP8_MAX));  // NaN -> 448, masked below
+    const __m512i ab = _mm512_castps_si512(a);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(ab, 20), _mm512_set1_epi32(1));
+    const __m512i normal = _mm512_sub_epi32(
+        _mm512_srli_epi32(_mm512_add_epi32(ab, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFFF))), 20),
+        _mm512_set1_epi32(120 << 3));
+    const __m512i sub = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(512.0f)));  // MXCSR: nearest even
+    __m512i r = _mm512_mask_mov_epi32(normal, _mm512_cmp_ps_mask(a, _mm512_set1_ps(FP8_MIN_NORMAL), _CMP_LT_OQ), sub);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7F));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(_mm512_or_si512(r, sign)));
+}
+#else
+static inline V kvload(const fp8_t* p) {
+    const __m128i s = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    const __m128i h = _mm_and_si128(_mm_slli_epi16(s, 7), _mm_set1_epi16(static_cast<short>(0xBF80)));
+    return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0f));
+}
+static inline void kvstore(fp8_t* p, V v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i sign = _mm256_srli_epi32(_mm256_and_si256(u, _mm256_set1_epi32(INT32_MIN)), 24);
+    const V a = _mm256_min_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), v), _mm256_set1_ps(FP8_MAX));
+    const __m256i ab = _mm256_castps_si256(a);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(ab, 20), _mm256_set1_epi32(1));
+    const __m256i normal = _mm256_sub_epi32(
+        _mm256_srli_epi32(_mm256_add_epi32(ab, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFFF))), 20),
+        _mm256_set1_epi32(120 << 3));
+    const __m256i sub = _mm256_cvtps_epi32(_mm256_mul_ps(a, _mm256_set1_ps(512.0f)));
+    const V small = _mm256_cmp_ps(a, _mm256_set1_ps(FP8_MIN_NORMAL), _CMP_LT_OQ);
+    __m256i r = _mm256_blendv_epi8(normal, sub, _mm256_castps_si256(small));
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7F), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+    r = _mm256_or_si256(r, sign);  // 8 dwords < 256: pack to bytes, low 8 bytes
+    const __m256i w = _mm256_packus_epi32(r, r);               // 16-bit, per 128-bit lane
+    const __m128i b = _mm_packus_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_shuffle_epi32(b, 0x08));  // dwords 0 and 2: r0-r3, r4-r7
+}
+#endif
+
 #if KV_AVX512
 // r[i] (16 dwords each) -> r[j][i] = r_in[i][j]: the 16 x 16 dword transpose (16 rows' input pairs into AMX's
 // B layout; a 16 x 16 float32 product tile into the output's orientation; bf16 pairs between key-major and
