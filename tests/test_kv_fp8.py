@@ -195,11 +195,13 @@ def test_rope_kv_write_rounds_as_torch(kernels):
         assert torch.equal(pools[0][1].view(torch.uint8), pools[1][1].view(torch.uint8))  # values: no arithmetic
 
 
-@pytest.mark.parametrize(("block_size", "kv_heads", "group", "head_dim"), [(16, 3, 3, 64), (1, 1, 4, 32),
-                                                                          (5, 2, 2, 16), (32, 2, 1, 48)])
+@pytest.mark.parametrize(("block_size", "kv_heads", "group", "head_dim"), [
+    (16, 3, 3, 64), (1, 1, 4, 32), (5, 2, 2, 16), (32, 2, 1, 48), (8, 2, 4, 128), (3, 2, 2, 32), (16, 1, 5, 64)])
 def test_attention_kernels_read_fp8_as_the_widened_values(kernels, block_size, kv_heads, group, head_dim):
     """Decode, prefill and cascade attention over an fp8 pool give bit for bit what they give over a float32
-    pool of the widened values (every byte up to 7.5 among them, subnormals included), and match the twin; where
+    pool of the widened values (every byte up to 7.5 among them, subnormals included) -- decode scores by KV
+    head over a narrow pool (G 1-4, csrc/decode_attention.h's da_scores_group), query by query over float32 --
+    and match the twin; where
     AMX-BF16 tiles run the prefill products (the fp8 rows widened to bf16, exactly), within summation order."""
     width = 16 if kernels.isa == "avx512" else 8
     if head_dim % width:

@@ -30,17 +30,16 @@ constexpr int64_t DA_AHEAD = 3;  // tiles of prefetch lead (2, 3 and 4 ran alike
 
 #if KV_AVX512
 // Lane i of the result = the sum of p[i]'s lanes (W = 16 vectors): pairs interleaved by 32 and 64 bits
-// within 128-bit lanes (4 keys per 128-bit lane, each lane a quarter of the sums), then the 128-bit lanes
-// transposed and added. 30 shuffles + 15 adds, natural key order.
-static inline V da_transpose_sum(const V* p) {
-    V u[4];
-    for (int k = 0; k < 4; ++k) {
-        const V* x = p + 4 * k;
-        const V a = vadd(_mm512_unpacklo_ps(x[0], x[1]), _mm512_unpackhi_ps(x[0], x[1]));
-        const V b = vadd(_mm512_unpacklo_ps(x[2], x[3]), _mm512_unpackhi_ps(x[2], x[3]));
-        const __m512d ad = _mm512_castps_pd(a), bd = _mm512_castps_pd(b);
-        u[k] = vadd(_mm512_castpd_ps(_mm512_unpacklo_pd(ad, bd)), _mm512_castpd_ps(_mm512_unpackhi_pd(ad, bd)));
-    }
+// within 128-bit lanes (4 keys per 128-bit lane, each lane a quarter of the sums: da_reduce4), then the 128-bit
+// lanes transposed and added (da_finish). 30 shuffles + 15 adds, natural key order.
+constexpr int DA_QUADS = 4;  // groups of 4 keys in a tile
+static inline V da_reduce4(const V* x) {
+    const V a = vadd(_mm512_unpacklo_ps(x[0], x[1]), _mm512_unpackhi_ps(x[0], x[1]));
+    const V b = vadd(_mm512_unpacklo_ps(x[2], x[3]), _mm512_unpackhi_ps(x[2], x[3]));
+    const __m512d ad = _mm512_castps_pd(a), bd = _mm512_castps_pd(b);
+    return vadd(_mm512_castpd_ps(_mm512_unpacklo_pd(ad, bd)), _mm512_castpd_ps(_mm512_unpackhi_pd(ad, bd)));
+}
+static inline V da_finish(const V* u) {
     const V w01 = vadd(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
     const V w23 = vadd(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
     return vadd(_mm512_shuffle_f32x4(w01, w23, 0x88), _mm512_shuffle_f32x4(w01, w23, 0xDD));
@@ -52,15 +51,14 @@ static inline V da_keep_first(V x, int64_t n, float fill) {
 }
 #else
 // As above for W = 8: two interleave levels, then the two 128-bit lanes added across.
-static inline V da_transpose_sum(const V* p) {
-    V u[2];
-    for (int k = 0; k < 2; ++k) {
-        const V* x = p + 4 * k;
-        const V a = vadd(_mm256_unpacklo_ps(x[0], x[1]), _mm256_unpackhi_ps(x[0], x[1]));
-        const V b = vadd(_mm256_unpacklo_ps(x[2], x[3]), _mm256_unpackhi_ps(x[2], x[3]));
-        const __m256d ad = _mm256_castps_pd(a), bd = _mm256_castps_pd(b);
-        u[k] = vadd(_mm256_castpd_ps(_mm256_unpacklo_pd(ad, bd)), _mm256_castpd_ps(_mm256_unpackhi_pd(ad, bd)));
-    }
+constexpr int DA_QUADS = 2;
+static inline V da_reduce4(const V* x) {
+    const V a = vadd(_mm256_unpacklo_ps(x[0], x[1]), _mm256_unpackhi_ps(x[0], x[1]));
+    const V b = vadd(_mm256_unpacklo_ps(x[2], x[3]), _mm256_unpackhi_ps(x[2], x[3]));
+    const __m256d ad = _mm256_castps_pd(a), bd = _mm256_castps_pd(b);
+    return vadd(_mm256_castpd_ps(_mm256_unpacklo_pd(ad, bd)), _mm256_castpd_ps(_mm256_unpackhi_pd(ad, bd)));
+}
+static inline V da_finish(const V* u) {
     return vadd(_mm256_permute2f128_ps(u[0], u[1], 0x20), _mm256_permute2f128_ps(u[0], u[1], 0x31));
 }
 
@@ -70,6 +68,36 @@ static inline V da_keep_first(V x, int64_t n, float fill) {
     return _mm256_blendv_ps(vset1(fill), x, keep);
 }
 #endif
+
+static inline V da_transpose_sum(const V* p) {
+    V u[DA_QUADS];
+    for (int k = 0; k < DA_QUADS; ++k) u[k] = da_reduce4(p + 4 * k);
+    return da_finish(u);
+}
+
+// The W scores of each of G queries sharing a KV head (q: G rows of D = DV * W floats, pre-scaled) against the
+// keys at krow[i] + off, into s + g * ks: as da_scores for each query -- the same FMA chains and reduction
+// tree, so the same bits -- but each key vector is loaded (and widened, from a bf16 or fp8 pool) once for the
+// G queries instead of G times, four keys at a time (their partial vectors reduced as soon as they exist, so
+// the G x W partials never need registers at once).
+template <int DV, int G, typename KT>
+static inline void da_scores_group(const float* q, const KT* const* krow, int64_t off, float* s, int64_t ks) {
+    V u[G][DA_QUADS];
+    for (int quad = 0; quad < DA_QUADS; ++quad) {
+        V part[G][4];
+        for (int j = 0; j < 4; ++j) {
+            const KT* k = krow[4 * quad + j] + off;
+            V kv = kvload(k);
+            for (int g = 0; g < G; ++g) part[g][j] = vmul(vload(q + g * DV * W), kv);
+            for (int e = 1; e < DV; ++e) {
+                kv = kvload(k + e * W);
+                for (int g = 0; g < G; ++g) part[g][j] = vfma(vload(q + g * DV * W + e * W), kv, part[g][j]);
+            }
+        }
+        for (int g = 0; g < G; ++g) u[g][quad] = da_reduce4(part[g]);
+    }
+    for (int g = 0; g < G; ++g) vstore(s + g * ks, da_finish(u[g]));
+}
 
 // W scores of one query (D = DV * W floats at q, pre-scaled) against the keys at krow[i] + off: per key one
 // chain of DV FMAs (the query held in registers), then the transpose-reduce. DV fixed: the W partial vectors
@@ -194,6 +222,36 @@ static inline void da_prefetch_tokens(const int64_t* table, int64_t bs, int64_t 
         da_prefetch_row(pool + (table[(tok + i) / bs] * bs + (tok + i) % bs) * kstride + off, len);
 }
 
+// One tile's scores of the M queries in w.qs (query m of KV head g0 + m / G) into w.s at key offset k: over a
+// bf16 or fp8 pool by KV head for the common shapes (da_scores_group: D 64 or 128, G 1-4 on AVX-512; D 32 or 64,
+// G 1-4 on AVX2), else query by query (the same bits either way).
+template <int DV, typename KT>
+static inline bool da_tile_scores_fixed(DecodeScratch w, int64_t M, int64_t G, int64_t g0, int64_t D,
+                                        const KT* const* krow, int64_t k) {
+    if (G < 1 || G > 4) return false;
+    for (int64_t h = 0; h < M / G; ++h) {
+        const float* q = w.qs + h * G * D;
+        float* s = w.s + h * G * w.keys + k;
+        const int64_t off = (g0 + h) * D;
+        if (G == 1) da_scores_group<DV, 1>(q, krow, off, s, w.keys);
+        else if (G == 2) da_scores_group<DV, 2>(q, krow, off, s, w.keys);
+        else if (G == 3) da_scores_group<DV, 3>(q, krow, off, s, w.keys);
+        else da_scores_group<DV, 4>(q, krow, off, s, w.keys);
+    }
+    return true;
+}
+
+template <typename KT>
+static inline void da_tile_scores(DecodeScratch w, int64_t M, int64_t G, int64_t g0, int64_t D,
+                                  const KT* const* krow, int64_t k) {
+    const int64_t DV = D / W;
+    if constexpr (sizeof(KT) < 4) {  // float32 keys cost no widening: query by query measured the same or faster
+        if (DV == 4 && da_tile_scores_fixed<4>(w, M, G, g0, D, krow, k)) return;
+        if (DV == 8 && da_tile_scores_fixed<8>(w, M, G, g0, D, krow, k)) return;
+    }
+    for (int64_t m = 0; m < M; ++m) vstore(w.s + m * w.keys + k, da_scores(w.qs + m * D, DV, krow, (g0 + m / G) * D));
+}
+
 // The M queries in w.qs (query m belongs to KV head g0 + m / G) attend to tokens [tok0, tok1) of the
 // sequence whose block table is `table` (tok1 - tok0 <= w.keys). Leaves each query's max, sum of
 // exponentials and unnormalised output in w (no tokens: max -inf, sum 0, output 0). Two passes: every
@@ -224,7 +282,7 @@ static void da_attend(DecodeScratch w, int64_t M, int64_t G, int64_t g0, int64_t
             da_rows(table, bs, kstride, kpool, vpool, tok0, last ? W : tail, rows[b ^ 1][0], rows[b ^ 1][1]);
             da_prefetch(rows[b ^ 1][1], off0, span);
         }
-        for (int64_t m = 0; m < M; ++m) vstore(w.s + m * ks + k, da_scores(w.qs + m * D, DV, krow, (g0 + m / G) * D));
+        da_tile_scores(w, M, G, g0, D, krow, k);
     }
     for (int64_t m = 0; m < M; ++m) {
         float* sm = w.s + m * ks;
