@@ -25,10 +25,12 @@ ORDER = [
     "kernels_zen4_prefetch", "long_decode", "batch_decode", "kernels_zen4_bf16attn_prefill",
     "kernels_zen4_avx2_decode", "kernels_zen4_avx2", "isa_pairing", "kernels_amx_bf16attn",
     "kernels_amx_bf16attn_prefill", "kernels_amx_bf16attn_final_prefill", "batch_decode_amx_fresh",
-    "batch_decode_amx_pair", "kernels_amx_bf16prefill_prefill", "batch_decode_amx_bf16prefill", "perplexity",
+    "batch_decode_amx_pair", "kernels_amx_bf16prefill_prefill", "batch_decode_amx_bf16prefill", "batch_decode_amx_fp8",
+    "perplexity",
     "kernels_amx", "configs", "configs_amx", "configs_amx_kv", "amx",
     "amx_exact", "kernels_prefill", "kernels_amx_prefill", "membw", "kernels_decode", "decode_step",
-    "decode_step_batch", "decode_step_batch_split", "decode_attention", "decode_step_mixed_2t",
+    "decode_step_batch", "decode_step_batch_split", "decode_attention", "decode_attention_kv_dtypes",
+    "decode_step_mixed_2t",
     "decode_step_mixed_1t", "decode_step_mixed_1t_cached1024", "qgemm", "qgemm_avx2", "avx2_exact_gemm",
     "qgemm_zen4", "qgemm_small_zen4_1t", "qgemm_end_to_end", "crossover_zen4", "llama_cpp_peers", "int8",
     "int8_packed_avx2", "int8_packed", "perplexity_earlier", "kv_dtype", "step_profile", "shared_prefix",
@@ -112,12 +114,18 @@ SCRIPTS = {
     "batch_decode_amx_bf16prefill": ("batch_decode", ["--batches", "32", "--rounds", "5", "--kvserve",
                                                       "kvserve native Q4_1 int8, bf16 KV + prefill", "--no-llama-cpp",
                                                       "--out", "batch_decode_amx_bf16prefill"]),
+    "batch_decode_amx_fp8": ("batch_decode", ["--batches", "32", "--rounds", "5", "--kvserve",
+                                              "kvserve native Q4_1 int8, fp8 KV + prefill", "--no-llama-cpp",
+                                              "--out", "batch_decode_amx_fp8"]),
     "configs_amx_kv": ("configs", ["--out", "configs_amx_kv"]),
     "perplexity": ("perplexity", ["--chunks", "4", "--no-tool"]),
     "qgemm_avx2": ("qgemm", ["--rows", "32,64,128,256,512,1024", "--rounds", "3", "--out", "qgemm_avx2"]),
     "qgemm_zen4": ("qgemm", ["--rows", "8,32,128,512,1024,2048", "--rounds", "3", "--out", "qgemm_zen4"]),
     "decode_step_batch": ("decode_step", ["--rows", "8,32,64"]),
     "decode_attention": ("decode_attention", ["--write"]),
+    "decode_attention_kv_dtypes": ("decode_attention", ["--kv-dtypes", "float32,bfloat16,fp8", "--threads", "1",
+                                                        "--before", "e5ff23d", "--rows", "1,8,32", "--rounds", "3",
+                                                        "--write"]),
     "kernels_prefill": ("native_kernels", ["--prefill-only"]),
     "decode_step_mixed_2t": ("decode_step", ["--mixed", "--reps", "9"]),
     "decode_step_mixed_1t": ("decode_step", ["--mixed", "--threads", "1", "--reps", "9"]),
@@ -226,6 +234,12 @@ tiles (a bf16 copy of the weights; decode rows keep their arithmetic): with int8
 attention, **prefill 5,097 / 3,792 tok/s, 1.73x / 1.33x transformers bf16** at 512 / 2,048 tokens (3 paired
 rounds), batch 32 **2.64x transformers bf16** (5 paired rounds; 3x not met), perplexity 13.442 (sections "...
 (kernels_amx_bf16prefill_prefill)", "... (batch_decode_amx_bf16prefill)" and the perplexity section).
+Since 2026-12-06 **`--kv-cache-dtype fp8`** (vLLM's name) stores keys and values as e4m3fn: four times
+float32's cached tokens (twice bf16's) in the same memory, decode after 1,900 tokens 1.12x bf16's and 1.52x
+float32's, perplexity 13.66 against 13.44 (section "KV cache dtype"); batch 32 in the fastest configuration
+with it **3.00x transformers bf16** (1,010 against 337 tok/s; bf16 KV right after: 2.86x; section "...
+(batch_decode_amx_fp8)"), decode attention over it 1.2-1.35x faster than before today (section "...
+(decode_attention_kv_dtypes)").
 Sections measured on another machine (the AMD EPYC rows, the AMX Xeon rows) or under load (most of the second round's,
 marked in each) are not comparable across sections.
 
