@@ -270,6 +270,22 @@ static inline void pf_put_query(PrefillScratch w, int64_t Mp, int64_t D, int64_t
     for (int64_t d = 0; d < D; ++d) w.qt[d * Mp + m] = src[d] * scale;
 }
 
+// The max / sum over a step's n keys (rows of s, stride Mp) of nv <= PF_LANE_VECTORS adjacent query vectors: keys
+// outer, vectors inner, so the nv dependency chains (4-cycle vmax / vadd) run side by side -- one chain at a
+// time was most of the softmax's time (perf, 2,048-token prefill). Each lane sees its keys in the same order as
+// one chain would: the same bits.
+constexpr int64_t PF_LANE_VECTORS = 8;
+static inline void pf_lane_max(const float* s, int64_t Mp, int64_t n, int64_t nv, V* out) {
+    for (int64_t v = 0; v < nv; ++v) out[v] = vload(s + v * W);
+    for (int64_t r = 1; r < n; ++r)
+        for (int64_t v = 0; v < nv; ++v) out[v] = vmax(out[v], vload(s + r * Mp + v * W));
+}
+static inline void pf_lane_sum(const float* s, int64_t Mp, int64_t n, int64_t nv, V* out) {
+    for (int64_t v = 0; v < nv; ++v) out[v] = vzero();
+    for (int64_t r = 0; r < n; ++r)
+        for (int64_t v = 0; v < nv; ++v) out[v] = vadd(out[v], vload(s + r * Mp + v * W));
+}
+
 // How the products run: float32 FMAs (ATTN_F32, or ATTN_BF16 on the rounded values), AVX512-BF16 pair dot
 // products or AMX-BF16 tiles (ATTN_BF16), or AMX tiles on three bf16 parts of each float32 query and
 // probability (ATTN_F32 over a bf16 pool: exact products, as the FMAs; prefill_amx.h).
@@ -380,22 +396,28 @@ static void pf_attend(PrefillScratch w, int64_t Mp, int64_t D, int64_t G, const 
         if (masked)
             for (int64_t r = 0; r < n; ++r)
                 for (int64_t m = 0, lim = (k0 + r - first) * G; m < lim; ++m) w.s[r * Mp + m] = -__builtin_inff();
-        for (int64_t v = 0; v < MV; ++v) {
-            V bm = vload(w.s + v * W);
-            for (int64_t r = 1; r < n; ++r) bm = vmax(bm, vload(w.s + r * Mp + v * W));
-            const V mold = vload(w.mx + v * W), mnew = vmax(mold, bm), neg = vmul(mnew, vset1(-1.0f));
-            // mnew is finite (see above); the first step's correction exp(-inf) clamps to ~1e-38, times 0.
-            vstore(w.corr + v * W, vexp(vadd(mold, neg)));
-            vstore(w.mx + v * W, mnew);
-            for (int64_t r = 0; r < n; ++r) vstore(w.s + r * Mp + v * W, vexp(vadd(vload(w.s + r * Mp + v * W), neg)));
+        for (int64_t v0 = 0; v0 < MV; v0 += PF_LANE_VECTORS) {
+            const int64_t nv = MV - v0 < PF_LANE_VECTORS ? MV - v0 : PF_LANE_VECTORS;
+            V bm[PF_LANE_VECTORS];
+            pf_lane_max(w.s + v0 * W, Mp, n, nv, bm);
+            for (int64_t v = v0; v < v0 + nv; ++v) {
+                const V mold = vload(w.mx + v * W), mnew = vmax(mold, bm[v - v0]), neg = vmul(mnew, vset1(-1.0f));
+                // mnew is finite (see above); the first step's correction exp(-inf) clamps to ~1e-38, times 0.
+                vstore(w.corr + v * W, vexp(vadd(mold, neg)));
+                vstore(w.mx + v * W, mnew);
+                for (int64_t r = 0; r < n; ++r)
+                    vstore(w.s + r * Mp + v * W, vexp(vadd(vload(w.s + r * Mp + v * W), neg)));
+            }
         }
         if (masked)  // exp clamps -inf to a tiny positive number: masked probabilities become exactly 0
             for (int64_t r = 0; r < n; ++r)
                 for (int64_t m = 0, lim = (k0 + r - first) * G; m < lim; ++m) w.s[r * Mp + m] = 0.0f;
-        for (int64_t v = 0; v < MV; ++v) {
-            V total = vzero();
-            for (int64_t r = 0; r < n; ++r) total = vadd(total, vload(w.s + r * Mp + v * W));
-            vstore(w.sum + v * W, vfma(vload(w.sum + v * W), vload(w.corr + v * W), total));
+        for (int64_t v0 = 0; v0 < MV; v0 += PF_LANE_VECTORS) {
+            const int64_t nv = MV - v0 < PF_LANE_VECTORS ? MV - v0 : PF_LANE_VECTORS;
+            V total[PF_LANE_VECTORS];
+            pf_lane_sum(w.s + v0 * W, Mp, n, nv, total);
+            for (int64_t v = v0; v < v0 + nv; ++v)
+                vstore(w.sum + v * W, vfma(vload(w.sum + v * W), vload(w.corr + v * W), total[v - v0]));
         }
         pf_step_values(w, Mp, D, vrow, n, prod, route);
     }

@@ -119,7 +119,8 @@ static void pa_values(PrefillScratch w, int64_t Mp, int64_t D, const KT* const* 
                 for (int64_t j = 0; j < PA; ++j)
                     _mm512_storeu_si512(w.pp + (part * Mp + c * PA + j) * PA_PAIRS + p * PA, r[j]);
             }
-    for (int64_t m = 0; m < Mp; ++m) {
+    for (int64_t m = 0; m < Mp; ++m) {  // a row whose max held (most, once its first keys are in) keeps its acc
+        if (w.corr[m] == 1.0f) continue;
         const V cr = vset1(w.corr[m]);
         for (int64_t e = 0; e < D; e += W) vstore(w.acc + m * D + e, vmul(vload(w.acc + m * D + e), cr));
     }
