@@ -11,6 +11,12 @@ choice is restored.
 
     python benchmarks/attention_products.py [--tokens 512 2048] [--threads 2]
 
+`--before REV` instead times this CPU's default route over each pool (float32, bf16 with float32 products,
+bf16 products, fp8) with the library built from git revision REV's csrc/ and with today's, interleaved, and
+says whether the two give the same bits:
+
+    python benchmarks/attention_products.py --before b58efbe~1 --repeats 7
+
 Prints a markdown table; nothing is written.
 """
 
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -77,13 +84,50 @@ def rows_for(tokens: int, repeats: int) -> list[list[object]]:
     return rows
 
 
+def before_after_rows(tokens: int, repeats: int, libraries: dict) -> list[list[object]]:
+    """Per pool: ms per layer with each library (REV's and today's; the CPU's route in both), interleaved."""
+    gen = torch.Generator().manual_seed(0)
+    blocks = -(-tokens // BLOCK)
+    keys, values = (torch.randn(blocks, BLOCK, KV_HEADS, DIM, generator=gen) for _ in range(2))
+    queries = torch.randn(tokens, HEADS, DIM, generator=gen)
+    spans, table = torch.tensor([[0, tokens, tokens]]), torch.arange(blocks).view(1, -1)
+    macs = tokens * tokens / 2 * HEADS * DIM * 2
+    cases = [("float32 pool", keys, values, False), ("bf16 pool, float32 products", keys.bfloat16(),
+              values.bfloat16(), False), ("bf16 products", keys.bfloat16(), values.bfloat16(), True),
+             ("fp8 pool, float32 products", keys.to(torch.float8_e4m3fn), values.to(torch.float8_e4m3fn), False)]
+    rows = []
+    for name, k, v, bf16 in cases:
+        best, outputs = dict.fromkeys(libraries, float("inf")), {}
+        for _ in range(repeats):
+            for label, native in libraries.items():
+                start = time.perf_counter()
+                outputs[label] = native.prefill_attention(queries, k, v, spans, table, DIM ** -0.5, bf16_products=bf16)
+                best[label] = min(best[label], time.perf_counter() - start)
+        same = "yes" if torch.equal(*outputs.values()) else "no"
+        rows += [[tokens, name, label, 1e3 * ms, macs / ms / 1e9, same] for label, ms in best.items()]
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[512, 2048])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--before", metavar="REV", help="time REV's library against today's instead")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.before:
+        from kvserve.kernels import build
+        from kvserve.kernels.native import NativeLibrary
+        from native_kernels import build_revision
+
+        with tempfile.TemporaryDirectory() as workdir:
+            libraries = {f"before ({args.before})": NativeLibrary.load(build_revision(args.before, Path(workdir))),
+                         "now": NativeLibrary.load(build.build())}
+            rows = [row for tokens in args.tokens for row in before_after_rows(tokens, args.repeats, libraries)]
+        print(markdown_table(["tokens", "pool / products", "library", "ms / layer", "GMAC/s", "same bits"], rows))
+        print(f"\n{machine()}; best of {args.repeats}, interleaved; threads {args.threads}.")
+        return
     rows = [row for tokens in args.tokens for row in rows_for(tokens, args.repeats)]
     print(markdown_table(["tokens", "build", "products", "ms / layer", "GMAC/s"], rows))
     print(f"\n{machine()}; best of {args.repeats}; threads {args.threads}.")
