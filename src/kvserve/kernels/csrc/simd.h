@@ -187,7 +187,7 @@ static inline void kvstore(bf16_t* p, V v) {
 // operand (placing the bits in a float32 instead made 2^-120-scale subnormals, whose microcode assists ran
 // decode attention 3.5x slower than over bf16). 0x7F, the NaN, reads as 480. Stores round to
 // nearest even and saturate at +-448, NaN -> 0x7F with its sign -- as torch's `.to(torch.float8_e4m3fn)` does,
-// so the torch twin's pool holds the same bits (tests/test_fp8_kv.py compares every store bit for bit).
+// so the torch twin's pool holds the same bits (tests/test_kv_fp8.py compares every store bit for bit).
 typedef uint8_t fp8_t;
 constexpr float FP8_MAX = 448.0f, FP8_MIN_NORMAL = 0.015625f;  // 2^-6
 static inline float kvscalar(const fp8_t* p) {
