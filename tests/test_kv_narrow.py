@@ -132,3 +132,34 @@ def test_disk_blocks_not_shared_across_kv_dtypes(tiny_model_dir, tmp_path, kv_dt
     second = make_llm(tiny_model_dir, kv_dtype, num_blocks=24, block_size=4, disk_cache=str(tmp_path / "d"))
     assert not second.generate([prompt], GREEDY)[0].cached_tokens_by_source.get("disk")
     second.engine.close()
+
+
+def test_lora_steps_over_a_narrow_pool(tiny_model_dir, tmp_path, kv_dtype):
+    """Steps with an adapter (the Python loop, its torch pool writes through `reference.store_slots`) read and
+    write the narrow pool as the other steps do: the native kernels give the twin's tokens, with the adapter and
+    without, and the adapter changes the answer."""
+    from kvserve import LoRARequest
+    from lora_util import make_peft_adapter
+
+    make_peft_adapter(tiny_model_dir, tmp_path / "adapter", seed=3)
+    adapter = LoRARequest("a", 1, str(tmp_path / "adapter"))
+    prompt = [[5, 6, 7, 8, 9] * 10]
+    runs = {}
+    for kernels_name in ("torch", "native"):
+        llm = make_llm(tiny_model_dir, kv_dtype, kernels=kernels_name, enable_lora=True)
+        runs[kernels_name] = [llm.generate(prompt, GREEDY, lora_request=lora)[0].token_ids for lora in (adapter, None)]
+    assert runs["torch"][0] != runs["torch"][1]
+    assert runs["native"] == runs["torch"]
+
+
+def test_speculative_decoding_over_a_narrow_pool(tiny_model_dir, kv_dtype):
+    """Prompt-lookup drafts verified over a narrow pool: the same tokens as plain decoding (the drafts' keys and
+    values are written and read back rounded, as every other token's)."""
+    from test_speculative import repeating_prompts
+
+    prompts = repeating_prompts(16, seed=3)
+    plain = [o.token_ids for o in make_llm(tiny_model_dir, kv_dtype, kernels="torch").generate(prompts, GREEDY)]
+    spec = make_llm(tiny_model_dir, kv_dtype, kernels="torch",
+                    speculative_config={"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 64})
+    assert [o.token_ids for o in spec.generate(prompts, GREEDY)] == plain
+    assert spec.stats()["spec_accepted_tokens"] > 0
