@@ -46,15 +46,20 @@ def best_ms(fn, repeats: int) -> float:
     return 1e3 * min(times)
 
 
-def rows_for(tokens: int, repeats: int) -> list[list[object]]:
-    from kvserve.kernels import pair_products
-    from kvserve.kernels.ops import Kernels
-
+def span_inputs(tokens: int) -> tuple[torch.Tensor, ...]:
+    """One causal span of `tokens` over a float32 pool laid out in order: keys, values, queries, spans, table."""
     gen = torch.Generator().manual_seed(0)
     blocks = -(-tokens // BLOCK)
     keys, values = (torch.randn(blocks, BLOCK, KV_HEADS, DIM, generator=gen) for _ in range(2))
     queries = torch.randn(tokens, HEADS, DIM, generator=gen)
-    spans, table = torch.tensor([[0, tokens, tokens]]), torch.arange(blocks).view(1, -1)
+    return keys, values, queries, torch.tensor([[0, tokens, tokens]]), torch.arange(blocks).view(1, -1)
+
+
+def rows_for(tokens: int, repeats: int) -> list[list[object]]:
+    from kvserve.kernels import pair_products
+    from kvserve.kernels.ops import Kernels
+
+    keys, values, queries, spans, table = span_inputs(tokens)
     out = torch.empty_like(queries)
     macs = tokens * tokens / 2 * HEADS * DIM * 2
     rows = []
@@ -86,11 +91,7 @@ def rows_for(tokens: int, repeats: int) -> list[list[object]]:
 
 def before_after_rows(tokens: int, repeats: int, libraries: dict) -> list[list[object]]:
     """Per pool: ms per layer with each library (REV's and today's; the CPU's route in both), interleaved."""
-    gen = torch.Generator().manual_seed(0)
-    blocks = -(-tokens // BLOCK)
-    keys, values = (torch.randn(blocks, BLOCK, KV_HEADS, DIM, generator=gen) for _ in range(2))
-    queries = torch.randn(tokens, HEADS, DIM, generator=gen)
-    spans, table = torch.tensor([[0, tokens, tokens]]), torch.arange(blocks).view(1, -1)
+    keys, values, queries, spans, table = span_inputs(tokens)
     macs = tokens * tokens / 2 * HEADS * DIM * 2
     cases = [("float32 pool", keys, values, False), ("bf16 pool, float32 products", keys.bfloat16(),
               values.bfloat16(), False), ("bf16 products", keys.bfloat16(), values.bfloat16(), True),

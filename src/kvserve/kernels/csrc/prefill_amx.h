@@ -68,19 +68,21 @@ static void pa_scores(PrefillScratch w, int64_t Mp, int64_t D, const KT* const* 
     const int64_t nq = Mp / PA, nk = D / 32;
     for (int64_t r0 = 0; r0 < n; r0 += PA) {
         const int64_t nr = n - r0 < PA ? n - r0 : PA;
-        const bf16_t* rows = reinterpret_cast<const bf16_t*>(krow[r0]);
-        int64_t stride = (krow[r0 + 1 < n ? r0 + 1 : r0] - krow[r0]) * 2;
+        const bf16_t* rows = copy + r0 * D;
+        int64_t stride = D * 2;
         if constexpr (sizeof(KT) == 1) {
             for (int64_t i = 0; i < nr; ++i)
                 for (int64_t c = 0; c < D; c += W)
                     _mm256_storeu_si256(reinterpret_cast<__m256i*>(copy + (r0 + i) * D + c),
                                         _mm512_cvtepi32_epi16(pf_bf16_lanes(krow[r0 + i] + c)));
-            rows = copy + r0 * D;
-            stride = D * 2;
-        } else if (nr < PA || (k0 + r0) / bs != (k0 + r0 + PA - 1) / bs || stride <= 0) {  // not one block's run
-            for (int64_t i = 0; i < nr; ++i) __builtin_memcpy(copy + (r0 + i) * D, krow[r0 + i], D * 2);
-            rows = copy + r0 * D;
-            stride = D * 2;
+        } else {
+            const int64_t apart = (krow[r0 + 1 < n ? r0 + 1 : r0] - krow[r0]) * 2;  // bytes between the rows
+            if (nr == PA && (k0 + r0) / bs == (k0 + r0 + PA - 1) / bs && apart > 0) {  // one block's run: in place
+                rows = krow[r0];
+                stride = apart;
+            } else {
+                for (int64_t i = 0; i < nr; ++i) __builtin_memcpy(copy + (r0 + i) * D, krow[r0 + i], D * 2);
+            }
         }
         for (int64_t c = 0; c < nq; c += 2) {
             const bool two = c + 1 < nq;
