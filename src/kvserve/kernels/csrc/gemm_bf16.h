@@ -44,6 +44,35 @@ static inline void gb_round_rows(const float* x, int64_t rows, int64_t rows_pad,
         }
 }
 
+// rms_norm (impl.h) of rows [0, rows) with rows [split, rows) going straight into A tiles (rows - split of them,
+// padded to 32 with zeros; as gb_round_rows rounds the float32 rows, the same bits) and rows [0, split) to y as
+// float32: the prefill spans' rows of a step whose decode rows come first (layer.h).
+static inline int gb_rms_norm_rows(float* x, const float* residual, const float* weight, int64_t rows, int64_t k,
+                                   float eps, int64_t split, float* y, uint16_t* tiles) {
+    if (k % 32 != 0) return -2;
+    const int64_t nb = k / 32, rows_pad = split + (rows - split + 31) / 32 * 32;
+#pragma omp parallel for schedule(static) num_threads(kv_threads())
+    for (int64_t r = 0; r < rows_pad; ++r) {
+        if (r >= rows) {
+            for (int64_t b = 0; b < nb; ++b)
+                _mm512_store_si512(tiles + (((r - split) / 16) * nb + b) * 512 + ((r - split) % 16) * 32,
+                                   _mm512_setzero_si512());
+            continue;
+        }
+        float* xr = x + r * k;
+        const float inv = rms_norm_inverse(xr, residual ? residual + r * k : nullptr, k, eps);
+        if (r < split) {
+            for (int64_t e = 0; e < k; e += W) vstore(y + r * k + e, rms_norm_at(xr, weight, inv, e));
+            continue;
+        }
+        for (int64_t b = 0; b < nb; ++b)
+            _mm512_store_si512(tiles + (((r - split) / 16) * nb + b) * 512 + ((r - split) % 16) * 32,
+                               (__m512i)_mm512_cvtne2ps_pbh(rms_norm_at(xr, weight, inv, b * 32 + 16),
+                                                            rms_norm_at(xr, weight, inv, b * 32)));
+    }
+    return 0;
+}
+
 // C tiles 0..3 = (A row groups a, a + nb KiB) x (B column tiles b0, b1) over nb k blocks: tile 0 = rows 0-15 x
 // b0, 1 = rows 0-15 x b1, 2 = rows 16-31 x b0, 3 = rows 16-31 x b1.
 static inline void gb_product(const uint16_t* a, const uint8_t* b0, const uint8_t* b1, int64_t nb) {
@@ -89,12 +118,10 @@ struct GbPanel {  // the two B tiles' first k block of one panel
 // Both GEMMs' frame: x rounded into A tiles once, then each thread takes whole panels (two 16-row B tiles) of
 // every GB_CHUNK_ROWS-row chunk; `epilogue(p, r0, acc)` stores C tiles 0..3 of panel p and rows r0..r0 + 31
 // (acc: 512 floats of the thread's scratch), after gb_product with the B tiles `panel(p)`.
+// gb_run's frame over activations already rounded into A tiles (xb: rows padded to 32, zero past `rows`).
 template <typename Panel, typename Epilogue>
-static int gb_run(const float* x, int64_t rows, int64_t k, int64_t panels, Panel panel, Epilogue epilogue) {
+static int gb_run_tiles(const uint16_t* xb, int64_t rows, int64_t k, int64_t panels, Panel panel, Epilogue epilogue) {
     const int64_t nb = k / 32, rows_pad = (rows + 31) / 32 * 32;
-    ScratchScope scope;  // scratch.h
-    uint16_t* xb = scope.take<uint16_t>(rows_pad * k);
-    gb_round_rows(x, rows, rows_pad, k, xb);
     const int64_t pairs = rows_pad / 32;
     // Panels per group: their B tiles (2 x nb KiB each) stay in L2 while each thread's row pairs pass them.
     const int64_t per_group = GB_GROUP_BYTES / (2 * nb * 1024) > 0 ? GB_GROUP_BYTES / (2 * nb * 1024) : 1;
@@ -134,21 +161,40 @@ static int gb_run(const float* x, int64_t rows, int64_t k, int64_t panels, Panel
     return 0;
 }
 
-static int gemm_bf16(const float* x, int64_t rows, int64_t k, const uint8_t* w, int64_t n, float* y,
-                     int64_t ystride) {
+template <typename Panel, typename Epilogue>
+static int gb_run(const float* x, int64_t rows, int64_t k, int64_t panels, Panel panel, Epilogue epilogue) {
+    const int64_t rows_pad = (rows + 31) / 32 * 32;
+    ScratchScope scope;  // scratch.h
+    uint16_t* xb = scope.take<uint16_t>(rows_pad * k);
+    gb_round_rows(x, rows, rows_pad, k, xb);
+    return gb_run_tiles(xb, rows, k, panels, panel, epilogue);
+}
+
+// y = xb @ W.T for activations x already rounded (x: float32 rows, rounded here; or xb: A tiles, as
+// gemm_bf16_swiglu_tiles leaves them).
+static int gemm_bf16_any(const float* x, const uint16_t* xb, int64_t rows, int64_t k, const uint8_t* w, int64_t n,
+                         float* y, int64_t ystride) {
     if (!kv_bf16_gemm_on()) return -6;
     if (rows <= 0) return 0;
     if (k % 32 != 0 || n <= 0 || ystride < n) return -2;
     const int64_t nb = k / 32;
-    return gb_run(x, rows, k, (n + 31) / 32, [&](int64_t p) {  // packed n is a multiple of 32: both tiles exist
+    const auto panel = [&](int64_t p) {  // packed n is a multiple of 32: both tiles exist
         return GbPanel{w + (2 * p) * nb * 1024, w + (2 * p + 1) * nb * 1024};
-    }, [&](int64_t p, int64_t r0, float* acc) {
+    };
+    const auto epilogue = [&](int64_t p, int64_t r0, float* acc) {
         const int64_t c0 = 32 * p;
         GB_STORE(0, r0, c0);
         GB_STORE(1, r0, c0 + 16);
         GB_STORE(2, r0 + 16, c0);
         GB_STORE(3, r0 + 16, c0 + 16);
-    });
+    };
+    if (xb != nullptr) return gb_run_tiles(xb, rows, k, (n + 31) / 32, panel, epilogue);
+    return gb_run(x, rows, k, (n + 31) / 32, panel, epilogue);
+}
+
+static int gemm_bf16(const float* x, int64_t rows, int64_t k, const uint8_t* w, int64_t n, float* y,
+                     int64_t ystride) {
+    return gemm_bf16_any(x, nullptr, rows, k, w, n, y, ystride);
 }
 
 // The gate_up projection fused with SwiGLU: act[r, j] = silu(g) * u for g, u = bf16(x) @ W.T's columns j and
@@ -162,6 +208,53 @@ static inline void gb_swiglu_tile(const float* g, const float* u, int64_t live_r
         const V e = vexp(vsub(vzero(), x));
         vstore(act + r * astride, vmul(vdiv(x, vadd(one, e)), vload(u + r * 16)));
     }
+}
+
+// gb_swiglu_tile's values rounded to bf16 (nearest even, as gb_round_rows) straight into the A tiles of the
+// down projection's input (I inputs: tile t's 16 columns are half t % 2 of k block t / 2), rows r0.. of a group.
+static inline void gb_swiglu_tile_bf16(const float* g, const float* u, int64_t live_rows, uint16_t* tiles,
+                                       int64_t r0, int64_t t, int64_t nbI) {
+    const V one = vset1(1.0f);
+    uint16_t* base = tiles + ((r0 / 16) * nbI + t / 2) * 512 + (t % 2) * 16;
+    for (int64_t r = 0; r < live_rows; ++r) {
+        const V x = vload(g + r * 16);
+        const V e = vexp(vsub(vzero(), x));
+        const __m256bh b = _mm512_cvtneps_pbh(vmul(vdiv(x, vadd(one, e)), vload(u + r * 16)));
+        __m256i bits;
+        __builtin_memcpy(&bits, &b, sizeof bits);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(base + (r0 % 16 + r) * 32), bits);
+    }
+}
+
+// gemm_bf16_swiglu with act as the down projection's A tiles (I a multiple of 32; rows padded to 32, the padding
+// zeroed here): gemm_bf16_swiglu then gb_round_rows, the same bits, without act's float32 rows in memory.
+static int gemm_bf16_swiglu_tiles(const float* x, const uint16_t* xb, int64_t rows, int64_t k, const uint8_t* w,
+                                  int64_t I, uint16_t* act_tiles) {
+    if (!kv_bf16_gemm_on()) return -6;
+    if (rows <= 0) return 0;
+    if (k % 32 != 0 || I <= 0 || I % 32 != 0) return -2;
+    const int64_t nb = k / 32, tiles = I / 16, nbI = I / 32, rows_pad = (rows + 31) / 32 * 32;
+    for (int64_t r = rows; r < rows_pad; ++r)
+        for (int64_t b = 0; b < nbI; ++b)
+            _mm512_storeu_si512(act_tiles + ((r / 16) * nbI + b) * 512 + (r % 16) * 32, _mm512_setzero_si512());
+    const auto panel = [&](int64_t t) { return GbPanel{w + t * nb * 1024, w + (tiles + t) * nb * 1024}; };
+    const auto epilogue = [&](int64_t t, int64_t r0, float* acc) {
+        for (int half = 0; half < 2; ++half) {
+            const int64_t first = r0 + 16 * half;
+            if (first >= rows) break;
+            if (half == 0) {
+                _tile_stored(0, acc, 64);
+                _tile_stored(1, acc + 256, 64);
+            } else {
+                _tile_stored(2, acc, 64);
+                _tile_stored(3, acc + 256, 64);
+            }
+            const int64_t live = rows - first < 16 ? rows - first : 16;
+            gb_swiglu_tile_bf16(acc, acc + 256, live, act_tiles, first, t, nbI);
+        }
+    };
+    if (xb != nullptr) return gb_run_tiles(xb, rows, k, tiles, panel, epilogue);
+    return gb_run(x, rows, k, tiles, panel, epilogue);
 }
 
 static int gemm_bf16_swiglu(const float* x, int64_t rows, int64_t k, const uint8_t* w, int64_t I, float* act,
@@ -192,6 +285,18 @@ static int gemm_bf16_swiglu(const float* x, int64_t rows, int64_t k, const uint8
 #else
 static inline int gemm_bf16(const float*, int64_t, int64_t, const uint8_t*, int64_t, float*, int64_t) {
     return -6;  // no AMX in this build
+}
+static inline int gemm_bf16_any(const float*, const uint16_t*, int64_t, int64_t, const uint8_t*, int64_t, float*,
+                                int64_t) {
+    return -6;
+}
+static inline int gemm_bf16_swiglu_tiles(const float*, const uint16_t*, int64_t, int64_t, const uint8_t*, int64_t,
+                                         uint16_t*) {
+    return -6;
+}
+static inline int gb_rms_norm_rows(float*, const float*, const float*, int64_t, int64_t, float, int64_t, float*,
+                                   uint16_t*) {
+    return -6;
 }
 static inline int gemm_bf16_swiglu(const float*, int64_t, int64_t, const uint8_t*, int64_t, float*, int64_t) {
     return -6;

@@ -191,21 +191,28 @@ static int dequantize(int qt, const uint8_t* w, int64_t row_bytes, int64_t k, co
 
 // y = w * rms_norm(x) row by row (float32 statistics, as HF), optionally adding `residual` into x first
 // (x += residual; the sum is kept in x for the next residual).
+// One row's statistics: xr += rr (when given), then 1 / sqrt(mean(xr^2) + eps); element e of the normed row is
+// rms_norm_at(xr, weight, inv, e).
+static inline float rms_norm_inverse(float* xr, const float* rr, int64_t n, float eps) {
+    V ss = vzero();
+    for (int64_t e = 0; e < n; e += W) {
+        V v = vload(xr + e);
+        if (rr) { v = vadd(v, vload(rr + e)); vstore(xr + e, v); }
+        ss = vfma(v, v, ss);
+    }
+    return 1.0f / __builtin_sqrtf(vsum(ss) / static_cast<float>(n) + eps);
+}
+static inline V rms_norm_at(const float* xr, const float* weight, float inv, int64_t e) {
+    return vmul(vload(weight + e), vmul(vload(xr + e), vset1(inv)));
+}
+
 static int rms_norm(float* x, const float* residual, const float* weight, int64_t rows, int64_t n, float eps,
                     float* y) {
     if (n % W != 0) return -2;
 #pragma omp parallel for schedule(static) if (rows > 8) num_threads(kv_threads())
     for (int64_t r = 0; r < rows; ++r) {
-        float* xr = x + r * n;
-        V ss = vzero();
-        for (int64_t e = 0; e < n; e += W) {
-            V v = vload(xr + e);
-            if (residual) { v = vadd(v, vload(residual + r * n + e)); vstore(xr + e, v); }
-            ss = vfma(v, v, ss);
-        }
-        const float inv = 1.0f / __builtin_sqrtf(vsum(ss) / static_cast<float>(n) + eps);
-        for (int64_t e = 0; e < n; e += W)
-            vstore(y + r * n + e, vmul(vload(weight + e), vmul(vload(xr + e), vset1(inv))));
+        const float inv = rms_norm_inverse(x + r * n, residual ? residual + r * n : nullptr, n, eps);
+        for (int64_t e = 0; e < n; e += W) vstore(y + r * n + e, rms_norm_at(x + r * n, weight, inv, e));
     }
     return 0;
 }

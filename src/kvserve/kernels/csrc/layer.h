@@ -51,11 +51,14 @@ static inline int layer_qmatmul(int act_quant, const float* x, int64_t rows, int
 
 // A step's matmul with prefill spans: rows [0, decodes) in the configured arithmetic, the spans' rows after them
 // on the bf16 copy (`--prefill-dtype bfloat16`) where there is one.
+// x16: the spans' rows already as bf16 A tiles (gb_rms_norm_rows; x then holds only the decode rows), or null.
 static inline int layer_span_matmul(int act_quant, const float* x, int64_t rows, int64_t decodes, int64_t k,
-                                    const LayerMatrix& m, const LayerMatrix& m16, float* y) {
+                                    const LayerMatrix& m, const LayerMatrix& m16, float* y,
+                                    const uint16_t* x16 = nullptr) {
     if (m16.data == nullptr || decodes >= rows) return layer_qmatmul(act_quant, x, rows, k, m, y);
     const int rc = decodes > 0 ? layer_qmatmul(act_quant, x, decodes, k, m, y) : 0;
-    return rc | gemm_bf16(x + decodes * k, rows - decodes, k, m16.data, m.rows, y + decodes * m.rows, m.rows);
+    return rc | gemm_bf16_any(x16 ? nullptr : x + decodes * k, x16, rows - decodes, k, m16.data, m.rows,
+                              y + decodes * m.rows, m.rows);
 }
 
 // gate_up, then SwiGLU into act [rows, I], as layer_span_matmul splits the rows; the spans' rows on the bf16 copy
@@ -68,6 +71,27 @@ static inline int layer_span_gate_up(int act_quant, const float* x, int64_t rows
     const int rc = decodes > 0 ? layer_qmatmul(act_quant, x, decodes, k, m, gate_up) | swiglu(gate_up, decodes, I, act)
                                : 0;
     return rc | gemm_bf16_swiglu(x + decodes * k, rows - decodes, k, m16.data, I, act + decodes * I, I);
+}
+
+// gate_up -> SwiGLU -> down (y) of a step's rows, split as layer_span_matmul splits them; with act16 (scratch for
+// the spans' rows padded to 32, x I) the spans' SwiGLU goes straight into the down projection's bf16 A tiles
+// (gemm_bf16_swiglu_tiles: the same bits as rounding act's float32 rows, which never reach memory).
+static inline int layer_span_mlp(int act_quant, const float* x, const uint16_t* x16, int64_t rows, int64_t decodes,
+                                 int64_t k, int64_t I, const LayerWeightsDesc& w, float* gate_up, float* act,
+                                 uint16_t* act16, float* y) {
+    if (act16 == nullptr || w.gate_up16.data == nullptr || w.down16.data == nullptr || decodes >= rows || I % 32 != 0) {
+        if (x16 != nullptr) return -2;  // the spans' rows exist only as tiles
+        return layer_span_gate_up(act_quant, x, rows, decodes, k, I, w.gate_up, w.gate_up16, gate_up, act) |
+               layer_span_matmul(act_quant, act, rows, decodes, I, w.down, w.down16, y);
+    }
+    int rc = 0;
+    if (decodes > 0)
+        rc = layer_qmatmul(act_quant, x, decodes, k, w.gate_up, gate_up) | swiglu(gate_up, decodes, I, act) |
+             layer_qmatmul(act_quant, act, decodes, I, w.down, y);
+    const int64_t n = w.down.rows;
+    return rc | gemm_bf16_swiglu_tiles(x16 ? nullptr : x + decodes * k, x16, rows - decodes, k, w.gate_up16.data, I,
+                                       act16) |
+           gemm_bf16_any(nullptr, act16, rows - decodes, I, w.down16.data, n, y + decodes * n, n);
 }
 
 #include "decode_step.h"
@@ -114,13 +138,20 @@ static int layer_forward_spans(const void* desc, int act_quant, float* hidden, i
     float* act = gate_up + T * 2 * I;     // [T, I]
     float* residual = hidden;
     const int64_t Tp = spans.num_spans > 0 ? spans.num_decodes : T;  // rows before the prefill spans'
+    const bool bf16_spans = spans.num_spans > 0 && m.num_layers > 0 && m.layers[0].down16.data != nullptr;
+    const int64_t span_rows_pad = (T - Tp + 31) / 32 * 32;
+    uint16_t* act16 = bf16_spans ? scope.take<uint16_t>(span_rows_pad * I) : nullptr;  // layer_span_mlp
+    uint16_t* x16 = bf16_spans && E % 32 == 0 && I % 32 == 0 ? scope.take<uint16_t>(span_rows_pad * E) : nullptr;  // normed spans
     int rc = 0;
     for (int64_t l = 0; l < m.num_layers && rc == 0; ++l) {
         const LayerWeightsDesc& w = m.layers[l];
         KT* kpool = pool + l * layer_stride;
         KT* vpool = kpool + layer_stride / 2;
-        rc |= rms_norm(residual, l ? delta : nullptr, w.input_norm, T, E, eps, normed);  // residual += delta
-        rc |= layer_span_matmul(act_quant, normed, T, Tp, E, w.qkv, w.qkv16, qkv);
+        // The spans' normed rows straight into bf16 A tiles where every projection they feed has its bf16 copy.
+        uint16_t* n16 = x16 && w.qkv16.data && w.gate_up16.data && w.down16.data ? x16 : nullptr;
+        rc |= n16 ? gb_rms_norm_rows(residual, l ? delta : nullptr, w.input_norm, T, E, eps, Tp, normed, n16)
+                  : rms_norm(residual, l ? delta : nullptr, w.input_norm, T, E, eps, normed);  // residual += delta
+        rc |= layer_span_matmul(act_quant, normed, T, Tp, E, w.qkv, w.qkv16, qkv, n16);
         rc |= rope_kv_write(qkv, T, H, KVH, D, positions, m.rope_cos, m.rope_sin, q, kpool, vpool, slots);
         if (num_groups > 0)
             rc |= cascade_attention(q, Tp, H, KVH, D, kpool, vpool, bs, tables, table_stride, ctx_lens, num_groups,
@@ -133,12 +164,12 @@ static int layer_forward_spans(const void* desc, int act_quant, float* hidden, i
                                     spans.ctx, spans.tables, spans.table_stride, scale, static_cast<int>(m.attention),
                                     attn);
         rc |= layer_span_matmul(act_quant, attn, T, Tp, H * D, w.o, w.o16, other);
-        rc |= rms_norm(other, residual, w.post_attention_norm, T, E, eps, normed);  // other = attended + residual
+        rc |= n16 ? gb_rms_norm_rows(other, residual, w.post_attention_norm, T, E, eps, Tp, normed, n16)
+                  : rms_norm(other, residual, w.post_attention_norm, T, E, eps, normed);  // other = attended + residual
         float* swap = residual;
         residual = other;
         other = swap;
-        rc |= layer_span_gate_up(act_quant, normed, T, Tp, E, I, w.gate_up, w.gate_up16, gate_up, act);
-        rc |= layer_span_matmul(act_quant, act, T, Tp, I, w.down, w.down16, delta);
+        rc |= layer_span_mlp(act_quant, normed, n16, T, Tp, E, I, w, gate_up, act, act16, delta);
     }
     if (rc == 0) rc = rms_norm(residual, m.num_layers ? delta : nullptr, m.final_norm, T, E, eps, out);
     return rc;

@@ -111,6 +111,18 @@ static inline void pf_values_tile(const float* p, int64_t Mp, const KT* const* v
     pf_acc_store(a, acc, m, c0, D);
 }
 
+// Lanes [0, count) of p zeroed (count clamped to [0, W]).
+static inline V pf_zero_below(V p, int64_t count) {
+#if KV_AVX512
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    return _mm512_maskz_mov_ps(_mm512_cmpge_epi32_mask(lane, _mm512_set1_epi32(static_cast<int>(count))), p);
+#else
+    const __m256i lane = _mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0);
+    const __m256i keep = _mm256_cmpgt_epi32(lane, _mm256_set1_epi32(static_cast<int>(count) - 1));
+    return _mm256_and_ps(p, _mm256_castsi256_ps(keep));
+#endif
+}
+
 // Scratch of one thread: every buffer sized for the widest tile (Mp query lanes).
 struct PrefillScratch {
     float* qt;    // [D, Mp] scaled queries, transposed
@@ -257,12 +269,17 @@ static inline void pf_values_tile_pairs(const uint32_t* pp, int64_t Mp, const ui
 #endif
 #endif
 
+// Resets the online-softmax state of all Mp lanes.
+static void pf_reset(PrefillScratch w, int64_t Mp, int64_t D) {
+    for (int64_t m = 0; m < Mp; ++m) { w.mx[m] = -__builtin_inff(); w.sum[m] = 0.0f; }
+    for (int64_t e = 0; e < Mp * D; e += W) vstore(w.acc + e, vzero());
+}
+
 // Zeroes the padded query lanes [M, Mp) and resets the online-softmax state of all Mp lanes.
 static void pf_begin(PrefillScratch w, int64_t M, int64_t Mp, int64_t D) {
     for (int64_t d = 0; d < D; ++d)
         for (int64_t m = M; m < Mp; ++m) w.qt[d * Mp + m] = 0.0f;
-    for (int64_t m = 0; m < Mp; ++m) { w.mx[m] = -__builtin_inff(); w.sum[m] = 0.0f; }
-    for (int64_t e = 0; e < Mp * D; ++e) w.acc[e] = 0.0f;
+    pf_reset(w, Mp, D);
 }
 
 // Query lane m <- src (D floats) x scale, into the transposed tile.
@@ -270,7 +287,29 @@ static inline void pf_put_query(PrefillScratch w, int64_t Mp, int64_t D, int64_t
     for (int64_t d = 0; d < D; ++d) w.qt[d * Mp + m] = src[d] * scale;
 }
 
-// The max / sum over a step's n keys (rows of s, stride Mp) of nv <= PF_LANE_VECTORS adjacent query vectors: keys
+// Lanes [0, M) of the transposed tile <- row(m) (D floats each) x scale, and lanes [M, Mp) <- 0: pf_begin's
+// padding and pf_put_query's products (the same bits), 16 x 16 blocks through one transpose where AVX-512 has
+// it -- the lane-by-lane stores with a stride of Mp floats were ~7% of a 2,048-token prefill's attention (perf).
+template <typename Row>
+static inline void pf_put_queries(PrefillScratch w, int64_t M, int64_t Mp, int64_t D, float scale, Row row) {
+#if KV_AVX512
+    const V sc = vset1(scale);
+    for (int64_t m0 = 0; m0 < Mp; m0 += W)
+        for (int64_t d0 = 0; d0 < D; d0 += W) {
+            __m512i r[W];
+            for (int64_t i = 0; i < W; ++i)
+                r[i] = m0 + i < M ? _mm512_castps_si512(vmul(vload(row(m0 + i) + d0), sc)) : _mm512_setzero_si512();
+            transpose16_dwords(r);
+            for (int64_t i = 0; i < W; ++i) vstore(w.qt + (d0 + i) * Mp + m0, _mm512_castsi512_ps(r[i]));
+        }
+#else
+    for (int64_t d = 0; d < D; ++d)
+        for (int64_t m = M; m < Mp; ++m) w.qt[d * Mp + m] = 0.0f;
+    for (int64_t m = 0; m < M; ++m) pf_put_query(w, Mp, D, m, row(m), scale);
+#endif
+}
+
+// The max over a step's n keys (rows of s, stride Mp) of nv <= PF_LANE_VECTORS adjacent query vectors: keys
 // outer, vectors inner, so the nv dependency chains (4-cycle vmax / vadd) run side by side -- one chain at a
 // time was most of the softmax's time (perf, 2,048-token prefill). Each lane sees its keys in the same order as
 // one chain would: the same bits.
@@ -280,10 +319,24 @@ static inline void pf_lane_max(const float* s, int64_t Mp, int64_t n, int64_t nv
     for (int64_t r = 1; r < n; ++r)
         for (int64_t v = 0; v < nv; ++v) out[v] = vmax(out[v], vload(s + r * Mp + v * W));
 }
-static inline void pf_lane_sum(const float* s, int64_t Mp, int64_t n, int64_t nv, V* out) {
-    for (int64_t v = 0; v < nv; ++v) out[v] = vzero();
-    for (int64_t r = 0; r < n; ++r)
-        for (int64_t v = 0; v < nv; ++v) out[v] = vadd(out[v], vload(s + r * Mp + v * W));
+
+// Query vector v's probabilities of the step's n keys: s <- exp(s - max) (w.mx, already this step's), their sum
+// folded into w.sum (w.sum x corr + the step's sum) -- one pass where an exp pass and a sum pass each read s.
+// Each lane sums its keys in order from 0, as the separate pass did: the same bits (the add chain hides behind
+// each key's exp, so one vector at a time suffices here, unlike pf_lane_max). MASKED: key r's lanes below
+// hidden0 + r * G are the causal mask's, exactly 0 (the exp clamps -inf to ~1e-38).
+template <bool MASKED>
+static inline void pf_lane_exp(PrefillScratch w, int64_t Mp, int64_t n, int64_t v, int64_t hidden0, int64_t G) {
+    const V neg = vmul(vload(w.mx + v * W), vset1(-1.0f));
+    V total = vzero();
+    for (int64_t r = 0; r < n; ++r) {
+        float* s = w.s + r * Mp + v * W;
+        V p = vexp(vadd(vload(s), neg));
+        if (MASKED) p = pf_zero_below(p, hidden0 + r * G - v * W);
+        vstore(s, p);
+        total = vadd(total, p);
+    }
+    vstore(w.sum + v * W, vfma(vload(w.sum + v * W), vload(w.corr + v * W), total));
 }
 
 // How the products run: float32 FMAs (ATTN_F32, or ATTN_BF16 on the rounded values), AVX512-BF16 pair dot
@@ -405,19 +458,10 @@ static void pf_attend(PrefillScratch w, int64_t Mp, int64_t D, int64_t G, const 
                 // mnew is finite (see above); the first step's correction exp(-inf) clamps to ~1e-38, times 0.
                 vstore(w.corr + v * W, vexp(vadd(mold, neg)));
                 vstore(w.mx + v * W, mnew);
-                for (int64_t r = 0; r < n; ++r)
-                    vstore(w.s + r * Mp + v * W, vexp(vadd(vload(w.s + r * Mp + v * W), neg)));
             }
-        }
-        if (masked)  // exp clamps -inf to a tiny positive number: masked probabilities become exactly 0
-            for (int64_t r = 0; r < n; ++r)
-                for (int64_t m = 0, lim = (k0 + r - first) * G; m < lim; ++m) w.s[r * Mp + m] = 0.0f;
-        for (int64_t v0 = 0; v0 < MV; v0 += PF_LANE_VECTORS) {
-            const int64_t nv = MV - v0 < PF_LANE_VECTORS ? MV - v0 : PF_LANE_VECTORS;
-            V total[PF_LANE_VECTORS];
-            pf_lane_sum(w.s + v0 * W, Mp, n, nv, total);
             for (int64_t v = v0; v < v0 + nv; ++v)
-                vstore(w.sum + v * W, vfma(vload(w.sum + v * W), vload(w.corr + v * W), total[v - v0]));
+                if (masked) pf_lane_exp<true>(w, Mp, n, v, (k0 - first) * G, G);
+                else pf_lane_exp<false>(w, Mp, n, v, 0, G);
         }
         pf_step_values(w, Mp, D, vrow, n, prod, route);
     }
@@ -429,9 +473,8 @@ static void prefill_tile(const float* q, int64_t H, int64_t KVH, int64_t D, int6
                          const KT* vpool, int64_t bs, const int64_t* table, int64_t row0, int64_t nq,
                          int64_t first, int64_t g, float scale, int prod, PrefillScratch w, float* out) {
     const int64_t M = nq * G, Mp = (M + W - 1) / W * W, DV = D / W;
-    pf_begin(w, M, Mp, D);
-    for (int64_t t = 0; t < nq; ++t)
-        for (int64_t j = 0; j < G; ++j) pf_put_query(w, Mp, D, t * G + j, q + ((row0 + t) * H + g * G + j) * D, scale);
+    pf_reset(w, Mp, D);
+    pf_put_queries(w, M, Mp, D, scale, [&](int64_t m) { return q + ((row0 + m / G) * H + g * G + m % G) * D; });
     pf_attend(w, Mp, D, G, kpool, vpool, KVH, g, bs, table, 0, first + nq, first, prod);
     for (int64_t m = 0; m < M; ++m) {
         float* o = out + ((row0 + m / G) * H + g * G + m % G) * D;
