@@ -121,12 +121,18 @@ static void pa_values(PrefillScratch w, int64_t Mp, int64_t D, const KT* const* 
                 for (int64_t j = 0; j < PA; ++j)
                     _mm512_storeu_si512(w.pp + (part * Mp + c * PA + j) * PA_PAIRS + p * PA, r[j]);
             }
-    for (int64_t m = 0; m < Mp; ++m) {  // a row whose max held (most, once its first keys are in) keeps its acc
-        if (w.corr[m] == 1.0f) continue;
-        const V cr = vset1(w.corr[m]);
-        for (int64_t e = 0; e < D; e += W) vstore(w.acc + m * D + e, vmul(vload(w.acc + m * D + e), cr));
-    }
-    for (int64_t c = 0; c < nq; ++c)
+    // acc rows x corr, one query tile's 16 rows ahead of the tiles that load them (a tile load right after vector
+    // stores to its rows waits for them); a row whose max held (most, once its first keys are in) keeps its acc.
+    const auto rescale = [&](int64_t c) {
+        for (int64_t m = c * PA; m < (c + 1) * PA; ++m) {
+            if (w.corr[m] == 1.0f) continue;
+            const V cr = vset1(w.corr[m]);
+            for (int64_t e = 0; e < D; e += W) vstore(w.acc + m * D + e, vmul(vload(w.acc + m * D + e), cr));
+        }
+    };
+    rescale(0);
+    for (int64_t c = 0; c < nq; ++c) {
+        if (c + 1 < nq) rescale(c + 1);
         for (int64_t d = 0; d < nd; d += 2) {
             const bool two = d + 1 < nd;
             float* out = w.acc + c * PA * D + d * PA;
@@ -144,4 +150,5 @@ static void pa_values(PrefillScratch w, int64_t Mp, int64_t D, const KT* const* 
             _tile_stored(4, out, D * 4);
             if (two) _tile_stored(5, out + PA, D * 4);
         }
+    }
 }
