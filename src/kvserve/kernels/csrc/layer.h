@@ -142,6 +142,10 @@ static int layer_forward_spans(const void* desc, int act_quant, float* hidden, i
     const int64_t span_rows_pad = (T - Tp + 31) / 32 * 32;
     uint16_t* act16 = bf16_spans ? scope.take<uint16_t>(span_rows_pad * I) : nullptr;  // layer_span_mlp
     uint16_t* x16 = bf16_spans && E % 32 == 0 && I % 32 == 0 ? scope.take<uint16_t>(span_rows_pad * E) : nullptr;  // normed spans
+    // The spans' attention outputs as the o projection's A tiles (prefill.h's PrefillOut); padding rows zeroed once.
+    uint16_t* attn16 = bf16_spans && D % 32 == 0 ? scope.take<uint16_t>(span_rows_pad * H * D) : nullptr;
+    if (attn16 != nullptr)
+        for (int64_t e = (T - Tp) * H * D; e < span_rows_pad * H * D; ++e) attn16[e] = 0;
     int rc = 0;
     for (int64_t l = 0; l < m.num_layers && rc == 0; ++l) {
         const LayerWeightsDesc& w = m.layers[l];
@@ -159,11 +163,12 @@ static int layer_forward_spans(const void* desc, int act_quant, float* hidden, i
                                     static_cast<int>(m.attention), attn);
         else if (Tp > 0)
             rc |= paged_attention(q, Tp, H, KVH, D, kpool, vpool, bs, tables, table_stride, ctx_lens, scale, attn);
+        uint16_t* o16 = w.o16.data ? attn16 : nullptr;
         if (spans.num_spans > 0)
             rc |= prefill_attention(q, H, KVH, D, kpool, vpool, bs, spans.num_spans, spans.start, spans.len,
                                     spans.ctx, spans.tables, spans.table_stride, scale, static_cast<int>(m.attention),
-                                    attn);
-        rc |= layer_span_matmul(act_quant, attn, T, Tp, H * D, w.o, w.o16, other);
+                                    PrefillOut(attn, o16, Tp));
+        rc |= layer_span_matmul(act_quant, attn, T, Tp, H * D, w.o, w.o16, other, o16);
         rc |= n16 ? gb_rms_norm_rows(other, residual, w.post_attention_norm, T, E, eps, Tp, normed, n16)
                   : rms_norm(other, residual, w.post_attention_norm, T, E, eps, normed);  // other = attended + residual
         float* swap = residual;

@@ -484,27 +484,51 @@ static void pf_attend(PrefillScratch w, int64_t Mp, int64_t D, int64_t G, const 
 }
 
 // One task: tokens [row0, row0 + nq) of a span at positions first..first+nq-1, KV head g, keys 0..first+nq-1.
+// Where prefill_attention's outputs go: out [T, H, D] float32, or (tiles non-null, the AVX-512 build) the next
+// GEMM's bf16 A tiles (gemm_bf16.h's layout, k = H * D, rows counted from row_base) -- rounded to nearest even as
+// gb_round_rows would round the float32 rows: the same bits, without them in memory.
+struct PrefillOut {
+    float* out;
+    uint16_t* tiles;
+    int64_t row_base;
+    PrefillOut(float* o, uint16_t* t = nullptr, int64_t base = 0) : out(o), tiles(t), row_base(base) {}
+};
+
+// Query lane m's normalised output (acc row m / sum) of token row `row`, head h, into `o`.
+static inline void pf_emit(PrefillScratch w, int64_t m, int64_t D, int64_t H, int64_t row, int64_t h,
+                           const PrefillOut& o) {
+    const V inv = vset1(1.0f / w.sum[m]);
+#if KV_AVX512 && KV_HAS_BF16
+    if (o.tiles != nullptr) {
+        const int64_t nb = H * D / 32, r = row - o.row_base;
+        for (int64_t e = 0; e < D; e += 32)
+            _mm512_store_si512(o.tiles + ((r / 16) * nb + (h * D + e) / 32) * 512 + (r % 16) * 32,
+                               (__m512i)_mm512_cvtne2ps_pbh(vmul(vload(w.acc + m * D + e + 16), inv),
+                                                            vmul(vload(w.acc + m * D + e), inv)));
+        return;
+    }
+#endif
+    float* dst = o.out + (row * H + h) * D;
+    for (int64_t e = 0; e < D; e += W) vstore(dst + e, vmul(vload(w.acc + m * D + e), inv));
+}
+
 template <typename KT>
 static void prefill_tile(const float* q, int64_t H, int64_t KVH, int64_t D, int64_t G, const KT* kpool,
                          const KT* vpool, int64_t bs, const int64_t* table, int64_t row0, int64_t nq,
-                         int64_t first, int64_t g, float scale, int prod, PrefillScratch w, float* out) {
-    const int64_t M = nq * G, Mp = (M + W - 1) / W * W, DV = D / W;
+                         int64_t first, int64_t g, float scale, int prod, PrefillScratch w, const PrefillOut& out) {
+    const int64_t M = nq * G, Mp = (M + W - 1) / W * W;
     pf_reset(w, Mp, D);
     pf_put_queries(w, M, Mp, D, scale, [&](int64_t m) { return q + ((row0 + m / G) * H + g * G + m % G) * D; });
     pf_attend(w, Mp, D, G, kpool, vpool, KVH, g, bs, table, 0, first + nq, first, prod);
-    for (int64_t m = 0; m < M; ++m) {
-        float* o = out + ((row0 + m / G) * H + g * G + m % G) * D;
-        const V inv = vset1(1.0f / w.sum[m]);
-        for (int64_t e = 0; e < DV; ++e) vstore(o + e * W, vmul(vload(w.acc + m * D + e * W), inv));
-    }
+    for (int64_t m = 0; m < M; ++m) pf_emit(w, m, D, H, row0 + m / G, g * G + m % G, out);
 }
 
 template <typename KT>
 static int prefill_attention(const float* q, int64_t H, int64_t KVH, int64_t D, const KT* kpool,
                              const KT* vpool, int64_t bs, int64_t num_spans, const int64_t* span_start,
                              const int64_t* span_len, const int64_t* span_ctx, const int64_t* tables,
-                             int64_t table_stride, float scale, int prod, float* out) {
-    if (D % W != 0 || H % KVH != 0) return -2;
+                             int64_t table_stride, float scale, int prod, const PrefillOut& out) {
+    if (D % W != 0 || H % KVH != 0 || (out.tiles != nullptr && D % 32 != 0)) return -2;
     if (prod != ATTN_F32 && (prod != ATTN_BF16 || sizeof(KT) != 2)) return -5;  // bf16 products: a bf16 pool
     const int64_t G = H / KVH, QT = PREFILL_TILE_TOKENS;
     const int64_t Mp = (QT * G + W - 1) / W * W;
