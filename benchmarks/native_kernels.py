@@ -302,17 +302,40 @@ def _paired_ratios(samples: dict[str, dict[str, list[float]]], names: tuple[str,
             "\n\n" + markdown_table(["", "prefill 512", "prefill 2048"], rows))
 
 
+def _peer_ratios(samples: dict[str, dict[str, list[float]]], names: tuple[str, ...],
+                 peer: str = "transformers bf16") -> str:
+    """Each kvserve variant's tok/s over `peer`'s, round by round (the two ran in the same round): a round in
+    which one of them ran slow moves one ratio, not the medians' quotient."""
+    if peer not in samples:
+        return ""
+    rows = []
+    for name in names:
+        cells = []
+        for key in ("prefill512", "prefill2048"):
+            ratios = [a / b for a, b in zip(samples[name][key], samples[peer][key], strict=True)]
+            cells.append(f"{statistics.median(ratios):.2f} ({' / '.join(f'{r:.2f}' for r in ratios)})")
+        rows.append([name, *cells])
+    return (f"\n\n÷ {peer}, round by round (median (each round)):\n\n"
+            + markdown_table(["", "prefill 512", "prefill 2048"], rows))
+
+
 def prefill_only(args: argparse.Namespace, workloads: dict) -> None:
     """Prefill 512 / 2,048 for kvserve (exact and int8) and transformers fp32 and bf16, `args.rounds` rounds
     interleaved runner by runner (medians), then the seed's example; to results/kernels_prefill.md."""
     names = ("kvserve native Q4_1", "kvserve native Q4_1 int8", FAST) + ((BF16_PREFILL,) * (BF16_PREFILL in VARIANTS))
+    if args.variants:  # fewer runners: on this VM a run of many processes shows more slow rounds
+        unknown = sorted(set(args.variants) - set(names))
+        if unknown:
+            raise SystemExit(f"--variants: unknown {unknown}; choose from {list(names)}")
+        names = tuple(name for name in names if name in args.variants)
     runners: list = [KvserveRunner(name, VARIANTS[name]) for name in names]
     if args.before_src:  # the same variants from another checkout's sources (source_ab.py), same threads
         from source_ab import SourceRunner
 
         runners += [SourceRunner(f"{name} (before)", args.before_src, VARIANTS[name], torch.get_num_threads())
                     for name in names]
-    runners += [HFRunner(torch.float32)] + ([] if args.skip_hf_bf16 else [HFRunner(torch.bfloat16)])
+    runners += ([] if args.skip_hf_fp32 else [HFRunner(torch.float32)]) + ([] if args.skip_hf_bf16 else
+                                                                            [HFRunner(torch.bfloat16)])
     loads = [load_average()]
     samples: dict[str, dict[str, list[float]]] = {r.name: {"prefill512": [], "prefill2048": []} for r in runners}
     for runner in runners:
@@ -335,8 +358,8 @@ def prefill_only(args: argparse.Namespace, workloads: dict) -> None:
         if hasattr(runner, "close"):
             runner.close()
     del runners
-    seeds = {name: seed_example(VARIANTS[name], workloads, 3) for name in ("kvserve native Q4_1", *names[2:])}
-    table = (markdown_table(header, rows) + _paired_ratios(samples, names)
+    seeds = {name: seed_example(VARIANTS[name], workloads, 3) for name in names if name != "kvserve native Q4_1 int8"}
+    table = (markdown_table(header, rows) + _peer_ratios(samples, names) + _paired_ratios(samples, names)
              + "\n\nThe seed's example, one-token request wall seconds (medians of 3; target: cached ≤ 1.2 × "
              "fresh):\n\n"
              + markdown_table(["", "cold 2,000 tokens", "2,000 with 1,900 cached", "fresh 100 tokens",
@@ -530,6 +553,8 @@ def main() -> None:
     parser.add_argument("--prefill-only", action="store_true",
                         help="prefill 512 / 2,048 and the seed's example only, every runner (a quick paired run)")
     parser.add_argument("--rounds", type=int, default=3, help="with --prefill-only: rounds")
+    parser.add_argument("--variants", nargs="+", metavar="NAME", help="with --prefill-only: only these kvserve runners")
+    parser.add_argument("--skip-hf-fp32", action="store_true", help="with --prefill-only: no transformers fp32")
     parser.add_argument("--decode-only", type=int, metavar="ROUNDS", help="single-request decode only")
     parser.add_argument("--before", metavar="REV", help="with --decode-only: also the kernels of git REV")
     parser.add_argument("--out", default="kernels", metavar="NAME",

@@ -25,7 +25,8 @@ ORDER = [
     "kernels_zen4_prefetch", "long_decode", "batch_decode", "kernels_zen4_bf16attn_prefill",
     "kernels_zen4_avx2_decode", "kernels_zen4_avx2", "isa_pairing", "kernels_amx_bf16attn",
     "kernels_amx_bf16attn_prefill", "kernels_amx_bf16attn_final_prefill", "batch_decode_amx_fresh",
-    "batch_decode_amx_pair", "kernels_amx_bf16prefill_prefill", "batch_decode_amx_bf16prefill", "batch_decode_amx_fp8",
+    "batch_decode_amx_pair", "kernels_amx_bf16prefill_prefill", "kernels_amx_bf16prefill_pair_prefill",
+    "batch_decode_amx_bf16prefill", "batch_decode_amx_fp8",
     "perplexity",
     "kernels_amx", "configs", "configs_amx", "configs_amx_kv", "amx",
     "amx_exact", "kernels_prefill", "kernels_amx_prefill", "membw", "kernels_decode", "decode_step",
@@ -110,7 +111,11 @@ SCRIPTS = {
                                                "--out", "batch_decode_amx_pair"]),
     # bf16 prefill matmuls on AMX tiles (--prefill-dtype bfloat16; on a CPU with AMX-BF16)
     "kernels_amx_bf16prefill_prefill": ("native_kernels",
-                                        ["--prefill-only", "--rounds", "3", "--out", "kernels_amx_bf16prefill"]),
+                                        ["--prefill-only", "--rounds", "5", "--out", "kernels_amx_bf16prefill"]),
+    # the same, only the fastest configuration beside transformers bf16: fewer processes, steadier rounds
+    "kernels_amx_bf16prefill_pair_prefill": ("native_kernels", [
+        "--prefill-only", "--rounds", "7", "--out", "kernels_amx_bf16prefill_pair", "--variants",
+        "kvserve native Q4_1 int8, bf16 KV + attention + prefill", "--skip-hf-fp32"]),
     "batch_decode_amx_bf16prefill": ("batch_decode", ["--batches", "32", "--rounds", "5", "--kvserve",
                                                       "kvserve native Q4_1 int8, bf16 KV + prefill", "--no-llama-cpp",
                                                       "--out", "batch_decode_amx_bf16prefill"]),
@@ -231,9 +236,13 @@ round's prefill counted (2026-12-06), 2.35x transformers bf16 (5 paired rounds);
 against transformers' 13.447 and llama.cpp's 13.466 (sections "... (kernels_amx_bf16attn)" and the three after
 it). Since 2026-12-06 **`--prefill-dtype bfloat16`** runs the prompts' matmuls as bf16 products on AMX
 tiles (a bf16 copy of the weights; decode rows keep their arithmetic): with int8 activations and bf16 KV +
-attention, **prefill 5,097 / 3,792 tok/s, 1.73x / 1.33x transformers bf16** at 512 / 2,048 tokens (3 paired
+attention, prefill 5,097 / 3,792 tok/s, 1.73x / 1.33x transformers bf16 at 512 / 2,048 tokens (3 paired
 rounds), batch 32 **2.64x transformers bf16** (5 paired rounds; 3x not met), perplexity 13.442 (sections "...
-(kernels_amx_bf16prefill_prefill)", "... (batch_decode_amx_bf16prefill)" and the perplexity section).
+(kernels_amx_bf16prefill_prefill)", "... (batch_decode_amx_bf16prefill)" and the perplexity section). Later
+that day the norms, SwiGLU and attention wrote the prompts' rows straight into the GEMMs' bf16 tiles and the
+softmax lost a pass (the same bits; 1.15x at 2,048 tokens by 7 paired rounds against the code before): **prefill
+2.01x / 1.90x transformers bf16** at 512 / 2,048 (1.60-2.17x / 1.77-2.00x by round, the two runners alone;
+section "... (kernels_amx_bf16prefill_pair_prefill)"; 2.09x / 1.78x by the medians of a six-runner run).
 Since 2026-12-06 **`--kv-cache-dtype fp8`** (vLLM's name) stores keys and values as e4m3fn: four times
 float32's cached tokens (twice bf16's) in the same memory, decode after 1,900 tokens 1.12x bf16's and 1.52x
 float32's, perplexity 13.66 against 13.44 (section "KV cache dtype"); batch 32 in the fastest configuration
