@@ -218,8 +218,11 @@ static inline void da_prefetch(const KT* const* rows, int64_t off, int64_t len) 
 template <typename KT>
 static inline void da_prefetch_tokens(const int64_t* table, int64_t bs, int64_t kstride, const KT* pool,
                                       int64_t tok, int64_t n, int64_t off, int64_t len) {
-    for (int64_t i = 0; i < n; ++i)
-        da_prefetch_row(pool + (table[(tok + i) / bs] * bs + (tok + i) % bs) * kstride + off, len);
+    if (n <= 0) return;
+    for (int64_t i = 0, blk = tok / bs, in_blk = tok % bs; i < n; ++i) {  // no division per token (as da_rows)
+        da_prefetch_row(pool + (table[blk] * bs + in_blk) * kstride + off, len);
+        if (++in_blk == bs) { in_blk = 0; ++blk; }
+    }
 }
 
 // One tile's scores of the M queries in w.qs (query m of KV head g0 + m / G) into w.s at key offset k: over a
