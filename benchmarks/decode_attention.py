@@ -91,6 +91,7 @@ def main() -> None:
     parser.add_argument("--max-pool-gib", type=float, default=1.0, help="skip cases whose 30 pools exceed this")
     parser.add_argument("--kv-dtypes", default="float32", help=f"comma-separated, of {', '.join(KV_DTYPES)}")
     parser.add_argument("--write", action="store_true", help="write benchmarks/results/decode_attention.md")
+    parser.add_argument("--out", metavar="NAME", help="with --write: results/NAME.md instead")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     notes = [f"Load average (1 / 5 / 15 min) before: {load_average()}."]
@@ -125,7 +126,7 @@ def main() -> None:
     table = markdown_table(header, rows_out)
     print(table)
     if args.write:
-        name = "decode_attention" + ("" if args.kv_dtypes == "float32" else "_kv_dtypes")
+        name = args.out or "decode_attention" + ("" if args.kv_dtypes == "float32" else "_kv_dtypes")
         write_result(name, "Paged decode attention alone (CPU ms per decode step, 30 layers)", table, " ".join(notes))
 
 
