@@ -152,11 +152,16 @@ def test_layer_loop_matches_python_loop_and_twin(tiny_model_dir, activation_quan
     bf16_model = model(prefill_dtype="bfloat16")
     native = run_steps(bf16_model, prompts, 16, steps=3)
     assert len(calls) == 8
-    bf16_model.layer_loop = None
+    loop, bf16_model.layer_loop = bf16_model.layer_loop, None
     python = run_steps(bf16_model, prompts, 16, steps=3)
     twin_kernels = Kernels.create("torch", activation_quant=activation_quant, prefill_dtype="bfloat16")
     twin = run_steps(quantized_tiny_llama(tiny_model_dir, twin_kernels), prompts, 16, steps=3)
     float32 = run_steps(model(), prompts, 16, steps=3)
+    together = run_steps(bf16_model, prompts, 16, steps=1, together=3)  # three prefill spans in one step
+    bf16_model.layer_loop, before = loop, len(calls)
+    assert all(torch.equal(a, b) for a, b in zip(run_steps(bf16_model, prompts, 16, steps=1, together=3), together,
+                                                 strict=True))
+    assert len(calls) == before + 4  # the loop ran those steps
     gaps = []
     for ours, theirs, oracle, plain in zip(native, python, twin, float32, strict=True):
         scale = theirs.abs().max()

@@ -111,9 +111,10 @@ def stub_request(prompt: list[int], block_table: list[int]) -> SimpleNamespace:
 
 
 def run_steps(model: LlamaModel, prompts: list[list[int]], block_size: int, steps: int,
-              pool_dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+              pool_dtype: torch.dtype = torch.float32, together: int = 1) -> list[torch.Tensor]:
     """Prompt i prefills in step i beside the decodes of prompts before it (mixed steps), then all decode
-    together greedily; the logits of every step."""
+    together greedily; the logits of every step. `together` > 1: the first `together` prompts prefill in the
+    first step (several prefill spans in one step)."""
     config = model.config
     pool = KVPool(KVPoolShape(config.num_layers, 64, block_size, config.num_kv_heads, config.head_dim),
                   pool_dtype, "cpu")
@@ -124,7 +125,7 @@ def run_steps(model: LlamaModel, prompts: list[list[int]], block_size: int, step
         needed = -(-(len(prompt) + len(prompts) + steps) // block_size)
         table, blocks = blocks[:needed], blocks[needed:]
         requests.append(stub_request(prompt, table))
-    schedule = [requests[: i + 1] for i in range(len(requests))] + [requests] * steps
+    schedule = [requests[: i + 1] for i in range(together - 1, len(requests))] + [requests] * steps
     all_logits = []
     for step in schedule:
         scheduled = [ScheduledRequest(r, r.num_tokens - r.num_computed_tokens) for r in step]
