@@ -200,45 +200,15 @@ static int gemm_bf16(const float* x, int64_t rows, int64_t k, const uint8_t* w, 
 // The gate_up projection fused with SwiGLU: act[r, j] = silu(g) * u for g, u = bf16(x) @ W.T's columns j and
 // I + j (W: the packed [2I, k] gate_up rows, I a multiple of 16, so gate tile t and up tile I/16 + t pair up
 // as one panel). The epilogue is fused.h's swiglu on the same floats (the result equals gemm_bf16 then swiglu),
-// and the 2I-wide product never reaches memory.
-static inline void gb_swiglu_tile(const float* g, const float* u, int64_t live_rows, float* act, int64_t astride) {
-    const V one = vset1(1.0f);
-    for (int64_t r = 0; r < live_rows; ++r) {
-        const V x = vload(g + r * 16);
-        const V e = vexp(vsub(vzero(), x));
-        vstore(act + r * astride, vmul(vdiv(x, vadd(one, e)), vload(u + r * 16)));
-    }
-}
-
-// gb_swiglu_tile's values rounded to bf16 (nearest even, as gb_round_rows) straight into the A tiles of the
-// down projection's input (I inputs: tile t's 16 columns are half t % 2 of k block t / 2), rows r0.. of a group.
-static inline void gb_swiglu_tile_bf16(const float* g, const float* u, int64_t live_rows, uint16_t* tiles,
-                                       int64_t r0, int64_t t, int64_t nbI) {
-    const V one = vset1(1.0f);
-    uint16_t* base = tiles + ((r0 / 16) * nbI + t / 2) * 512 + (t % 2) * 16;
-    for (int64_t r = 0; r < live_rows; ++r) {
-        const V x = vload(g + r * 16);
-        const V e = vexp(vsub(vzero(), x));
-        const __m256bh b = _mm512_cvtneps_pbh(vmul(vdiv(x, vadd(one, e)), vload(u + r * 16)));
-        __m256i bits;
-        __builtin_memcpy(&bits, &b, sizeof bits);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(base + (r0 % 16 + r) * 32), bits);
-    }
-}
-
-// gemm_bf16_swiglu with act as the down projection's A tiles (I a multiple of 32; rows padded to 32, the padding
-// zeroed here): gemm_bf16_swiglu then gb_round_rows, the same bits, without act's float32 rows in memory.
-static int gemm_bf16_swiglu_tiles(const float* x, const uint16_t* xb, int64_t rows, int64_t k, const uint8_t* w,
-                                  int64_t I, uint16_t* act_tiles) {
-    if (!kv_bf16_gemm_on()) return -6;
-    if (rows <= 0) return 0;
-    if (k % 32 != 0 || I <= 0 || I % 32 != 0) return -2;
-    const int64_t nb = k / 32, tiles = I / 16, nbI = I / 32, rows_pad = (rows + 31) / 32 * 32;
-    for (int64_t r = rows; r < rows_pad; ++r)
-        for (int64_t b = 0; b < nbI; ++b)
-            _mm512_storeu_si512(act_tiles + ((r / 16) * nbI + b) * 512 + (r % 16) * 32, _mm512_setzero_si512());
+// and the 2I-wide product never reaches memory. `sink(row r, its 16 values)` takes each live row of a C tile
+// pair: act's float32 row (gemm_bf16_swiglu) or, rounded, the down projection's A tiles (gemm_bf16_swiglu_tiles).
+template <typename Sink>
+static int gb_swiglu_run(const float* x, const uint16_t* xb, int64_t rows, int64_t k, const uint8_t* w, int64_t I,
+                         Sink sink) {
+    const int64_t nb = k / 32, tiles = I / 16;
     const auto panel = [&](int64_t t) { return GbPanel{w + t * nb * 1024, w + (tiles + t) * nb * 1024}; };
     const auto epilogue = [&](int64_t t, int64_t r0, float* acc) {
+        const V one = vset1(1.0f);
         for (int half = 0; half < 2; ++half) {
             const int64_t first = r0 + 16 * half;
             if (first >= rows) break;
@@ -250,7 +220,10 @@ static int gemm_bf16_swiglu_tiles(const float* x, const uint16_t* xb, int64_t ro
                 _tile_stored(3, acc + 256, 64);
             }
             const int64_t live = rows - first < 16 ? rows - first : 16;
-            gb_swiglu_tile_bf16(acc, acc + 256, live, act_tiles, first, t, nbI);
+            for (int64_t r = 0; r < live; ++r) {  // gate in acc, up in acc + 256
+                const V g = vload(acc + r * 16), e = vexp(vsub(vzero(), g));
+                sink(first + r, t, vmul(vdiv(g, vadd(one, e)), vload(acc + 256 + r * 16)));
+            }
         }
     };
     if (xb != nullptr) return gb_run_tiles(xb, rows, k, tiles, panel, epilogue);
@@ -262,23 +235,29 @@ static int gemm_bf16_swiglu(const float* x, int64_t rows, int64_t k, const uint8
     if (!kv_bf16_gemm_on()) return -6;
     if (rows <= 0) return 0;
     if (k % 32 != 0 || I <= 0 || I % 16 != 0 || astride < I) return -2;
-    const int64_t nb = k / 32, tiles = I / 16;
-    return gb_run(x, rows, k, tiles, [&](int64_t t) {  // gate tile t, up tile tiles + t
-        return GbPanel{w + t * nb * 1024, w + (tiles + t) * nb * 1024};
-    }, [&](int64_t t, int64_t r0, float* acc) {
-        for (int half = 0; half < 2; ++half) {
-            const int64_t first = r0 + 16 * half;
-            if (first >= rows) break;
-            if (half == 0) {
-                _tile_stored(0, acc, 64);
-                _tile_stored(1, acc + 256, 64);
-            } else {
-                _tile_stored(2, acc, 64);
-                _tile_stored(3, acc + 256, 64);
-            }
-            const int64_t live = rows - first < 16 ? rows - first : 16;
-            gb_swiglu_tile(acc, acc + 256, live, act + first * astride + 16 * t, astride);
-        }
+    return gb_swiglu_run(x, nullptr, rows, k, w, I,
+                         [&](int64_t r, int64_t t, V v) { vstore(act + r * astride + 16 * t, v); });
+}
+
+// gemm_bf16_swiglu with act as the down projection's A tiles (x as float32 rows or, xb, A tiles already; I a
+// multiple of 32; rows padded to 32, the padding zeroed here): each value rounded to bf16 as gb_round_rows
+// rounds (nearest even) -- gemm_bf16_swiglu then gb_round_rows, the same bits, without act's float32 rows.
+// Tile t's 16 columns are half t % 2 of the A tiles' k block t / 2.
+static int gemm_bf16_swiglu_tiles(const float* x, const uint16_t* xb, int64_t rows, int64_t k, const uint8_t* w,
+                                  int64_t I, uint16_t* act_tiles) {
+    if (!kv_bf16_gemm_on()) return -6;
+    if (rows <= 0) return 0;
+    if (k % 32 != 0 || I <= 0 || I % 32 != 0) return -2;
+    const int64_t nbI = I / 32, rows_pad = (rows + 31) / 32 * 32;
+    for (int64_t r = rows; r < rows_pad; ++r)
+        for (int64_t b = 0; b < nbI; ++b)
+            _mm512_storeu_si512(act_tiles + ((r / 16) * nbI + b) * 512 + (r % 16) * 32, _mm512_setzero_si512());
+    return gb_swiglu_run(x, xb, rows, k, w, I, [&](int64_t r, int64_t t, V v) {
+        const __m256bh b = _mm512_cvtneps_pbh(v);
+        __m256i bits;
+        __builtin_memcpy(&bits, &b, sizeof bits);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(act_tiles + ((r / 16) * nbI + t / 2) * 512 + (r % 16) * 32 +
+                                                       (t % 2) * 16), bits);
     });
 }
 #undef GB_STORE

@@ -141,7 +141,8 @@ static int layer_forward_spans(const void* desc, int act_quant, float* hidden, i
     const bool bf16_spans = spans.num_spans > 0 && m.num_layers > 0 && m.layers[0].down16.data != nullptr;
     const int64_t span_rows_pad = (T - Tp + 31) / 32 * 32;
     uint16_t* act16 = bf16_spans ? scope.take<uint16_t>(span_rows_pad * I) : nullptr;  // layer_span_mlp
-    uint16_t* x16 = bf16_spans && E % 32 == 0 && I % 32 == 0 ? scope.take<uint16_t>(span_rows_pad * E) : nullptr;  // normed spans
+    // The spans' normed rows as the qkv and gate_up projections' A tiles (gb_rms_norm_rows).
+    uint16_t* x16 = bf16_spans && E % 32 == 0 && I % 32 == 0 ? scope.take<uint16_t>(span_rows_pad * E) : nullptr;
     // The spans' attention outputs as the o projection's A tiles (prefill.h's PrefillOut); padding rows zeroed once.
     uint16_t* attn16 = bf16_spans && D % 32 == 0 ? scope.take<uint16_t>(span_rows_pad * H * D) : nullptr;
     if (attn16 != nullptr)
