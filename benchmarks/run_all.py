@@ -248,7 +248,7 @@ softmax lost a pass (the same bits; 1.15x at 2,048 tokens by 7 paired rounds aga
 2.01x / 1.90x transformers bf16** at 512 / 2,048 (1.60-2.17x / 1.77-2.00x by round, the two runners alone;
 section "... (kernels_amx_bf16prefill_pair_prefill)"; 2.09x / 1.78x by the medians of a six-runner run), and
 batch 32 2.89x / 3.02x transformers bf16 in two runs (about half the rounds at 3x; decode attention, which
-streams the bf16 pool, is ~40% of a 32-row step).
+streams the bf16 pool, is ~40% of a 32-row step) and 3.24x with an fp8 cache (3.07-3.44x, every round).
 Since 2026-12-06 **`--kv-cache-dtype fp8`** (vLLM's name) stores keys and values as e4m3fn: four times
 float32's cached tokens (twice bf16's) in the same memory, decode after 1,900 tokens 1.12x bf16's and 1.52x
 float32's, perplexity 13.66 against 13.44 (section "KV cache dtype"); batch 32 in the fastest configuration
