@@ -48,14 +48,19 @@ static void pa_split_queries(PrefillScratch w, int64_t Mp, int64_t D) {
         }
 }
 
-// Query lanes m..m+W's pair i2 of probabilities as bf16: rounded (S == 1, ATTN_BF16) or part `part` (S == 3).
-template <int S>
-static inline __m512i pa_prob_pair(const float* s, int64_t Mp, int64_t n, int64_t i2, int64_t m, int part) {
-    if (S == 1) return pf_prob_pair(s, Mp, n, i2, m);
+// Query lanes m..m+W's pair i2 of probabilities (keys 2 * i2, 2 * i2 + 1; a key at or past n is 0) as the bf16
+// pairs of their three split_bf16x3 parts (S == 3, exact): each split once for all three.
+static inline void pa_prob_part_pairs(const float* s, int64_t Mp, int64_t n, int64_t i2, int64_t m, __m512i* out) {
     V even[3], odd[3];
     split_bf16x3(2 * i2 < n ? vload(s + 2 * i2 * Mp + m) : vzero(), even);
     split_bf16x3(2 * i2 + 1 < n ? vload(s + (2 * i2 + 1) * Mp + m) : vzero(), odd);
-    return pa_part_pair(even[part], odd[part]);
+    for (int part = 0; part < 3; ++part) out[part] = pa_part_pair(even[part], odd[part]);
+}
+
+// 16 rows of pairs (one per key pair) transposed into w.pp's query-major rows of `part`: query tile c, pair tile p.
+static inline void pa_store_pairs(PrefillScratch w, int64_t Mp, int part, int64_t c, int64_t p, __m512i* r) {
+    transpose16_dwords(r);
+    for (int64_t j = 0; j < PA; ++j) _mm512_storeu_si512(w.pp + (part * Mp + c * PA + j) * PA_PAIRS + p * PA, r[j]);
 }
 
 // w.s[r * Mp + m] = key r . query m (queries in w.qp: S parts) for the step's keys k0..k0+n of block size bs;
@@ -112,15 +117,26 @@ static void pa_values(PrefillScratch w, int64_t Mp, int64_t D, const KT* const* 
     const int64_t n2 = (n + 1) / 2, np = (n2 + PA - 1) / PA, nq = Mp / PA, nd = D / PA;
     pf_pack_values(w, D, vrow, n);
     for (int64_t e = n2 * D; e < np * PA * D; e += W) _mm512_storeu_si512(w.vp + e, _mm512_setzero_si512());
-    for (int part = 0; part < S; ++part)  // pp[part][m * PA_PAIRS + i2]: query m's probability pair i2
-        for (int64_t c = 0; c < nq; ++c)
-            for (int64_t p = 0; p < np; ++p) {
-                __m512i r[PA];
-                for (int64_t i = 0; i < PA; ++i) r[i] = pa_prob_pair<S>(w.s, Mp, n, p * PA + i, c * PA, part);
-                transpose16_dwords(r);
-                for (int64_t j = 0; j < PA; ++j)
-                    _mm512_storeu_si512(w.pp + (part * Mp + c * PA + j) * PA_PAIRS + p * PA, r[j]);
+    for (int64_t c = 0; c < nq; ++c)  // pp[part][m * PA_PAIRS + i2]: query m's probability pair i2
+        for (int64_t p = 0; p < np; ++p) {
+            __m512i r[PA];
+            if (S == 1) {  // rounded (ATTN_BF16)
+                for (int64_t i = 0; i < PA; ++i) r[i] = pf_prob_pair(w.s, Mp, n, p * PA + i, c * PA);
+                pa_store_pairs(w, Mp, 0, c, p, r);
+                continue;
             }
+            __m512i later[2][PA];  // parts 1 and 2 wait while part 0's rows are transposed
+            for (int64_t i = 0; i < PA; ++i) {
+                __m512i parts[3];
+                pa_prob_part_pairs(w.s, Mp, n, p * PA + i, c * PA, parts);
+                r[i] = parts[0];
+                later[0][i] = parts[1];
+                later[1][i] = parts[2];
+            }
+            pa_store_pairs(w, Mp, 0, c, p, r);
+            pa_store_pairs(w, Mp, 1, c, p, later[0]);
+            pa_store_pairs(w, Mp, 2, c, p, later[1]);
+        }
     // acc rows x corr, one query tile's 16 rows ahead of the tiles that load them (a tile load right after vector
     // stores to its rows waits for them); a row whose max held (most, once its first keys are in) keeps its acc.
     const auto rescale = [&](int64_t c) {
