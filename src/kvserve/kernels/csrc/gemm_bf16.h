@@ -115,10 +115,10 @@ struct GbPanel {  // the two B tiles' first k block of one panel
     const uint8_t* b1;
 };
 
-// Both GEMMs' frame: x rounded into A tiles once, then each thread takes whole panels (two 16-row B tiles) of
-// every GB_CHUNK_ROWS-row chunk; `epilogue(p, r0, acc)` stores C tiles 0..3 of panel p and rows r0..r0 + 31
-// (acc: 512 floats of the thread's scratch), after gb_product with the B tiles `panel(p)`.
-// gb_run's frame over activations already rounded into A tiles (xb: rows padded to 32, zero past `rows`).
+// The GEMMs' frame over activations already in A tiles (xb: rows padded to 32, zero past `rows`): each thread
+// takes whole row pairs across groups of panels (two 16-row B tiles each), or whole panels of every
+// GB_CHUNK_ROWS-row chunk; `epilogue(p, r0, acc)` stores C tiles 0..3 of panel p and rows r0..r0 + 31 (acc: 512
+// floats of the thread's scratch), after gb_product with the B tiles `panel(p)`.
 template <typename Panel, typename Epilogue>
 static int gb_run_tiles(const uint16_t* xb, int64_t rows, int64_t k, int64_t panels, Panel panel, Epilogue epilogue) {
     const int64_t nb = k / 32, rows_pad = (rows + 31) / 32 * 32;
@@ -161,6 +161,7 @@ static int gb_run_tiles(const uint16_t* xb, int64_t rows, int64_t k, int64_t pan
     return 0;
 }
 
+// gb_run_tiles over float32 rows x, rounded into A tiles first (gb_round_rows).
 template <typename Panel, typename Epilogue>
 static int gb_run(const float* x, int64_t rows, int64_t k, int64_t panels, Panel panel, Epilogue epilogue) {
     const int64_t rows_pad = (rows + 31) / 32 * 32;
@@ -170,8 +171,8 @@ static int gb_run(const float* x, int64_t rows, int64_t k, int64_t panels, Panel
     return gb_run_tiles(xb, rows, k, panels, panel, epilogue);
 }
 
-// y = xb @ W.T for activations x already rounded (x: float32 rows, rounded here; or xb: A tiles, as
-// gemm_bf16_swiglu_tiles leaves them).
+// y = bf16(x) @ W.T, the activations as float32 rows x (rounded here) or, xb non-null, as A tiles already rounded
+// (gb_rms_norm_rows, gemm_bf16_swiglu_tiles, prefill.h's PrefillOut leave them so).
 static int gemm_bf16_any(const float* x, const uint16_t* xb, int64_t rows, int64_t k, const uint8_t* w, int64_t n,
                          float* y, int64_t ystride) {
     if (!kv_bf16_gemm_on()) return -6;
@@ -200,8 +201,9 @@ static int gemm_bf16(const float* x, int64_t rows, int64_t k, const uint8_t* w, 
 // The gate_up projection fused with SwiGLU: act[r, j] = silu(g) * u for g, u = bf16(x) @ W.T's columns j and
 // I + j (W: the packed [2I, k] gate_up rows, I a multiple of 16, so gate tile t and up tile I/16 + t pair up
 // as one panel). The epilogue is fused.h's swiglu on the same floats (the result equals gemm_bf16 then swiglu),
-// and the 2I-wide product never reaches memory. `sink(row r, its 16 values)` takes each live row of a C tile
-// pair: act's float32 row (gemm_bf16_swiglu) or, rounded, the down projection's A tiles (gemm_bf16_swiglu_tiles).
+// and the 2I-wide product never reaches memory. `sink(r, t, v)` takes the 16 values v of row r, gate tile t, for
+// each live row: act's float32 row (gemm_bf16_swiglu) or, rounded, the down projection's A tiles
+// (gemm_bf16_swiglu_tiles).
 template <typename Sink>
 static int gb_swiglu_run(const float* x, const uint16_t* xb, int64_t rows, int64_t k, const uint8_t* w, int64_t I,
                          Sink sink) {

@@ -189,8 +189,6 @@ static int dequantize(int qt, const uint8_t* w, int64_t row_bytes, int64_t k, co
     return 0;
 }
 
-// y = w * rms_norm(x) row by row (float32 statistics, as HF), optionally adding `residual` into x first
-// (x += residual; the sum is kept in x for the next residual).
 // One row's statistics: xr += rr (when given), then 1 / sqrt(mean(xr^2) + eps); element e of the normed row is
 // rms_norm_at(xr, weight, inv, e).
 static inline float rms_norm_inverse(float* xr, const float* rr, int64_t n, float eps) {
@@ -206,6 +204,8 @@ static inline V rms_norm_at(const float* xr, const float* weight, float inv, int
     return vmul(vload(weight + e), vmul(vload(xr + e), vset1(inv)));
 }
 
+// y = w * rms_norm(x) row by row (float32 statistics, as HF), optionally adding `residual` into x first
+// (x += residual; the sum is kept in x for the next residual).
 static int rms_norm(float* x, const float* residual, const float* weight, int64_t rows, int64_t n, float eps,
                     float* y) {
     if (n % W != 0) return -2;

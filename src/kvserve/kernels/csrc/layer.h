@@ -79,7 +79,8 @@ static inline int layer_span_gate_up(int act_quant, const float* x, int64_t rows
 static inline int layer_span_mlp(int act_quant, const float* x, const uint16_t* x16, int64_t rows, int64_t decodes,
                                  int64_t k, int64_t I, const LayerWeightsDesc& w, float* gate_up, float* act,
                                  uint16_t* act16, float* y) {
-    if (act16 == nullptr || w.gate_up16.data == nullptr || w.down16.data == nullptr || decodes >= rows || I % 32 != 0) {
+    const bool tiles = act16 != nullptr && w.gate_up16.data != nullptr && w.down16.data != nullptr;
+    if (!tiles || decodes >= rows || I % 32 != 0) {
         if (x16 != nullptr) return -2;  // the spans' rows exist only as tiles
         return layer_span_gate_up(act_quant, x, rows, decodes, k, I, w.gate_up, w.gate_up16, gate_up, act) |
                layer_span_matmul(act_quant, act, rows, decodes, I, w.down, w.down16, y);

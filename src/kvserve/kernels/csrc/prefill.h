@@ -310,7 +310,7 @@ static inline void pf_put_queries(PrefillScratch w, int64_t M, int64_t Mp, int64
 }
 
 // The max over a step's n keys (rows of s, stride Mp) of nv <= PF_LANE_VECTORS adjacent query vectors: keys
-// outer, vectors inner, so the nv dependency chains (4-cycle vmax / vadd) run side by side -- one chain at a
+// outer, vectors inner, so the nv dependency chains (4-cycle vmax) run side by side -- one chain at a
 // time was most of the softmax's time (perf, 2,048-token prefill). Each lane sees its keys in the same order as
 // one chain would: the same bits.
 constexpr int64_t PF_LANE_VECTORS = 8;
