@@ -371,7 +371,7 @@ def prefill_only(args: argparse.Namespace, workloads: dict) -> None:
              "transformers bf16 on a CPU without avx512_bf16 / AMX runs its matmuls emulated: a ratio against it "
              "is no measure of kvserve's speed, read the fp32 one beside it.")
     name = "kernels_prefill" if args.out == "kernels" else f"{args.out}_prefill"  # e.g. kernels_amx_prefill
-    title = "Prefill beside transformers fp32 and bf16, paired rounds"
+    title = f"Prefill beside transformers {' and '.join(p.removeprefix('transformers ') for p in peers)}, paired rounds"
     title += "" if name == "kernels_prefill" else f" ({name})"
     write_result(name, title, table, notes)
     print(table + "\n" + notes)
