@@ -40,7 +40,7 @@ static inline void gb_round_rows(const float* x, int64_t rows, int64_t rows_pad,
             __m512i v = _mm512_setzero_si512();
             if (r < rows)
                 v = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + r * k + b * 32 + 16), _mm512_loadu_ps(x + r * k + b * 32));
-            _mm512_store_si512(out + ((r / 16) * nb + b) * 512 + (r % 16) * 32, v);
+            _mm512_store_si512(a_tile_row(out, nb, r, b), v);
         }
 }
 
@@ -50,15 +50,10 @@ static inline void gb_round_rows(const float* x, int64_t rows, int64_t rows_pad,
 static inline int gb_rms_norm_rows(float* x, const float* residual, const float* weight, int64_t rows, int64_t k,
                                    float eps, int64_t split, float* y, uint16_t* tiles) {
     if (k % 32 != 0) return -2;
-    const int64_t nb = k / 32, rows_pad = split + (rows - split + 31) / 32 * 32;
+    const int64_t nb = k / 32;
+    a_tile_zero_rows(tiles, nb, rows - split, (rows - split + 31) / 32 * 32);
 #pragma omp parallel for schedule(static) num_threads(kv_threads())
-    for (int64_t r = 0; r < rows_pad; ++r) {
-        if (r >= rows) {
-            for (int64_t b = 0; b < nb; ++b)
-                _mm512_store_si512(tiles + (((r - split) / 16) * nb + b) * 512 + ((r - split) % 16) * 32,
-                                   _mm512_setzero_si512());
-            continue;
-        }
+    for (int64_t r = 0; r < rows; ++r) {
         float* xr = x + r * k;
         const float inv = rms_norm_inverse(xr, residual ? residual + r * k : nullptr, k, eps);
         if (r < split) {
@@ -66,7 +61,7 @@ static inline int gb_rms_norm_rows(float* x, const float* residual, const float*
             continue;
         }
         for (int64_t b = 0; b < nb; ++b)
-            _mm512_store_si512(tiles + (((r - split) / 16) * nb + b) * 512 + ((r - split) % 16) * 32,
+            _mm512_store_si512(a_tile_row(tiles, nb, r - split, b),
                                (__m512i)_mm512_cvtne2ps_pbh(rms_norm_at(xr, weight, inv, b * 32 + 16),
                                                             rms_norm_at(xr, weight, inv, b * 32)));
     }
@@ -250,16 +245,13 @@ static int gemm_bf16_swiglu_tiles(const float* x, const uint16_t* xb, int64_t ro
     if (!kv_bf16_gemm_on()) return -6;
     if (rows <= 0) return 0;
     if (k % 32 != 0 || I <= 0 || I % 32 != 0) return -2;
-    const int64_t nbI = I / 32, rows_pad = (rows + 31) / 32 * 32;
-    for (int64_t r = rows; r < rows_pad; ++r)
-        for (int64_t b = 0; b < nbI; ++b)
-            _mm512_storeu_si512(act_tiles + ((r / 16) * nbI + b) * 512 + (r % 16) * 32, _mm512_setzero_si512());
+    const int64_t nbI = I / 32;
+    a_tile_zero_rows(act_tiles, nbI, rows, (rows + 31) / 32 * 32);
     return gb_swiglu_run(x, xb, rows, k, w, I, [&](int64_t r, int64_t t, V v) {
         const __m256bh b = _mm512_cvtneps_pbh(v);
         __m256i bits;
         __builtin_memcpy(&bits, &b, sizeof bits);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(act_tiles + ((r / 16) * nbI + t / 2) * 512 + (r % 16) * 32 +
-                                                       (t % 2) * 16), bits);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(a_tile_row(act_tiles, nbI, r, t / 2) + (t % 2) * 16), bits);
     });
 }
 #undef GB_STORE

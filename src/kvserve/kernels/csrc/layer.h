@@ -146,8 +146,7 @@ static int layer_forward_spans(const void* desc, int act_quant, float* hidden, i
     uint16_t* x16 = bf16_spans && E % 32 == 0 && I % 32 == 0 ? scope.take<uint16_t>(span_rows_pad * E) : nullptr;
     // The spans' attention outputs as the o projection's A tiles (prefill.h's PrefillOut); padding rows zeroed once.
     uint16_t* attn16 = bf16_spans && D % 32 == 0 ? scope.take<uint16_t>(span_rows_pad * H * D) : nullptr;
-    if (attn16 != nullptr)
-        for (int64_t e = (T - Tp) * H * D; e < span_rows_pad * H * D; ++e) attn16[e] = 0;
+    if (attn16 != nullptr) a_tile_zero_rows(attn16, H * D / 32, T - Tp, span_rows_pad);
     int rc = 0;
     for (int64_t l = 0; l < m.num_layers && rc == 0; ++l) {
         const LayerWeightsDesc& w = m.layers[l];

@@ -502,7 +502,7 @@ static inline void pf_emit(PrefillScratch w, int64_t m, int64_t D, int64_t H, in
     if (o.tiles != nullptr) {
         const int64_t nb = H * D / 32, r = row - o.row_base;
         for (int64_t e = 0; e < D; e += 32)
-            _mm512_store_si512(o.tiles + ((r / 16) * nb + (h * D + e) / 32) * 512 + (r % 16) * 32,
+            _mm512_store_si512(a_tile_row(o.tiles, nb, r, (h * D + e) / 32),
                                (__m512i)_mm512_cvtne2ps_pbh(vmul(vload(w.acc + m * D + e + 16), inv),
                                                             vmul(vload(w.acc + m * D + e), inv)));
         return;

@@ -257,6 +257,19 @@ static inline void kvstore(fp8_t* p, V v) {
 }
 #endif
 
+// The AMX A-tile layout of activations (gemm_bf16.h): 16 rows x 32 bf16 inputs a KiB, row group r / 16 and k
+// block b at (r / 16 * nb + b) KiB; row r's 32 inputs of block b start here. Writers: gb_round_rows, the norms
+// and SwiGLU of gemm_bf16.h, prefill attention's outputs (prefill.h). Both builds: only the zeroing runs in
+// the AVX2 one (the layer loop pads whatever it allocates).
+static inline uint16_t* a_tile_row(uint16_t* tiles, int64_t nb, int64_t r, int64_t b) {
+    return tiles + ((r / 16) * nb + b) * 512 + (r % 16) * 32;
+}
+// Rows [r0, r1) of every one of the nb blocks zeroed: the padding past the live rows, which the tiles read.
+static inline void a_tile_zero_rows(uint16_t* tiles, int64_t nb, int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+        for (int64_t b = 0; b < nb; ++b) __builtin_memset(a_tile_row(tiles, nb, r, b), 0, 64);
+}
+
 #if KV_AVX512
 // r[i] (16 dwords each) -> r[j][i] = r_in[i][j]: the 16 x 16 dword transpose (16 rows' input pairs into AMX's
 // B layout; a 16 x 16 float32 product tile into the output's orientation; bf16 pairs between key-major and
