@@ -45,6 +45,10 @@ class SourceRunner:
         """Prompt tokens per CPU second of the child (with 1 thread: robust to the machine's other load)."""
         return float(self._ask({"op": "prefill_cpu", "prompt": prompt}))
 
+    def turn(self, history: list[int], new: list[int]) -> float:
+        """Seconds to the first token of `history + new` right after `history` (cached by then)."""
+        return float(self._ask({"op": "turn", "history": history, "new": new}))
+
     def generate_split(self, prompts: list[list[int]], new: int) -> dict[str, float]:
         return dict(self._ask({"op": "split", "prompts": prompts, "new": new}))
 
@@ -72,9 +76,21 @@ def _serve(args: dict[str, str], threads: int) -> None:
             out = llm.generate([request["prompt"]], params, cache_salt=str(time.perf_counter()))[0]
             spent = out.metrics.ttft if request["op"] == "prefill" else time.process_time() - start
             answer: object = len(request["prompt"]) / spent
+        elif request["op"] == "turn":
+            answer = turn_ttft(llm, request["history"], request["new"])
         else:
             answer = _split(llm, request["prompts"], request["new"])
         print("RESULT " + json.dumps(answer), flush=True)
+
+
+def turn_ttft(llm, history: list[int], new: list[int]) -> float:
+    """A chat turn's time to first token: `history` once (one token, a fresh cache namespace), then
+    `history + new` in the same namespace, so only `new` (and the history's partial last block) is computed."""
+    from kvserve import SamplingParams
+
+    params, salt = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True), f"turn-{time.perf_counter()}"
+    llm.generate([history], params, cache_salt=salt, use_tqdm=False)
+    return llm.generate([history + new], params, cache_salt=salt, use_tqdm=False)[0].metrics.ttft
 
 
 def _split(llm, prompts: list[list[int]], new: int) -> dict[str, float]:

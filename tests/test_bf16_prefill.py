@@ -55,12 +55,12 @@ def test_the_twin_rounds_both_operands():
 
 @AMX
 @SETTINGS
-@given(rows=st.integers(1, 300), blocks=st.sampled_from([1, 2, 3, 18]), out=st.integers(1, 80),
-       seed=st.integers(0, 2**16))
+@given(rows=st.one_of(st.integers(1, 300), st.integers(513, 600)), blocks=st.sampled_from([1, 2, 3, 18]),
+       out=st.integers(1, 80), seed=st.integers(0, 2**16))
 def test_tiles_equal_the_twin(bf16_kernels, rows, blocks, out, seed):
-    """Odd row and column counts (tiles padded with zeros, stored through a mask), one to 18 k blocks, few rows
-    (threads split the panels) and many (threads split the row pairs): the twin's value up to float32 summation
-    order, and several times closer to it than to the float32 matmul."""
+    """Odd row and column counts (tiles padded with zeros, stored through a mask), one to 18 k blocks, up to 512
+    rows (threads split the panels) and more (threads split the row pairs): the twin's value up to float32
+    summation order, and several times closer to it than to the float32 matmul."""
     gen = torch.Generator().manual_seed(seed)
     x, w = torch.randn(rows, 32 * blocks, generator=gen), torch.randn(out, 32 * blocks, generator=gen)
     tiles = bf16pack.gemm(bf16_kernels.native, x, bf16pack.pack(w))
@@ -73,8 +73,8 @@ def test_tiles_equal_the_twin(bf16_kernels, rows, blocks, out, seed):
 
 @AMX
 @settings(max_examples=20, deadline=None)
-@given(rows=st.integers(1, 300), blocks=st.sampled_from([1, 2, 18]), tiles=st.integers(1, 5),
-       seed=st.integers(0, 2**16))
+@given(rows=st.one_of(st.integers(1, 300), st.integers(513, 600)), blocks=st.sampled_from([1, 2, 18]),
+       tiles=st.integers(1, 5), seed=st.integers(0, 2**16))
 def test_fused_swiglu_equals_the_product_then_swiglu(bf16_kernels, rows, blocks, tiles, seed):
     """gate_up fused with SwiGLU (the layer loop's prefill rows): bit for bit the product, then the native
     swiglu, for any row count (both thread splits); odd intermediate sizes are refused."""
@@ -94,7 +94,8 @@ def test_fused_swiglu_equals_the_product_then_swiglu(bf16_kernels, rows, blocks,
 @pytest.mark.parametrize("rows", [40, 300, 1000])
 def test_both_thread_splits_give_the_same_bits(bf16_kernels, rows):
     """Each output's sum runs over k in the same block order whichever way the threads split the work: the
-    same rows give the same bits alone (1 thread: panel order) as among many (2+: row pairs)."""
+    same rows give the same bits alone (1 thread: panel order) as among many (2+ threads: their panels up to 512
+    rows, row pairs above)."""
     gen = torch.Generator().manual_seed(rows)
     x, w = torch.randn(rows, 576, generator=gen), torch.randn(200, 576, generator=gen)
     packed, native = bf16pack.pack(w), bf16_kernels.native

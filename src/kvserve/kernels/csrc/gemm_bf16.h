@@ -14,11 +14,13 @@
 // 1 KiB at (j * k/32 + b) KiB: row t holds each of the 16 weight rows' inputs 2t and 2t + 1. The activations
 // are A tiles: 16 rows of 32 bf16, row-major, converted once per call into scratch (rows past `rows` zero).
 // Blocking: 2 x 2 (32 activation rows x 32 weight rows) per pass over k: four C tiles, two A and two B loads
-// feed four products -- one tile load per product, so where the tiles come from bounds the rate. With at least
-// two row pairs per thread each thread takes whole row pairs (their A tiles, 2 x k/32 KiB, stay in L1) and
-// passes them over a group of panels whose B tiles (GB_GROUP_BYTES) stay in L2: 30 layers' matmuls at 512 /
-// 2,048 rows 63 -> 55 and 266 -> 205-220 ms against the panel-major order (2 threads, AMX Xeon). Fewer rows
-// (short prefill chunks) split the panels instead, each thread its panels over 256-row chunks.
+// feed four products -- one tile load per product, so where the tiles come from bounds the rate. Above
+// GB_PANEL_ROWS rows (with at least two row pairs per thread) each thread takes whole row pairs (their A tiles,
+// 2 x k/32 KiB, stay in L1) and passes them over a group of panels whose B tiles (GB_GROUP_BYTES) stay in L2:
+// 30 layers' matmuls at 2,048 rows 266 -> 205-220 ms against the panel-major order (2 threads, AMX Xeon). Up to
+// it (a chat turn, a short prompt, a prefill chunk) the threads split the panels instead, each thread its panels
+// over 256-row chunks: every weight byte then comes from memory once, not once per thread, and the passes over
+// a panel pull the next panel's B tiles toward L2 -- benchmarks/short_prefill.py's time to first token.
 //
 // Defined in both builds; only the AVX-512 build with AMX runs it, and only once kv_bf16_gemm has found the
 // tiles usable (-6 otherwise).
@@ -26,6 +28,9 @@
 #if KV_AVX512 && KV_HAS_AMX
 #ifndef GB_GROUP_BYTES
 #define GB_GROUP_BYTES (1024 * 1024)  // panels whose B tiles share L2 while row pairs pass (512 KiB-4 MiB measured)
+#endif
+#ifndef GB_PANEL_ROWS
+#define GB_PANEL_ROWS 512  // padded rows up to which the threads split the panels (above: the row pairs)
 #endif
 #ifndef GB_CHUNK_ROWS
 #define GB_CHUNK_ROWS 256  // panel-major order: activation rows per pass over the panels (their bf16 rows stay in L2)
@@ -68,14 +73,25 @@ static inline int gb_rms_norm_rows(float* x, const float* residual, const float*
     return 0;
 }
 
+struct GbPanel {  // the two B tiles' first k block of one panel
+    const uint8_t* b0;
+    const uint8_t* b1;
+};
+
 // C tiles 0..3 = (A row groups a, a + nb KiB) x (B column tiles b0, b1) over nb k blocks: tile 0 = rows 0-15 x
-// b0, 1 = rows 0-15 x b1, 2 = rows 16-31 x b0, 3 = rows 16-31 x b1.
-static inline void gb_product(const uint16_t* a, const uint8_t* b0, const uint8_t* b1, int64_t nb) {
+// b0, 1 = rows 0-15 x b1, 2 = rows 16-31 x b0, 3 = rows 16-31 x b1. With `share` > 0, `ahead`'s two runs of
+// bytes are prefetched into L2, `share` bytes of each per k block, while these compute.
+static inline void gb_product(const uint16_t* a, const uint8_t* b0, const uint8_t* b1, int64_t nb,
+                              GbPanel ahead = {nullptr, nullptr}, int64_t share = 0) {
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
     for (int64_t b = 0; b < nb; ++b) {
+        for (int64_t line = 0; line < share; line += 64) {
+            __builtin_prefetch(ahead.b0 + b * share + line, 0, 2);
+            __builtin_prefetch(ahead.b1 + b * share + line, 0, 2);
+        }
         _tile_loadd(4, a + b * 512, 64);
         _tile_loadd(5, a + (nb + b) * 512, 64);
         _tile_loadd(6, b0 + b * 1024, 64);
@@ -105,11 +121,6 @@ static inline void gb_store(const float* acc, int64_t live_rows, int64_t live_co
         }                                                                                                 \
     } while (0)
 
-struct GbPanel {  // the two B tiles' first k block of one panel
-    const uint8_t* b0;
-    const uint8_t* b1;
-};
-
 // The GEMMs' frame over activations already in A tiles (xb: rows padded to 32, zero past `rows`): each thread
 // takes whole row pairs across groups of panels (two 16-row B tiles each), or whole panels of every
 // GB_CHUNK_ROWS-row chunk; `epilogue(p, r0, acc)` stores C tiles 0..3 of panel p and rows r0..r0 + 31 (acc: 512
@@ -120,7 +131,7 @@ static int gb_run_tiles(const uint16_t* xb, int64_t rows, int64_t k, int64_t pan
     const int64_t pairs = rows_pad / 32;
     // Panels per group: their B tiles (2 x nb KiB each) stay in L2 while each thread's row pairs pass them.
     const int64_t per_group = GB_GROUP_BYTES / (2 * nb * 1024) > 0 ? GB_GROUP_BYTES / (2 * nb * 1024) : 1;
-    const bool by_rows = pairs >= 2 * kv_threads();
+    const bool by_rows = pairs >= 2 * kv_threads() && rows_pad > GB_PANEL_ROWS;
 #pragma omp parallel num_threads(kv_threads())
     {
         ScratchScope own;
@@ -141,11 +152,15 @@ static int gb_run_tiles(const uint16_t* xb, int64_t rows, int64_t k, int64_t pan
         } else {
             for (int64_t chunk = 0; chunk < rows_pad; chunk += GB_CHUNK_ROWS) {
                 const int64_t chunk_end = chunk + GB_CHUNK_ROWS < rows_pad ? chunk + GB_CHUNK_ROWS : rows_pad;
+                // Each pass over panel p prefetches its share of panel p + 1's B tiles (the next panel's weights
+                // stream from memory while this one's compute; all in the first pass measured 5-15% slower).
+                const int64_t share = (1024 * 32 / (chunk_end - chunk) + 63) / 64 * 64;
 #pragma omp for schedule(static)
                 for (int64_t p = 0; p < panels; ++p) {
-                    const GbPanel b = panel(p);
+                    const GbPanel b = panel(p), next = panel(p + 1 < panels ? p + 1 : p);
                     for (int64_t r0 = chunk; r0 < chunk_end; r0 += 32) {
-                        gb_product(xb + (r0 / 16) * nb * 512, b.b0, b.b1, nb);
+                        const int64_t at = (r0 - chunk) / 32 * nb * share;
+                        gb_product(xb + (r0 / 16) * nb * 512, b.b0, b.b1, nb, {next.b0 + at, next.b1 + at}, share);
                         epilogue(p, r0, acc);
                     }
                 }

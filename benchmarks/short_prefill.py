@@ -1,0 +1,191 @@
+"""Time to first token of short prompts (a chat turn, a question), kvserve beside transformers and llama.cpp.
+
+Why: kvserve's workloads send mostly short new spans -- a turn over a cached history, a question after a
+cached document -- and a span of tens to hundreds of rows runs the GEMMs in another regime than the 512 /
+2,048-token prefills of native_kernels.py: the weights' bytes, not the multiply-adds, set the pace. Each
+runner answers one-token requests for prompts of each length (fresh: nothing cached), every runner once per
+round and length, in turn (order reversed every other round); medians of the time to first token.
+
+    python benchmarks/short_prefill.py                                          # about 2 minutes
+    git archive REV src | tar -x -C /tmp/before
+    python benchmarks/short_prefill.py --before-src /tmp/before/src --rounds 7  # paired before / after
+
+kvserve runs its fastest configuration here (int8 activations for decode rows, bf16 KV cache and attention,
+and on an AMX CPU bf16 prefill rows: native_kernels.py's variants). `--before-src` adds the same configuration
+from another checkout's sources (benchmarks/source_ab.py, a child process) and a row of after / before speed
+ratios round by round; kvserve then runs this checkout's sources in a child process too, so the pair is alike.
+Then the seed's example for every runner that keeps a prompt cache (kvserve, llama.cpp): a chat turn of 100
+new tokens after a 1,900-token history it has cached, beside those 100 tokens alone. Writes
+benchmarks/results/OUT.md and docs/OUT.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import Timer, load_workloads, markdown_table, write_result  # noqa: E402
+from native_kernels import (  # noqa: E402
+    BF16_PREFILL,
+    FAST,
+    VARIANTS,
+    HFRunner,
+    KvserveRunner,
+    llama_cpp_python_runner,
+    load_average,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+PEERS = ("transformers bf16", "llama.cpp (llama-cpp-python)")
+
+
+def runners_for(args: argparse.Namespace, notes: list[str]) -> tuple[str, list]:
+    """(kvserve's runner name, every runner): kvserve, its before, transformers bf16, llama.cpp."""
+    name = BF16_PREFILL if BF16_PREFILL in VARIANTS else FAST
+    if not args.before_src:
+        runners: list = [KvserveRunner(name, VARIANTS[name])]
+    else:  # both in child processes, alike (in this one, beside the peers' models, it measured ~5% slower)
+        from source_ab import SourceRunner
+
+        threads = torch.get_num_threads()
+        runners = [SourceRunner(name, str(ROOT / "src"), VARIANTS[name], threads),
+                   SourceRunner(f"{name} (before)", args.before_src, VARIANTS[name], threads)]
+    runners += [] if args.skip_hf else [HFRunner(torch.bfloat16)]
+    return name, runners + llama_cpp_python_runner(notes)
+
+
+def measure(runners: list, prompts: dict[int, list[int]], rounds: int) -> dict[str, dict[int, list[float]]]:
+    """TTFT samples in ms, runner -> length -> one per round."""
+    samples: dict[str, dict[int, list[float]]] = {r.name: {size: [] for size in prompts} for r in runners}
+    for runner in runners:
+        runner.prefill(prompts[min(prompts)])  # warm-up
+    for round_index in range(rounds):
+        for size, prompt in prompts.items():
+            for runner in runners if round_index % 2 == 0 else runners[::-1]:
+                samples[runner.name][size].append(1000 * size / runner.prefill(prompt))
+            print(f"round {round_index + 1}, {size} tokens: "
+                  + ", ".join(f"{name} {by[size][-1]:.1f} ms" for name, by in samples.items()), flush=True)
+    return samples
+
+
+def turn_ms(runner, history: list[int], new: list[int]) -> float | None:
+    """A chat turn's TTFT in ms: `new` after `history`, which the runner has cached by then (None: it keeps no
+    prompt cache between requests -- transformers)."""
+    if hasattr(runner, "turn"):  # kvserve in a child process (source_ab.py)
+        return 1000 * runner.turn(history, new)
+    if hasattr(runner, "llm"):  # kvserve here
+        from source_ab import turn_ttft
+
+        return 1000 * turn_ttft(runner.llm, history, new)
+    if hasattr(runner, "model") and hasattr(runner.model, "generate") and hasattr(runner.model, "reset"):
+        llama = runner.model  # llama-cpp-python: generate() reuses the longest prefix already in its context
+        llama.reset()
+        next(iter(llama.generate(history, temp=0.0, top_k=1)))
+        with Timer() as timer:
+            next(iter(llama.generate(history + new, temp=0.0, top_k=1)))
+        return 1000 * timer.seconds
+    return None
+
+
+def measure_turns(runners: list, history: list[int], new: list[int], rounds: int) -> dict[str, list[float]]:
+    """Turn TTFT samples (ms) per runner that keeps a prompt cache, interleaved as `measure`."""
+    samples: dict[str, list[float]] = {}
+    for round_index in range(rounds):
+        for runner in runners if round_index % 2 == 0 else runners[::-1]:
+            ms = turn_ms(runner, history, new)
+            if ms is not None:
+                samples.setdefault(runner.name, []).append(ms)
+        print(f"round {round_index + 1}, turn: " + ", ".join(f"{n} {v[-1]:.1f} ms" for n, v in samples.items()),
+              flush=True)
+    return samples
+
+
+def turn_table(turns: dict[str, list[float]], fresh: dict[str, dict[int, list[float]]], size: int) -> str:
+    """The turn beside the same new tokens alone (the seed's example: cached / fresh, target 1.2)."""
+    rows = [[name, statistics.median(v), statistics.median(fresh[name][size]) if size in fresh[name] else "–",
+             statistics.median(v) / statistics.median(fresh[name][size]) if size in fresh[name] else "–"]
+            for name, v in turns.items()]
+    return markdown_table(["runner", "turn TTFT ms", f"{size} tokens alone, ms", "turn / alone"], rows)
+
+
+def ratio_rows(samples: dict[str, dict[int, list[float]]], name: str, sizes: list[int]) -> list[list[object]]:
+    """kvserve's speed over each peer's (median TTFT ratio), and after / before round by round."""
+    median = {n: {s: statistics.median(v) for s, v in by.items()} for n, by in samples.items()}
+    rows: list[list[object]] = [[f"{name} ÷ {peer}", *(median[peer][s] / median[name][s] for s in sizes)]
+                                for peer in PEERS if peer in median]
+    before = f"{name} (before)"
+    if before in samples:
+        cells = []
+        for s in sizes:
+            pairs = [b / a for a, b in zip(samples[name][s], samples[before][s], strict=True)]
+            cells.append(f"{statistics.median(pairs):.2f} ({min(pairs):.2f} - {max(pairs):.2f}), "
+                         f"{sum(p > 1 for p in pairs)} of {len(pairs)} faster")
+        rows.append(["after / before, by round", *cells])
+    return rows
+
+
+def plot(samples: dict[str, dict[int, list[float]]], path: Path) -> None:
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, by_size in samples.items():
+        sizes = sorted(by_size)
+        ax.plot(sizes, [statistics.median(by_size[size]) for size in sizes], marker="o", label=name)
+    ax.set_xlabel("prompt tokens (nothing cached)")
+    ax.set_ylabel("time to first token, ms (median, log scale)")
+    ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="32,64,128,256,512,768", help="prompt lengths (tokens), at most 2,048")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--before-src", metavar="SRC", help="also kvserve from another checkout's src directory")
+    parser.add_argument("--skip-hf", action="store_true", help="no transformers bf16")
+    parser.add_argument("--out", default="short_prefill", help="results/OUT.md and docs/OUT.png")
+    args = parser.parse_args()
+    workloads = load_workloads()
+    long_prompt = workloads["prefill"]["2048"]
+    sizes = [int(size) for size in args.sizes.split(",")]
+    shared = workloads["shared_prefix"]  # the seed's example: 100 new tokens after a 1,900-token history
+    history, new = shared["prefix"], shared["suffixes"][0]
+    prompts = {size: long_prompt[:size] for size in sizes} | {len(new): new}
+    notes = [f"Load average (1 / 5 / 15 min) before: {load_average()}."]
+    name, runners = runners_for(args, notes)
+    samples = measure(runners, prompts, args.rounds)
+    turns = measure_turns(runners, history, new, args.rounds)
+    for runner in runners:
+        if hasattr(runner, "close"):
+            runner.close()
+    notes.append(f"Load average after: {load_average()}. {args.rounds} rounds; threads: {torch.get_num_threads()}; "
+                 "prompts: prefixes of the 2,048-token prefill workload, one-token requests, nothing cached "
+                 "(kvserve: a fresh cache namespace per request; llama.cpp: its context reset). TTFT as each "
+                 "runner's `prefill` in native_kernels.py measures it: kvserve's request metrics, the others' wall "
+                 "time of a one-token generate.")
+    header = ["runner", *(f"{size} tokens" for size in sizes)]
+    rows: list[list[object]] = [[n, *(statistics.median(by[size]) for size in sizes)] for n, by in samples.items()]
+    picture = ROOT / "docs" / f"{args.out}.png"
+    plot(samples, picture)
+    notes.append(f"![time to first token against prompt length](docs/{picture.name})")
+    table = (markdown_table(header, rows) + "\n\nSpeed ratios (higher: kvserve faster):\n\n"
+             + markdown_table(["", *(f"{size} tokens" for size in sizes)], ratio_rows(samples, name, sizes))
+             + f"\n\nA chat turn: {len(new)} new tokens after a {len(history):,}-token history the runner has "
+             "cached (the seed's example; its target: turn ≤ 1.2 × the new tokens alone), medians:\n\n"
+             + turn_table(turns, samples, len(new)))
+    write_result(args.out, "Time to first token of short prompts, TTFT ms", table, "\n\n".join(notes))
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
