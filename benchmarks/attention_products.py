@@ -10,6 +10,7 @@ for the CPU (csrc/prefill.h's pf_route); each row sets the AMX and pair switches
 choice is restored.
 
     python benchmarks/attention_products.py [--tokens 512 2048] [--threads 2]
+    python benchmarks/attention_products.py --tokens 100 --cached 1900   # the seed's turn: 100 after 1,900
 
 `--before REV` instead times this CPU's default route over each pool (float32, bf16 with float32 products,
 bf16 products, fp8) with the library built from git revision REV's csrc/ and with today's, interleaved, and
@@ -46,22 +47,28 @@ def best_ms(fn, repeats: int) -> float:
     return 1e3 * min(times)
 
 
-def span_inputs(tokens: int) -> tuple[torch.Tensor, ...]:
-    """One causal span of `tokens` over a float32 pool laid out in order: keys, values, queries, spans, table."""
+def span_inputs(tokens: int, cached: int = 0) -> tuple[torch.Tensor, ...]:
+    """One causal span of `tokens` after `cached` tokens (a chat turn over its history), over a float32 pool
+    laid out in order: keys, values, queries, spans, table."""
     gen = torch.Generator().manual_seed(0)
-    blocks = -(-tokens // BLOCK)
+    blocks = -(-(cached + tokens) // BLOCK)
     keys, values = (torch.randn(blocks, BLOCK, KV_HEADS, DIM, generator=gen) for _ in range(2))
     queries = torch.randn(tokens, HEADS, DIM, generator=gen)
-    return keys, values, queries, torch.tensor([[0, tokens, tokens]]), torch.arange(blocks).view(1, -1)
+    return keys, values, queries, torch.tensor([[0, tokens, cached + tokens]]), torch.arange(blocks).view(1, -1)
 
 
-def rows_for(tokens: int, repeats: int) -> list[list[object]]:
+def span_macs(tokens: int, cached: int) -> float:
+    """Multiply-adds of both products: each query meets the cached keys and, causally, half its span's."""
+    return tokens * (cached + tokens / 2) * HEADS * DIM * 2
+
+
+def rows_for(tokens: int, repeats: int, cached: int = 0) -> list[list[object]]:
     from kvserve.kernels import pair_products
     from kvserve.kernels.ops import Kernels
 
-    keys, values, queries, spans, table = span_inputs(tokens)
+    keys, values, queries, spans, table = span_inputs(tokens, cached)
     out = torch.empty_like(queries)
-    macs = tokens * tokens / 2 * HEADS * DIM * 2
+    macs = span_macs(tokens, cached)
     rows = []
     k16, v16 = keys.bfloat16(), values.bfloat16()
     for isa in ("avx512", "avx2"):
@@ -89,10 +96,10 @@ def rows_for(tokens: int, repeats: int) -> list[list[object]]:
     return rows
 
 
-def before_after_rows(tokens: int, repeats: int, libraries: dict) -> list[list[object]]:
+def before_after_rows(tokens: int, repeats: int, libraries: dict, cached: int = 0) -> list[list[object]]:
     """Per pool: ms per layer with each library (REV's and today's; the CPU's route in both), interleaved."""
-    keys, values, queries, spans, table = span_inputs(tokens)
-    macs = tokens * tokens / 2 * HEADS * DIM * 2
+    keys, values, queries, spans, table = span_inputs(tokens, cached)
+    macs = span_macs(tokens, cached)
     cases = [("float32 pool", keys, values, False), ("bf16 pool, float32 products", keys.bfloat16(),
               values.bfloat16(), False), ("bf16 products", keys.bfloat16(), values.bfloat16(), True),
              ("fp8 pool, float32 products", keys.to(torch.float8_e4m3fn), values.to(torch.float8_e4m3fn), False)]
@@ -115,6 +122,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--before", metavar="REV", help="time REV's library against today's instead")
+    parser.add_argument("--cached", type=int, default=0, help="tokens before the span (a turn over a history)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.before:
@@ -125,13 +133,14 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as workdir:
             libraries = {f"before ({args.before})": NativeLibrary.load(build_revision(args.before, Path(workdir))),
                          "now": NativeLibrary.load(build.build())}
-            rows = [row for tokens in args.tokens for row in before_after_rows(tokens, args.repeats, libraries)]
+            rows = [row for tokens in args.tokens
+                    for row in before_after_rows(tokens, args.repeats, libraries, args.cached)]
         print(markdown_table(["tokens", "pool / products", "library", "ms / layer", "GMAC/s", "same bits"], rows))
         print(f"\n{machine()}; best of {args.repeats}, interleaved; threads {args.threads}.")
         return
-    rows = [row for tokens in args.tokens for row in rows_for(tokens, args.repeats)]
+    rows = [row for tokens in args.tokens for row in rows_for(tokens, args.repeats, args.cached)]
     print(markdown_table(["tokens", "build", "products", "ms / layer", "GMAC/s"], rows))
-    print(f"\n{machine()}; best of {args.repeats}; threads {args.threads}.")
+    print(f"\n{machine()}; best of {args.repeats}; threads {args.threads}; {args.cached} tokens cached before each.")
 
 
 if __name__ == "__main__":
