@@ -122,6 +122,30 @@ def hf_generate(model, prompts: list[list[int]], max_new_tokens: int) -> list[li
     return out[:, width:].tolist()
 
 
+def line_plot(series: dict[str, dict[int, float]], path: Path, xlabel: str, ylabel: str, log: bool = False) -> None:
+    """One line per runner of its value by size (sorted), to a PNG: long_decode.py, short_prefill.py."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, by_size in series.items():
+        sizes = sorted(by_size)
+        ax.plot(sizes, [by_size[size] for size in sizes], marker="o", label=name)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    if log:
+        ax.set_yscale("log")
+    else:
+        ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def best_cpu_ms(fn, reps: int) -> float:
     """CPU milliseconds of the fastest of `reps` calls of fn after one warm-up: process time, so a shared
     machine's other load enters less than it would wall time."""

@@ -23,14 +23,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import torch  # noqa: E402
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import load_workloads, markdown_table, write_result  # noqa: E402
+from common import line_plot, load_workloads, markdown_table, write_result  # noqa: E402
 from native_kernels import (  # noqa: E402
     VARIANTS,
     KvserveRunner,
@@ -64,19 +60,6 @@ def measure(runners: list, prompts: dict[int, list[int]], rounds: int, new: int)
     return {name: {size: statistics.median(v) for size, v in by_size.items()} for name, by_size in samples.items()}
 
 
-def plot(median: dict[str, dict[int, float]], path: Path) -> None:
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for name, by_size in median.items():
-        ax.plot(list(by_size), list(by_size.values()), marker="o", label=name)
-    ax.set_xlabel("context (prompt tokens) before the decode")
-    ax.set_ylabel("decode tok/s, one request")
-    ax.set_ylim(bottom=0)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--contexts", default="128,512,1024,2000", help="prompt lengths (tokens), at most 2,048")
@@ -102,7 +85,7 @@ def main() -> None:
         rows += [[f"{name} / llama.cpp", *(by_size[s] / median[peer][s] for s in prompts)]
                  for name, by_size in median.items() if name != peer]
     picture = ROOT / "docs" / f"{args.out}.png"
-    plot(median, picture)
+    line_plot(median, picture, "context (prompt tokens) before the decode", "decode tok/s, one request")
     notes.append(f"![decode tok/s against context](docs/{picture.name})")
     table = markdown_table(header, rows)
     write_result(args.out, "Single-request decode as the context grows, beside llama.cpp", table, "\n\n".join(notes))

@@ -26,14 +26,10 @@ import statistics
 import sys
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import torch  # noqa: E402
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Timer, load_workloads, markdown_table, write_result  # noqa: E402
+from common import Timer, line_plot, load_workloads, markdown_table, write_result  # noqa: E402
 from native_kernels import (  # noqa: E402
     BF16_PREFILL,
     FAST,
@@ -133,20 +129,6 @@ def ratio_rows(samples: dict[str, dict[int, list[float]]], name: str, sizes: lis
     return rows
 
 
-def plot(samples: dict[str, dict[int, list[float]]], path: Path) -> None:
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for name, by_size in samples.items():
-        sizes = sorted(by_size)
-        ax.plot(sizes, [statistics.median(by_size[size]) for size in sizes], marker="o", label=name)
-    ax.set_xlabel("prompt tokens (nothing cached)")
-    ax.set_ylabel("time to first token, ms (median, log scale)")
-    ax.set_yscale("log")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="32,64,128,256,512,768", help="prompt lengths (tokens), at most 2,048")
@@ -176,7 +158,9 @@ def main() -> None:
     header = ["runner", *(f"{size} tokens" for size in sizes)]
     rows: list[list[object]] = [[n, *(statistics.median(by[size]) for size in sizes)] for n, by in samples.items()]
     picture = ROOT / "docs" / f"{args.out}.png"
-    plot(samples, picture)
+    medians = {n: {size: statistics.median(v) for size, v in by.items()} for n, by in samples.items()}
+    line_plot(medians, picture, "prompt tokens (nothing cached)", "time to first token, ms (median, log scale)",
+              log=True)
     notes.append(f"![time to first token against prompt length](docs/{picture.name})")
     table = (markdown_table(header, rows) + "\n\nSpeed ratios (higher: kvserve faster):\n\n"
              + markdown_table(["", *(f"{size} tokens" for size in sizes)], ratio_rows(samples, name, sizes))
