@@ -27,6 +27,7 @@ ORDER = [
     "kernels_amx_bf16attn_prefill", "kernels_amx_bf16attn_final_prefill", "batch_decode_amx_fresh",
     "batch_decode_amx_pair", "kernels_amx_bf16prefill_prefill", "kernels_amx_bf16prefill_pair_prefill",
     "batch_decode_amx_bf16prefill", "batch_decode_amx_fp8", "short_prefill",
+    "short_prefill_configs",
     "perplexity",
     "kernels_amx", "configs", "configs_amx", "configs_amx_kv", "amx",
     "amx_exact", "kernels_prefill", "kernels_amx_prefill", "membw", "kernels_decode", "decode_step",
@@ -117,6 +118,9 @@ SCRIPTS = {
     "kernels_amx_bf16prefill_pair_prefill": ("native_kernels", [
         "--prefill-only", "--rounds", "7", "--out", "kernels_amx_bf16prefill_pair", "--variants",
         "kvserve native Q4_1 int8, bf16 KV + attention + prefill", "--skip-hf-fp32"]),
+    # short prompts' TTFT, the default and int8 configurations beside the fastest (on a CPU with AMX-BF16)
+    "short_prefill_configs": ("short_prefill", ["--also", "kvserve native Q4_1", "kvserve native Q4_1 int8",
+                                                "--rounds", "5", "--out", "short_prefill_configs"]),
     "batch_decode_amx_bf16prefill": ("batch_decode", ["--batches", "32", "--rounds", "5", "--kvserve",
                                                       "kvserve native Q4_1 int8, bf16 KV + prefill", "--no-llama-cpp",
                                                       "--out", "batch_decode_amx_bf16prefill"]),
@@ -260,7 +264,9 @@ a short prompt's matmuls are bound by the bf16 weights' bytes, and since the thr
 rows (each weight read once) with the next panel prefetched, 128 / 256 fresh tokens answer in 28.6 / 44.7 ms
 (1.20x / 1.17x the code before, every round; 3.0x / 2.8x transformers bf16, 14x / 18x llama-cpp-python) and a
 chat turn of 100 tokens after a cached 1,900-token history in 47.4 ms (55.8 before; llama-cpp-python, reusing
-its own prompt cache, 500 ms).
+its own prompt cache, 500 ms). The default exact configuration (float32 activations and KV) answers short prompts
+3-6x sooner than llama-cpp-python too, but **trails transformers bf16 from 256 tokens** (0.86x, 0.52x at 768) and
+takes 149 ms for that turn: its attention reads a float32 pool with FMAs (section "... (short_prefill_configs)").
 Sections measured on another machine (the AMD EPYC rows, the AMX Xeon rows) or under load (most of the second round's,
 marked in each) are not comparable across sections.
 

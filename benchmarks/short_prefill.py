@@ -11,7 +11,8 @@ round and length, in turn (order reversed every other round); medians of the tim
     python benchmarks/short_prefill.py --before-src /tmp/before/src --rounds 7  # paired before / after
 
 kvserve runs its fastest configuration here (int8 activations for decode rows, bf16 KV cache and attention,
-and on an AMX CPU bf16 prefill rows: native_kernels.py's variants). `--before-src` adds the same configuration
+and on an AMX CPU bf16 prefill rows: native_kernels.py's variants), and `--also NAME ...` others (e.g. the
+default, "kvserve native Q4_1": exact float32 activations and KV). `--before-src` adds the same configuration
 from another checkout's sources (benchmarks/source_ab.py, a child process) and a row of after / before speed
 ratios round by round; kvserve then runs this checkout's sources in a child process too, so the pair is alike.
 Then the seed's example for every runner that keeps a prompt cache (kvserve, llama.cpp): a chat turn of 100
@@ -44,19 +45,23 @@ ROOT = Path(__file__).resolve().parent.parent
 PEERS = ("transformers bf16", "llama.cpp (llama-cpp-python)")
 
 
-def runners_for(args: argparse.Namespace, notes: list[str]) -> tuple[str, list]:
-    """(kvserve's runner name, every runner): kvserve, its before, transformers bf16, llama.cpp."""
-    name = BF16_PREFILL if BF16_PREFILL in VARIANTS else FAST
+def runners_for(args: argparse.Namespace, notes: list[str]) -> tuple[list[str], list]:
+    """(kvserve's runner names, every runner): kvserve's fastest configuration and `--also`'s, its before,
+    transformers bf16, llama.cpp."""
+    names = [BF16_PREFILL if BF16_PREFILL in VARIANTS else FAST, *args.also]
+    unknown = sorted(set(names) - set(VARIANTS))
+    if unknown:
+        raise SystemExit(f"--also: unknown {unknown}; choose from {list(VARIANTS)}")
     if not args.before_src:
-        runners: list = [KvserveRunner(name, VARIANTS[name])]
-    else:  # both in child processes, alike (in this one, beside the peers' models, it measured ~5% slower)
+        runners: list = [KvserveRunner(name, VARIANTS[name]) for name in names]
+    else:  # in child processes, alike (in this one, beside the peers' models, kvserve measured ~5% slower)
         from source_ab import SourceRunner
 
         threads = torch.get_num_threads()
-        runners = [SourceRunner(name, str(ROOT / "src"), VARIANTS[name], threads),
-                   SourceRunner(f"{name} (before)", args.before_src, VARIANTS[name], threads)]
+        runners = [SourceRunner(name, str(ROOT / "src"), VARIANTS[name], threads) for name in names]
+        runners.append(SourceRunner(f"{names[0]} (before)", args.before_src, VARIANTS[names[0]], threads))
     runners += [] if args.skip_hf else [HFRunner(torch.bfloat16)]
-    return name, runners + llama_cpp_python_runner(notes)
+    return names, runners + llama_cpp_python_runner(notes)
 
 
 def measure(runners: list, prompts: dict[int, list[int]], rounds: int) -> dict[str, dict[int, list[float]]]:
@@ -113,16 +118,17 @@ def turn_table(turns: dict[str, list[float]], fresh: dict[str, dict[int, list[fl
     return markdown_table(["runner", "turn TTFT ms", f"{size} tokens alone, ms", "turn / alone"], rows)
 
 
-def ratio_rows(samples: dict[str, dict[int, list[float]]], name: str, sizes: list[int]) -> list[list[object]]:
-    """kvserve's speed over each peer's (median TTFT ratio), and after / before round by round."""
+def ratio_rows(samples: dict[str, dict[int, list[float]]], names: list[str], sizes: list[int]) -> list[list[object]]:
+    """Each kvserve configuration's speed over each peer's (median TTFT ratio), and the first one's after /
+    before round by round."""
     median = {n: {s: statistics.median(v) for s, v in by.items()} for n, by in samples.items()}
     rows: list[list[object]] = [[f"{name} ÷ {peer}", *(median[peer][s] / median[name][s] for s in sizes)]
-                                for peer in PEERS if peer in median]
-    before = f"{name} (before)"
+                                for name in names for peer in PEERS if peer in median]
+    before = f"{names[0]} (before)"
     if before in samples:
         cells = []
         for s in sizes:
-            pairs = [b / a for a, b in zip(samples[name][s], samples[before][s], strict=True)]
+            pairs = [b / a for a, b in zip(samples[names[0]][s], samples[before][s], strict=True)]
             cells.append(f"{statistics.median(pairs):.2f} ({min(pairs):.2f} - {max(pairs):.2f}), "
                          f"{sum(p > 1 for p in pairs)} of {len(pairs)} faster")
         rows.append(["after / before, by round", *cells])
@@ -135,6 +141,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--before-src", metavar="SRC", help="also kvserve from another checkout's src directory")
     parser.add_argument("--skip-hf", action="store_true", help="no transformers bf16")
+    parser.add_argument("--also", nargs="+", default=[], metavar="NAME",
+                        help="more kvserve configurations (native_kernels.py's VARIANTS names), e.g. the default")
     parser.add_argument("--out", default="short_prefill", help="results/OUT.md and docs/OUT.png")
     args = parser.parse_args()
     workloads = load_workloads()
@@ -144,7 +152,7 @@ def main() -> None:
     history, new = shared["prefix"], shared["suffixes"][0]
     prompts = {size: long_prompt[:size] for size in sizes} | {len(new): new}
     notes = [f"Load average (1 / 5 / 15 min) before: {load_average()}."]
-    name, runners = runners_for(args, notes)
+    names, runners = runners_for(args, notes)
     samples = measure(runners, prompts, args.rounds)
     turns = measure_turns(runners, history, new, args.rounds)
     for runner in runners:
@@ -163,11 +171,12 @@ def main() -> None:
               log=True)
     notes.append(f"![time to first token against prompt length](docs/{picture.name})")
     table = (markdown_table(header, rows) + "\n\nSpeed ratios (higher: kvserve faster):\n\n"
-             + markdown_table(["", *(f"{size} tokens" for size in sizes)], ratio_rows(samples, name, sizes))
+             + markdown_table(["", *(f"{size} tokens" for size in sizes)], ratio_rows(samples, names, sizes))
              + f"\n\nA chat turn: {len(new)} new tokens after a {len(history):,}-token history the runner has "
              "cached (the seed's example; its target: turn ≤ 1.2 × the new tokens alone), medians:\n\n"
              + turn_table(turns, samples, len(new)))
-    write_result(args.out, "Time to first token of short prompts, TTFT ms", table, "\n\n".join(notes))
+    title = "Time to first token of short prompts, TTFT ms" + ("" if args.out == "short_prefill" else f" ({args.out})")
+    write_result(args.out, title, table, "\n\n".join(notes))
     print(table)
 
 
