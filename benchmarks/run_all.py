@@ -17,8 +17,9 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 ORDER = [
     "throughput", "memory_efficiency", "prefix_cache", "prefix_lookup", "parallel_memory", "server_load",
-    "server_steps", "serve_sweep", "side_channel", "dashboard", "soak", "soak_paced", "router", "router_2w",
-    "router_2w_amx", "router_2w_zen4", "router_rag_bounded", "router_rag_bounded_4w", "router_rag_bounded192",
+    "server_steps", "serve_sweep", "side_channel", "dashboard", "soak", "soak_paced", "soak_amx_fast", "router",
+    "router_2w", "router_2w_amx", "router_2w_zen4", "router_rag_bounded", "router_rag_bounded_4w",
+    "router_rag_bounded192",
     "router_chat_bounded", "router_chat_bounded_4w", "eviction", "structured", "tiers", "kernels", "kernels_avx2",
     "kernels_avx2_prefill", "kernels_zen1", "kernels_zen1_decode", "configs_zen1", "qgemm_zen1", "membw_zen1",
     "fp_rate_zen1", "load_footprint_zen1", "kernels_zen4", "kernels_zen4_decode", "kernels_zen4_crossover",
@@ -71,6 +72,10 @@ SCRIPTS = {
                                           "--policies", "round_robin", "cache_aware", "kv_events", "--num-blocks",
                                           "960", "--host-cache", "0", "--out", "router_chat_bounded_4w"]),
     "soak_paced": ("soak", ["--think", "5", "--out", "soak_paced"]),  # the soak at a person's pace
+    # the soak with the server in the fastest configuration (on a CPU with AMX-BF16)
+    "soak_amx_fast": ("soak", ["--server-arg=--activation-quant=int8", "--server-arg=--kv-cache-dtype=bfloat16",
+                               "--server-arg=--attention-dtype=bfloat16", "--server-arg=--prefill-dtype=bfloat16",
+                               "--out", "soak_amx_fast"]),
     "crossover_zen4": ("crossover", ["--out", "crossover_zen4"]),  # on a Zen 4: its own crossovers
     "kernels_zen4_crossover": ("native_kernels", ["--quick", "--out", "kernels_zen4_crossover"]),  # after it
     "kernels_zen4_prefetch": ("native_kernels", ["--quick", "--out", "kernels_zen4_prefetch"]),  # decode prefetch
