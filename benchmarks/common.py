@@ -122,6 +122,14 @@ def hf_generate(model, prompts: list[list[int]], max_new_tokens: int) -> list[li
     return out[:, width:].tolist()
 
 
+def require_native(llm, args: dict[str, str]) -> None:
+    """Stop when a runner asked for the native kernels and the engine fell back to torch's (a failed build
+    only warns): its figures would be the torch kernels' under a native runner's name."""
+    if args.get("kernels") == "native" and llm.engine.model.kernels.backend != "native":
+        raise SystemExit("the native kernels did not load (see the warning above); refusing to time the torch "
+                         f"kernels as {args}")
+
+
 def line_plot(series: dict[str, dict[int, float]], path: Path, xlabel: str, ylabel: str, log: bool = False) -> None:
     """One line per runner of its value by size (sorted), to a PNG: long_decode.py, short_prefill.py."""
     import matplotlib

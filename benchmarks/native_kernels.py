@@ -44,6 +44,7 @@ from common import (  # noqa: E402
     load_workloads,
     markdown_table,
     native_bf16,
+    require_native,
     write_result,
 )
 from kvserve import LLM, SamplingParams  # noqa: E402
@@ -77,6 +78,7 @@ class KvserveRunner:
     def __init__(self, name: str, args: dict[str, str], library: Path | None = None) -> None:
         self.name = name
         self.llm = LLM("smollm2-135m", progress=False, kv_cache_memory="1GiB", max_num_seqs=64, **args)
+        require_native(self.llm, args)
         if library is not None:  # another build of the native kernels (same ABI): swap it in everywhere
             from kvserve.kernels.native import NativeLibrary
 

@@ -65,6 +65,10 @@ def _serve(args: dict[str, str], threads: int) -> None:
 
     torch.set_num_threads(threads)
     llm = LLM("smollm2-135m", progress=False, kv_cache_memory="1GiB", max_num_seqs=64, **args)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from common import require_native
+
+    require_native(llm, args)
     model = llm.engine.model
     if model.kernels.native is not None:
         model.kernels.native.lib.kv_set_num_threads(threads)
