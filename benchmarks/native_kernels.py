@@ -104,6 +104,12 @@ class KvserveRunner:
         out = self.llm.generate([prompt], greedy(1), cache_salt=salt)[0]
         return len(prompt) / out.metrics.ttft
 
+    def turn(self, history: list[int], new: list[int]) -> float:
+        """Seconds to the first token of `history + new` right after `history` (source_ab.turn_ttft)."""
+        from source_ab import turn_ttft
+
+        return turn_ttft(self.llm, history, new)
+
     def shared_prefix(self, prefix: list[int], suffixes: list[list[int]], new: int) -> float:
         with Timer() as timer:
             self.llm.generate([prefix + s for s in suffixes], greedy(new), cache_salt=str(time.perf_counter()))
@@ -182,6 +188,15 @@ class LlamaCppRunner:
 
     def prefill(self, prompt: list[int]) -> float:
         return len(prompt) / self._run(prompt, 1)[0]
+
+    def turn(self, history: list[int], new: list[int]) -> float:
+        """Seconds to the first token of `history + new` right after `history`: generate() reuses the longest
+        prefix already in the context."""
+        self.model.reset()
+        next(iter(self.model.generate(history, temp=0.0, top_k=1)))
+        with Timer() as timer:
+            next(iter(self.model.generate(history + new, temp=0.0, top_k=1)))
+        return timer.seconds
 
     def shared_prefix(self, prefix: list[int], suffixes: list[list[int]], new: int) -> float:
         with Timer() as timer:  # one at a time; reset() drops its cache, so each prefills the prefix

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Timer, line_plot, load_workloads, markdown_table, write_result  # noqa: E402
+from common import line_plot, load_workloads, markdown_table, write_result  # noqa: E402
 from native_kernels import (  # noqa: E402
     BF16_PREFILL,
     FAST,
@@ -81,20 +81,8 @@ def measure(runners: list, prompts: dict[int, list[int]], rounds: int) -> dict[s
 def turn_ms(runner, history: list[int], new: list[int]) -> float | None:
     """A chat turn's TTFT in ms: `new` after `history`, which the runner has cached by then (None: it keeps no
     prompt cache between requests -- transformers)."""
-    if hasattr(runner, "turn"):  # kvserve in a child process (source_ab.py)
-        return 1000 * runner.turn(history, new)
-    if hasattr(runner, "llm"):  # kvserve here
-        from source_ab import turn_ttft
-
-        return 1000 * turn_ttft(runner.llm, history, new)
-    if hasattr(runner, "model") and hasattr(runner.model, "generate") and hasattr(runner.model, "reset"):
-        llama = runner.model  # llama-cpp-python: generate() reuses the longest prefix already in its context
-        llama.reset()
-        next(iter(llama.generate(history, temp=0.0, top_k=1)))
-        with Timer() as timer:
-            next(iter(llama.generate(history + new, temp=0.0, top_k=1)))
-        return 1000 * timer.seconds
-    return None
+    turn = getattr(runner, "turn", None)  # kvserve here or in a child process, llama-cpp-python
+    return None if turn is None else 1000 * turn(history, new)
 
 
 def measure_turns(runners: list, history: list[int], new: list[int], rounds: int) -> dict[str, list[float]]:
@@ -112,9 +100,8 @@ def measure_turns(runners: list, history: list[int], new: list[int], rounds: int
 
 def turn_table(turns: dict[str, list[float]], fresh: dict[str, dict[int, list[float]]], size: int) -> str:
     """The turn beside the same new tokens alone (the seed's example: cached / fresh, target 1.2)."""
-    rows = [[name, statistics.median(v), statistics.median(fresh[name][size]) if size in fresh[name] else "–",
-             statistics.median(v) / statistics.median(fresh[name][size]) if size in fresh[name] else "–"]
-            for name, v in turns.items()]
+    rows = [[name, statistics.median(v), statistics.median(fresh[name][size]),
+             statistics.median(v) / statistics.median(fresh[name][size])] for name, v in turns.items()]
     return markdown_table(["runner", "turn TTFT ms", f"{size} tokens alone, ms", "turn / alone"], rows)
 
 
