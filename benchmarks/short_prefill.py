@@ -9,6 +9,7 @@ round and length, in turn (order reversed every other round); medians of the tim
     python benchmarks/short_prefill.py                                          # about 2 minutes
     git archive REV src | tar -x -C /tmp/before
     python benchmarks/short_prefill.py --before-src /tmp/before/src --rounds 7  # paired before / after
+    python benchmarks/short_prefill.py --before-src /tmp/before/src --rounds 7 --turn-rounds 31  # a tighter turn
 
 kvserve runs its fastest configuration here (int8 activations for decode rows, bf16 KV cache and attention,
 and on an AMX CPU bf16 prefill rows: native_kernels.py's variants), and `--also NAME ...` others (e.g. the
@@ -98,11 +99,25 @@ def measure_turns(runners: list, history: list[int], new: list[int], rounds: int
     return samples
 
 
-def turn_table(turns: dict[str, list[float]], fresh: dict[str, dict[int, list[float]]], size: int) -> str:
-    """The turn beside the same new tokens alone (the seed's example: cached / fresh, target 1.2)."""
+def paired(after: list[float], before: list[float]) -> str:
+    """before / after TTFT round by round (higher: after faster): median (min - max), rounds after was faster."""
+    ratios = [b / a for a, b in zip(after, before, strict=True)]
+    return (f"{statistics.median(ratios):.2f} ({min(ratios):.2f} - {max(ratios):.2f}), "
+            f"{sum(r > 1 for r in ratios)} of {len(ratios)} faster")
+
+
+def turn_table(turns: dict[str, list[float]], fresh: dict[str, dict[int, list[float]]], size: int,
+               first: str) -> str:
+    """The turn beside the same new tokens alone (the seed's example: cached / fresh, target 1.2), and with
+    `--before-src` the first configuration's turns after / before round by round."""
     rows = [[name, statistics.median(v), statistics.median(fresh[name][size]),
              statistics.median(v) / statistics.median(fresh[name][size])] for name, v in turns.items()]
-    return markdown_table(["runner", "turn TTFT ms", f"{size} tokens alone, ms", "turn / alone"], rows)
+    table = markdown_table(["runner", "turn TTFT ms", f"{size} tokens alone, ms", "turn / alone"], rows)
+    before = f"{first} (before)"
+    if before in turns:
+        rounds = len(turns[first])
+        table += f"\n\nThe turn after / before, by round ({rounds} rounds): {paired(turns[first], turns[before])}."
+    return table
 
 
 def ratio_rows(samples: dict[str, dict[int, list[float]]], names: list[str], sizes: list[int]) -> list[list[object]]:
@@ -113,12 +128,7 @@ def ratio_rows(samples: dict[str, dict[int, list[float]]], names: list[str], siz
                                 for name in names for peer in PEERS if peer in median]
     before = f"{names[0]} (before)"
     if before in samples:
-        cells = []
-        for s in sizes:
-            pairs = [b / a for a, b in zip(samples[names[0]][s], samples[before][s], strict=True)]
-            cells.append(f"{statistics.median(pairs):.2f} ({min(pairs):.2f} - {max(pairs):.2f}), "
-                         f"{sum(p > 1 for p in pairs)} of {len(pairs)} faster")
-        rows.append(["after / before, by round", *cells])
+        rows.append(["after / before, by round", *(paired(samples[names[0]][s], samples[before][s]) for s in sizes)])
     return rows
 
 
@@ -126,6 +136,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="32,64,128,256,512,768", help="prompt lengths (tokens), at most 2,048")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--turn-rounds", type=int, metavar="N", help="rounds of the chat turn (default: --rounds)")
     parser.add_argument("--before-src", metavar="SRC", help="also kvserve from another checkout's src directory")
     parser.add_argument("--skip-hf", action="store_true", help="no transformers bf16")
     parser.add_argument("--also", nargs="+", default=[], metavar="NAME",
@@ -141,11 +152,13 @@ def main() -> None:
     notes = [f"Load average (1 / 5 / 15 min) before: {load_average()}."]
     names, runners = runners_for(args, notes)
     samples = measure(runners, prompts, args.rounds)
-    turns = measure_turns(runners, history, new, args.rounds)
+    turn_rounds = args.turn_rounds or args.rounds
+    turns = measure_turns(runners, history, new, turn_rounds)
     for runner in runners:
         if hasattr(runner, "close"):
             runner.close()
-    notes.append(f"Load average after: {load_average()}. {args.rounds} rounds; threads: {torch.get_num_threads()}; "
+    notes.append(f"Load average after: {load_average()}. {args.rounds} rounds ({turn_rounds} of the turn); "
+                 f"threads: {torch.get_num_threads()}; "
                  "prompts: prefixes of the 2,048-token prefill workload, one-token requests, nothing cached "
                  "(kvserve: a fresh cache namespace per request; llama.cpp: its context reset). TTFT as each "
                  "runner's `prefill` in native_kernels.py measures it: kvserve's request metrics, the others' wall "
@@ -161,7 +174,7 @@ def main() -> None:
              + markdown_table(["", *(f"{size} tokens" for size in sizes)], ratio_rows(samples, names, sizes))
              + f"\n\nA chat turn: {len(new)} new tokens after a {len(history):,}-token history the runner has "
              "cached (the seed's example; its target: turn ≤ 1.2 × the new tokens alone), medians:\n\n"
-             + turn_table(turns, samples, len(new)))
+             + turn_table(turns, samples, len(new), names[0]))
     title = "Time to first token of short prompts, TTFT ms" + ("" if args.out == "short_prefill" else f" ({args.out})")
     write_result(args.out, title, table, "\n\n".join(notes))
     print(table)

@@ -4,10 +4,8 @@
 // Built with -ffp-contract=off, so RoPE rounds x*cos and y*sin separately, exactly as the torch twin.
 
 #if KV_AVX512
-static inline V vsub(V a, V b) { return _mm512_sub_ps(a, b); }
 static inline V vdiv(V a, V b) { return _mm512_div_ps(a, b); }
 #else
-static inline V vsub(V a, V b) { return _mm256_sub_ps(a, b); }
 static inline V vdiv(V a, V b) { return _mm256_div_ps(a, b); }
 #endif
 

@@ -133,19 +133,20 @@ struct PrefillScratch {
     float* corr;  // [Mp]
     uint32_t* qp;  // ATTN_BF16 pair products: [D / 2, Mp] bf16 query pairs (dims 2d, 2d + 1); exact tiles: 3 of
                    // them, the queries' three bf16 parts (prefill_amx.h)
-    uint32_t* pp;  // [KEY_STEP / 2, Mp] bf16 probability pairs (keys 2i, 2i + 1); AMX tiles: [Mp, KEY_STEP / 2],
-                   // 3 of them on the exact tiles
-    uint32_t* vp;  // [KEY_STEP / 2, D] bf16 value pairs (keys 2i, 2i + 1); AMX tiles: first the step's keys
+    uint32_t* pp;  // [KEY_STEP / 2, Mp] bf16 probability pairs (keys 2i, 2i + 1); 3 of them on the exact tiles
+    uint32_t* vp;  // [KEY_STEP / 2, D] bf16 value pairs (keys 2i, 2i + 1); AMX tiles: first the step's keys, then
+                   // its values as transposed tiles where the call packed none (prefill_amx.h)
+    float* acct;  // [D, Mp] the AMX tiles' unnormalised outputs, transposed (acc once the keys are done)
 };
 
 // Taken from `scope` (scratch.h: the calling thread's arena), valid until it ends.
 static PrefillScratch pf_scratch_new(ScratchScope& scope, int64_t Mp, int64_t D) {
-    float* buf = scope.take<float>(D * Mp + PREFILL_KEY_STEP * Mp + Mp * D + 3 * Mp);
+    float* buf = scope.take<float>(D * Mp + PREFILL_KEY_STEP * Mp + Mp * D + 3 * Mp + D * Mp);
     float* mx = buf + D * Mp + PREFILL_KEY_STEP * Mp + Mp * D;
     uint32_t* pairs = scope.take<uint32_t>(3 * D / 2 * Mp + 3 * PREFILL_KEY_STEP / 2 * Mp + PREFILL_KEY_STEP / 2 * D);
     uint32_t* pp = pairs + 3 * D / 2 * Mp;
     return PrefillScratch{buf, buf + D * Mp, buf + D * Mp + PREFILL_KEY_STEP * Mp, mx, mx + Mp, mx + 2 * Mp,
-                          pairs, pp, pp + 3 * PREFILL_KEY_STEP / 2 * Mp};
+                          pairs, pp, pp + 3 * PREFILL_KEY_STEP / 2 * Mp, mx + 3 * Mp};
 }
 
 // Whether ATTN_BF16 runs as pair dot products here: a bf16 pool, the AVX-512 build, a CPU with AVX512-BF16 where
@@ -227,18 +228,22 @@ static void pf_pack_values(PrefillScratch w, int64_t D, const KT* const* vrow, i
     }
 }
 
-// The bf16 pair of probabilities (keys 2 * i2, 2 * i2 + 1; a key at or past n is 0) of query lanes m..m+W:
-// one vcvtne2ps2bf16 (nearest even, as vbf16_bits; it flushes float32 denormals, probabilities under 1.2e-38,
-// to 0 where vbf16_bits keeps a bf16 denormal) and one permute interleaving the two keys (5.6x fewer uops).
-static inline __m512i pf_prob_pair(const float* s, int64_t Mp, int64_t n, int64_t i2, int64_t m) {
-    const V lo = 2 * i2 < n ? vload(s + 2 * i2 * Mp + m) : vzero();
-    const V hi = 2 * i2 + 1 < n ? vload(s + (2 * i2 + 1) * Mp + m) : vzero();
+// The bf16 pairs of two keys' probabilities (lo: key 2i's, hi: key 2i + 1's) of 16 query lanes: one
+// vcvtne2ps2bf16 (nearest even, as vbf16_bits; it flushes float32 denormals, probabilities under 1.2e-38, to 0
+// where vbf16_bits keeps a bf16 denormal) and one permute interleaving the two keys (5.6x fewer uops).
+static inline __m512i pf_pair_bf16(V lo, V hi) {
     const __m512bh rounded = _mm512_cvtne2ps_pbh(hi, lo);  // lo's 16, then hi's
     __m512i both;
     __builtin_memcpy(&both, &rounded, sizeof both);
     const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23,
                                                 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     return _mm512_permutexvar_epi16(interleave, both);
+}
+
+// The bf16 pair of probabilities (keys 2 * i2, 2 * i2 + 1; a key at or past n is 0) of query lanes m..m+W.
+static inline __m512i pf_prob_pair(const float* s, int64_t Mp, int64_t n, int64_t i2, int64_t m) {
+    return pf_pair_bf16(2 * i2 < n ? vload(s + 2 * i2 * Mp + m) : vzero(),
+                        2 * i2 + 1 < n ? vload(s + (2 * i2 + 1) * Mp + m) : vzero());
 }
 
 // The step's n probabilities [n, Mp] as pairs of keys, pp [KEY_STEP / 2, Mp], and its value rows (above).
@@ -273,6 +278,7 @@ static inline void pf_values_tile_pairs(const uint32_t* pp, int64_t Mp, const ui
 static void pf_reset(PrefillScratch w, int64_t Mp, int64_t D) {
     for (int64_t m = 0; m < Mp; ++m) { w.mx[m] = -__builtin_inff(); w.sum[m] = 0.0f; }
     for (int64_t e = 0; e < Mp * D; e += W) vstore(w.acc + e, vzero());
+    for (int64_t e = 0; e < Mp * D; e += W) vstore(w.acct + e, vzero());
 }
 
 // Zeroes the padded query lanes [M, Mp) and resets the online-softmax state of all Mp lanes.
@@ -340,18 +346,43 @@ static inline void pf_lane_max(const float* s, int64_t Mp, int64_t n, int64_t nv
 // Each lane sums its keys in order from 0, as the separate pass did: the same bits (the add chain hides behind
 // each key's exp, so one vector at a time suffices here, unlike pf_lane_max). MASKED: key r's lanes below
 // hidden0 + r * G are the causal mask's, exactly 0 (the exp clamps -inf to ~1e-38).
-template <bool MASKED>
+// EXP2 (ATTN_BF16, whose probabilities are rounded to bf16): 2^(s log2 e - max log2 e) through vexp2, one FMA
+// and ~60% of vexp's uops (the exp pass was a third of a chat turn's attention; prefill_amx.h's does the same).
+template <bool MASKED, bool EXP2>
 static inline void pf_lane_exp(PrefillScratch w, int64_t Mp, int64_t n, int64_t v, int64_t hidden0, int64_t G) {
-    const V neg = vmul(vload(w.mx + v * W), vset1(-1.0f));
+    constexpr float LOG2E = 1.44269504088896341f;
+    const V neg = vmul(vload(w.mx + v * W), vset1(EXP2 ? -LOG2E : -1.0f));
     V total = vzero();
     for (int64_t r = 0; r < n; ++r) {
         float* s = w.s + r * Mp + v * W;
-        V p = vexp(vadd(vload(s), neg));
+        V p = EXP2 ? vexp2(vfma(vload(s), vset1(LOG2E), neg)) : vexp(vadd(vload(s), neg));
         if (MASKED) p = pf_zero_below(p, hidden0 + r * G - v * W);
         vstore(s, p);
         total = vadd(total, p);
     }
     vstore(w.sum + v * W, vfma(vload(w.sum + v * W), vload(w.corr + v * W), total));
+}
+static inline void pf_lane_exp(PrefillScratch w, int64_t Mp, int64_t n, int64_t v, bool masked, int64_t hidden0,
+                               int64_t G, bool exp2) {
+    if (exp2 && masked) pf_lane_exp<true, true>(w, Mp, n, v, hidden0, G);
+    else if (exp2) pf_lane_exp<false, true>(w, Mp, n, v, 0, G);
+    else if (masked) pf_lane_exp<true, false>(w, Mp, n, v, hidden0, G);
+    else pf_lane_exp<false, false>(w, Mp, n, v, 0, G);
+}
+
+// The running max of ATTN_BF16 and of the AMX routes (FlashAttention-4's lazy rescaling): a lane's max moves
+// only when the step's exceeds it by more than PF_LAZY_MAX (probabilities up to 256 otherwise), so after a
+// sequence's first keys almost every step's correction is exactly 1 and the accumulators are left alone (on
+// the tiles, 16 queries a vector: pa_rescale). Any max gives the same softmax; the first step (max -inf) always
+// moves. Every route of one arithmetic keeps the same maxima, so they round the same probabilities.
+constexpr float PF_LAZY_MAX = 5.5451774f;  // ln 256
+static inline V pf_lazy_max(V mold, V step_max) {
+#if KV_AVX512
+    const __mmask16 moves = _mm512_cmp_ps_mask(step_max, vadd(mold, vset1(PF_LAZY_MAX)), _CMP_GT_OQ);
+    return _mm512_mask_blend_ps(moves, mold, step_max);
+#else
+    return _mm256_blendv_ps(mold, step_max, _mm256_cmp_ps(step_max, vadd(mold, vset1(PF_LAZY_MAX)), _CMP_GT_OQ));
+#endif
 }
 
 // How the products run: float32 FMAs (ATTN_F32, or ATTN_BF16 on the rounded values), AVX512-BF16 pair dot
@@ -396,18 +427,13 @@ static inline void pf_step_scores(PrefillScratch w, int64_t Mp, int64_t D, const
     for (; i < n; ++i) pf_scores_keys<1>(krow + i, w.qt, Mp, D, w.s + i * Mp);
 }
 
-// acc = acc x corr + P x V over the step's n keys (P rounded to bf16 under ATTN_BF16), by `route`.
+// acc = acc x corr + P x V over the step's n keys (P rounded to bf16 under ATTN_BF16), by `route` (not the AMX
+// tiles': pa_step).
 template <typename KT>
 static inline void pf_step_values(PrefillScratch w, int64_t Mp, int64_t D, const KT* const* vrow, int64_t n,
                                   int prod, int route) {
     const int64_t DV = D / W;
 #if KV_AVX512 && KV_HAS_BF16
-#if KV_HAS_AMX
-    if constexpr (sizeof(KT) <= 2) {
-        if (route == PF_TILES) return pa_values<1>(w, Mp, D, vrow, n);
-        if (route == PF_EXACT_TILES) return pa_values<3>(w, Mp, D, vrow, n);
-    }
-#endif
     if constexpr (sizeof(KT) == 2) {
         const bf16_t* const* vb = reinterpret_cast<const bf16_t* const*>(vrow);
         if (route == PF_PAIRS) {
@@ -438,16 +464,19 @@ static inline void pf_step_values(PrefillScratch w, int64_t Mp, int64_t D, const
 // to it (so k0_begin must be 0, and key 0 is seen by all); first < 0: every lane sees every key. Each lane
 // must see at least one key in the first step (its max is then finite). prod: ATTN_F32 or ATTN_BF16 (a bf16
 // pool); a lane's arithmetic depends only on its own query and the keys, never on the tile it shares.
+// vt (the AMX routes, k0_begin 0; else null): the sequence's values for head g already packed by the call
+// (prefill_amx.h's pa_pack_spans, `vt_tiles` pair tiles a dim tile); null: each step packs its own.
 template <typename KT>
 static void pf_attend(PrefillScratch w, int64_t Mp, int64_t D, int64_t G, const KT* kpool, const KT* vpool,
                       int64_t KVH, int64_t g, int64_t bs, const int64_t* table, int64_t k0_begin, int64_t end,
-                      int64_t first, int prod) {
+                      int64_t first, int prod, const uint32_t* vt = nullptr, int64_t vt_tiles = 0) {
     const int64_t MV = Mp / W;
     const int route = pf_route<KT>(prod, D);
+    const bool tiles = route == PF_TILES || route == PF_EXACT_TILES, lazy = tiles || prod == ATTN_BF16;
     if (prod == ATTN_BF16) pf_round_queries(w, Mp, D, route != PF_FMA);
 #if KV_AVX512 && KV_HAS_AMX
     if (route == PF_EXACT_TILES) pa_split_queries(w, Mp, D);
-    if (route == PF_TILES || route == PF_EXACT_TILES) pa_begin();
+    if (tiles) pa_begin();
 #endif
     const KT* krow[PREFILL_KEY_STEP];
     const KT* vrow[PREFILL_KEY_STEP];
@@ -465,22 +494,35 @@ static void pf_attend(PrefillScratch w, int64_t Mp, int64_t D, int64_t G, const 
         if (masked)
             for (int64_t r = 0; r < n; ++r)
                 for (int64_t m = 0, lim = (k0 + r - first) * G; m < lim; ++m) w.s[r * Mp + m] = -__builtin_inff();
+        const int64_t hidden0 = masked ? (k0 - first) * G : 0;
         for (int64_t v0 = 0; v0 < MV; v0 += PF_LANE_VECTORS) {
             const int64_t nv = MV - v0 < PF_LANE_VECTORS ? MV - v0 : PF_LANE_VECTORS;
             V bm[PF_LANE_VECTORS];
             pf_lane_max(w.s + v0 * W, Mp, n, nv, bm);
             for (int64_t v = v0; v < v0 + nv; ++v) {
-                const V mold = vload(w.mx + v * W), mnew = vmax(mold, bm[v - v0]), neg = vmul(mnew, vset1(-1.0f));
+                const V mold = vload(w.mx + v * W);
+                const V mnew = lazy ? pf_lazy_max(mold, bm[v - v0]) : vmax(mold, bm[v - v0]);
+                const V neg = vmul(mnew, vset1(-1.0f));
                 // mnew is finite (see above); the first step's correction exp(-inf) clamps to ~1e-38, times 0.
                 vstore(w.corr + v * W, vexp(vadd(mold, neg)));
                 vstore(w.mx + v * W, mnew);
             }
-            for (int64_t v = v0; v < v0 + nv; ++v)
-                if (masked) pf_lane_exp<true>(w, Mp, n, v, (k0 - first) * G, G);
-                else pf_lane_exp<false>(w, Mp, n, v, 0, G);
+            if (tiles) continue;  // below, after the accumulators' rescaling
+            for (int64_t v = v0; v < v0 + nv; ++v) pf_lane_exp(w, Mp, n, v, masked, hidden0, G, prod == ATTN_BF16);
         }
+#if KV_AVX512 && KV_HAS_AMX
+        if constexpr (sizeof(KT) <= 2) {
+            if (tiles) {
+                pa_step(w, Mp, D, G, vrow, n, masked, hidden0, route == PF_EXACT_TILES, vt, vt_tiles, k0);
+                continue;
+            }
+        }
+#endif
         pf_step_values(w, Mp, D, vrow, n, prod, route);
     }
+#if KV_AVX512 && KV_HAS_AMX
+    if (tiles) pa_untranspose(w, Mp, D);
+#endif
 }
 
 // One task: tokens [row0, row0 + nq) of a span at positions first..first+nq-1, KV head g, keys 0..first+nq-1.
@@ -515,13 +557,16 @@ static inline void pf_emit(PrefillScratch w, int64_t m, int64_t D, int64_t H, in
 template <typename KT>
 static void prefill_tile(const float* q, int64_t H, int64_t KVH, int64_t D, int64_t G, const KT* kpool,
                          const KT* vpool, int64_t bs, const int64_t* table, int64_t row0, int64_t nq,
-                         int64_t first, int64_t g, float scale, int prod, PrefillScratch w, const PrefillOut& out) {
+                         int64_t first, int64_t g, float scale, int prod, PrefillScratch w, const PrefillOut& out,
+                         const uint32_t* vt, int64_t vt_tiles) {
     const int64_t M = nq * G, Mp = (M + W - 1) / W * W;
     pf_reset(w, Mp, D);
     pf_put_queries(w, M, Mp, D, scale, [&](int64_t m) { return q + ((row0 + m / G) * H + g * G + m % G) * D; });
-    pf_attend(w, Mp, D, G, kpool, vpool, KVH, g, bs, table, 0, first + nq, first, prod);
+    pf_attend(w, Mp, D, G, kpool, vpool, KVH, g, bs, table, 0, first + nq, first, prod, vt, vt_tiles);
     for (int64_t m = 0; m < M; ++m) pf_emit(w, m, D, H, row0 + m / G, g * G + m % G, out);
 }
+
+constexpr int64_t PF_SHARED_VALUES_BYTES = int64_t{64} << 20;
 
 template <typename KT>
 static int prefill_attention(const float* q, int64_t H, int64_t KVH, int64_t D, const KT* kpool,
@@ -536,10 +581,24 @@ static int prefill_attention(const float* q, int64_t H, int64_t KVH, int64_t D, 
     int64_t* task_offset = scope.take<int64_t>(num_spans + 1);  // first task of each span: KVH x tiles
     task_offset[0] = 0;
     for (int64_t s = 0; s < num_spans; ++s) task_offset[s + 1] = task_offset[s] + KVH * ((span_len[s] + QT - 1) / QT);
+    // The AMX routes' values, packed once per (span, KV head) for all its query tiles (pa_pack_spans), up to
+    // PF_SHARED_VALUES_BYTES; past that each step packs its own.
+    int64_t* vt_offset = scope.take<int64_t>(num_spans + 1);
+    uint32_t* vt = nullptr;
+    vt_offset[0] = 0;
+    for (int64_t s = 0; s < num_spans; ++s) vt_offset[s + 1] = vt_offset[s] + KVH * ((span_ctx[s] + 31) / 32);
+    const int route = pf_route<KT>(prod, D);
+    if ((route == PF_TILES || route == PF_EXACT_TILES) && vt_offset[num_spans] * D * 64 <= PF_SHARED_VALUES_BYTES)
+        vt = scope.take<uint32_t>(vt_offset[num_spans] * D * 16);  // per pair tile: D / 16 tiles of 256 dwords
 #pragma omp parallel num_threads(kv_threads())
     {
         ScratchScope own;  // this thread's
         PrefillScratch w = pf_scratch_new(own, Mp, D);
+#if KV_AVX512 && KV_HAS_AMX
+        if constexpr (sizeof(KT) <= 2)
+            if (vt != nullptr)
+                pa_pack_spans(vpool, KVH, D, bs, num_spans, span_ctx, tables, table_stride, vt_offset, vt);
+#endif
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = task_offset[num_spans] - 1; task >= 0; --task) {  // the longest tiles (last) first
             int64_t s = 0;
@@ -547,8 +606,9 @@ static int prefill_attention(const float* q, int64_t H, int64_t KVH, int64_t D, 
             const int64_t local = task - task_offset[s], g = local % KVH, tile = local / KVH;
             const int64_t a = tile * QT, nq = span_len[s] - a < QT ? span_len[s] - a : QT;
             const int64_t first = span_ctx[s] - span_len[s] + a;
+            const int64_t vt_tiles = (vt_offset[s + 1] - vt_offset[s]) / KVH;
             prefill_tile(q, H, KVH, D, G, kpool, vpool, bs, tables + s * table_stride, span_start[s] + a, nq, first,
-                         g, scale, prod, w, out);
+                         g, scale, prod, w, out, vt ? vt + (vt_offset[s] + g * vt_tiles) * D * 16 : nullptr, vt_tiles);
         }
     }
     return 0;

@@ -8,19 +8,22 @@
 //
 // Why: on that CPU vdpbf16ps issues once a cycle (the pair products ran 0.7x the float32 FMAs there), while
 // one TDPBF16PS multiplies 16 x 16 x 32 bf16 pairs in ~16 cycles, 16x the FMAs' products per cycle (three
-// parts still ~5x). The softmax between the two products stays prefill.h's.
+// parts still ~5x). The maxima stay prefill.h's (lazily moved: pf_lazy_max); the exponentials, their sums and
+// the probabilities' bf16 pairs are one pass here (pa_lane_exp_pairs) that writes P in the layout the tiles
+// load, so no probability goes to memory as float32 or through a transpose.
 //
 // Layouts, per online-softmax step of n <= KEY_STEP keys and the Mp stacked queries:
 //   Q x K^T: C (tmm4, 5) = 16 keys x 16 queries of w.s (key-major, as the softmax reads it); A (tmm0) = 16 key
 //   rows, 32 dims each, read from the pool in place when the 16 keys sit in one block (else copied into the
 //   value-pair buffer, not yet in use); B (tmm1, 2) = 16 dim pairs x 16 queries of qp, as pf_round_queries
 //   already lays them out.
-//   P x V: C = 16 queries x 16 dims of w.acc (loaded, accumulated, stored back after the correction); A = 16
-//   queries x 16 key pairs of the probabilities, query-major (transposed from the key-major softmax through
-//   transpose16_dwords into w.pp); B (tmm1, 2) = 16 key pairs x 16 dims of vp (pf_pack_values).
+//   P x V, transposed (out^T = V^T P): C (tmm4-7) = 16 dims x 16 queries of w.acct; A (tmm0, 1) = 16 dims x 16
+//   key pairs of the values (pa_pack_values_t: packed once per call for every span and KV head, or per step into
+//   w.vp); B (tmm2, 3) = 16 key pairs x 16 queries of w.pp, key-major as the softmax runs. Each output sums the
+//   same products in the same order as with the operands' roles swapped (the same bits as the untransposed
+//   product, checked when it was written); w.acct becomes w.acc [Mp, D] once the keys are done (pa_untranspose).
 
 constexpr int64_t PA = 16;  // tile rows, and float32 / bf16-pair columns
-constexpr int64_t PA_PAIRS = PREFILL_KEY_STEP / 2;  // probability pairs of a step: a row of query-major pp
 
 static inline bool pa_tiles(int64_t D) { return kv_amx_exact() && D % 32 == 0; }
 
@@ -48,28 +51,13 @@ static void pa_split_queries(PrefillScratch w, int64_t Mp, int64_t D) {
         }
 }
 
-// Query lanes m..m+W's pair i2 of probabilities (keys 2 * i2, 2 * i2 + 1; a key at or past n is 0) as the bf16
-// pairs of their three split_bf16x3 parts (S == 3, exact): each split once for all three.
-static inline void pa_prob_part_pairs(const float* s, int64_t Mp, int64_t n, int64_t i2, int64_t m, __m512i* out) {
-    V even[3], odd[3];
-    split_bf16x3(2 * i2 < n ? vload(s + 2 * i2 * Mp + m) : vzero(), even);
-    split_bf16x3(2 * i2 + 1 < n ? vload(s + (2 * i2 + 1) * Mp + m) : vzero(), odd);
-    for (int part = 0; part < 3; ++part) out[part] = pa_part_pair(even[part], odd[part]);
-}
-
-// 16 rows of pairs (one per key pair) transposed into w.pp's query-major rows of `part`: query tile c, pair tile p.
-static inline void pa_store_pairs(PrefillScratch w, int64_t Mp, int part, int64_t c, int64_t p, __m512i* r) {
-    transpose16_dwords(r);
-    for (int64_t j = 0; j < PA; ++j) _mm512_storeu_si512(w.pp + (part * Mp + c * PA + j) * PA_PAIRS + p * PA, r[j]);
-}
-
 // w.s[r * Mp + m] = key r . query m (queries in w.qp: S parts) for the step's keys k0..k0+n of block size bs;
 // rows n..16 * ceil(n / 16) of w.s get values nobody reads.
 // KT: a bf16 pool's rows, read in place where they can be; an fp8 pool's, always copied widened to bf16.
 template <int S, typename KT>
 static void pa_scores(PrefillScratch w, int64_t Mp, int64_t D, const KT* const* krow, int64_t n, int64_t k0,
                       int64_t bs) {
-    bf16_t* copy = reinterpret_cast<bf16_t*>(w.vp);  // [KEY_STEP, D]: free until pf_pack_values
+    bf16_t* copy = reinterpret_cast<bf16_t*>(w.vp);  // [KEY_STEP, D]: free until pa_step packs values there
     const int64_t nq = Mp / PA, nk = D / 32;
     for (int64_t r0 = 0; r0 < n; r0 += PA) {
         const int64_t nr = n - r0 < PA ? n - r0 : PA;
@@ -111,60 +99,173 @@ static void pa_scores(PrefillScratch w, int64_t Mp, int64_t D, const KT* const* 
     }
 }
 
-// w.acc = w.acc x corr + P x V over the step's n keys (probabilities in w.s, key-major; S parts of each).
-template <int S, typename KT>
-static void pa_values(PrefillScratch w, int64_t Mp, int64_t D, const KT* const* vrow, int64_t n) {
-    const int64_t n2 = (n + 1) / 2, np = (n2 + PA - 1) / PA, nq = Mp / PA, nd = D / PA;
-    pf_pack_values(w, D, vrow, n);
-    for (int64_t e = n2 * D; e < np * PA * D; e += W) _mm512_storeu_si512(w.vp + e, _mm512_setzero_si512());
-    for (int64_t c = 0; c < nq; ++c)  // pp[part][m * PA_PAIRS + i2]: query m's probability pair i2
-        for (int64_t p = 0; p < np; ++p) {
-            __m512i r[PA];
-            if (S == 1) {  // rounded (ATTN_BF16)
-                for (int64_t i = 0; i < PA; ++i) r[i] = pf_prob_pair(w.s, Mp, n, p * PA + i, c * PA);
-                pa_store_pairs(w, Mp, 0, c, p, r);
-                continue;
-            }
-            __m512i later[2][PA];  // parts 1 and 2 wait while part 0's rows are transposed
-            for (int64_t i = 0; i < PA; ++i) {
-                __m512i parts[3];
-                pa_prob_part_pairs(w.s, Mp, n, p * PA + i, c * PA, parts);
-                r[i] = parts[0];
-                later[0][i] = parts[1];
-                later[1][i] = parts[2];
-            }
-            pa_store_pairs(w, Mp, 0, c, p, r);
-            pa_store_pairs(w, Mp, 1, c, p, later[0]);
-            pa_store_pairs(w, Mp, 2, c, p, later[1]);
+// Values for P x V, transposed: A tiles of 16 dims x 16 key pairs, tile (dt, pt) -- dims 16 dt.., keys 32 pt.. --
+// at vt + (dt * tiles + pt) * PA_TILE (rows of 16 dwords: dim d's bf16 values of keys 2i, 2i + 1). Keys of pair
+// tile pt at or past `count` are 0 (never NaN: the probabilities there are 0, and 0 x NaN is not).
+constexpr int64_t PA_TILE = PA * PA;  // dwords of a 16 x 64-byte tile
+template <typename KT>
+static void pa_pack_values_t(const KT* const* vrow, int64_t count, int64_t D, uint32_t* vt, int64_t tiles,
+                             int64_t pt) {
+    for (int64_t dt = 0; dt < D / PA; ++dt) {
+        __m512i r[PA];
+        for (int64_t i2 = 0; i2 < PA; ++i2) {
+            const int64_t k = 2 * i2;
+            const __m512i lo = k < count ? pf_bf16_lanes(vrow[k] + dt * PA) : _mm512_setzero_si512();
+            const __m512i hi = k + 1 < count ? pf_bf16_lanes(vrow[k + 1] + dt * PA) : _mm512_setzero_si512();
+            r[i2] = _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
         }
-    // acc rows x corr, one query tile's 16 rows ahead of the tiles that load them (a tile load right after vector
-    // stores to its rows waits for them); a row whose max held (most, once its first keys are in) keeps its acc.
-    const auto rescale = [&](int64_t c) {
-        for (int64_t m = c * PA; m < (c + 1) * PA; ++m) {
-            if (w.corr[m] == 1.0f) continue;
-            const V cr = vset1(w.corr[m]);
-            for (int64_t e = 0; e < D; e += W) vstore(w.acc + m * D + e, vmul(vload(w.acc + m * D + e), cr));
+        transpose16_dwords(r);
+        for (int64_t j = 0; j < PA; ++j) _mm512_storeu_si512(vt + (dt * tiles + pt) * PA_TILE + j * PA, r[j]);
+    }
+}
+
+// Every span's values as pa_pack_values_t's tiles, each (span, KV head) once for all its query tiles (a task
+// packing its own would repeat it for each): span s, head g from vt + (s_offset[s] + g * tiles_s) * (D / 16)
+// * PA_TILE, tiles_s = s_offset's step / KVH. Runs inside the caller's parallel region (a worksharing loop).
+template <typename KT>
+static void pa_pack_spans(const KT* vpool, int64_t KVH, int64_t D, int64_t bs, int64_t num_spans,
+                          const int64_t* span_ctx, const int64_t* tables, int64_t table_stride,
+                          const int64_t* s_offset, uint32_t* vt) {
+#pragma omp for schedule(static)
+    for (int64_t job = 0; job < s_offset[num_spans]; ++job) {  // (span, head, pair tile)
+        int64_t s = 0;
+        while (s_offset[s + 1] <= job) ++s;
+        const int64_t tiles = (s_offset[s + 1] - s_offset[s]) / KVH, g = (job - s_offset[s]) / tiles;
+        const int64_t pt = (job - s_offset[s]) % tiles, k0 = 32 * pt;
+        const int64_t count = span_ctx[s] - k0 < 32 ? span_ctx[s] - k0 : 32;
+        const KT* vrow[32];
+        for (int64_t i = 0, b = k0 / bs, off = k0 % bs; i < count; ++i) {  // no division per key
+            vrow[i] = vpool + ((tables[s * table_stride + b] * bs + off) * KVH + g) * D;
+            if (++off == bs) off = 0, ++b;
         }
+        pa_pack_values_t(vrow, count, D, vt + (s_offset[s] + g * tiles) * (D / PA) * PA_TILE, tiles, pt);
+    }
+}
+
+// The step's probabilities of query vector v (lanes 16 v..) as bf16 pairs of keys (2 i2, 2 i2 + 1), key-pair-major
+// -- pp + part * PA_PART + i2 * Mp: the P x V tiles' B operand as it is -- and their float32 sum folded into w.sum
+// (w.sum x corr + the step's), summed key by key in order as pf_lane_exp does: one pass over w.s, no probability
+// stored as float32 or transposed. S = 1: rounded to nearest even; S = 3: the three exact parts. Pairs past the
+// step's keys up to a whole pair tile are 0. MASKED / EXP2: pf_lane_exp's.
+constexpr int64_t PA_PART = PREFILL_KEY_STEP / 2;  // times Mp: the dwords of one part's pairs
+template <int S, bool MASKED, bool EXP2>
+static void pa_lane_exp_pairs(PrefillScratch w, int64_t Mp, int64_t n, int64_t v, int64_t hidden0, int64_t G) {
+    constexpr float LOG2E = 1.44269504088896341f;
+    const V neg = vmul(vload(w.mx + v * W), vset1(EXP2 ? -LOG2E : -1.0f));
+    const auto prob = [&](int64_t r) {
+        const V x = vload(w.s + r * Mp + v * W);
+        V p = EXP2 ? vexp2(vfma(x, vset1(LOG2E), neg)) : vexp(vadd(x, neg));
+        return MASKED ? pf_zero_below(p, hidden0 + r * G - v * W) : p;
     };
-    rescale(0);
-    for (int64_t c = 0; c < nq; ++c) {
-        if (c + 1 < nq) rescale(c + 1);
-        for (int64_t d = 0; d < nd; d += 2) {
-            const bool two = d + 1 < nd;
-            float* out = w.acc + c * PA * D + d * PA;
-            _tile_loadd(4, out, D * 4);
-            if (two) _tile_loadd(5, out + PA, D * 4);
-            for (int64_t p = 0; p < np; ++p) {
-                _tile_loadd(1, w.vp + p * PA * D + d * PA, D * 4);
-                if (two) _tile_loadd(2, w.vp + p * PA * D + (d + 1) * PA, D * 4);
-                for (int part = 0; part < S; ++part) {
-                    _tile_loadd(0, w.pp + (part * Mp + c * PA) * PA_PAIRS + p * PA, PA_PAIRS * 4);
-                    _tile_dpbf16ps(4, 0, 1);
-                    if (two) _tile_dpbf16ps(5, 0, 2);
+    V total = vzero();
+    const int64_t n2 = (n + 1) / 2, padded = (n2 + PA - 1) / PA * PA;
+    for (int64_t i2 = 0; i2 < n2; ++i2) {
+        const V lo = prob(2 * i2);
+        total = vadd(total, lo);
+        V hi = vzero();
+        if (2 * i2 + 1 < n) {
+            hi = prob(2 * i2 + 1);
+            total = vadd(total, hi);
+        }
+        uint32_t* dst = w.pp + i2 * Mp + v * W;
+        if constexpr (S == 1) {
+            _mm512_storeu_si512(dst, pf_pair_bf16(lo, hi));
+        } else {
+            V even[3], odd[3];
+            split_bf16x3(lo, even);
+            split_bf16x3(hi, odd);
+            for (int part = 0; part < 3; ++part)
+                _mm512_storeu_si512(dst + part * PA_PART * Mp, pa_part_pair(even[part], odd[part]));
+        }
+    }
+    for (int64_t i2 = n2; i2 < padded; ++i2)
+        for (int part = 0; part < S; ++part)
+            _mm512_storeu_si512(w.pp + (part * PA_PART + i2) * Mp + v * W, _mm512_setzero_si512());
+    vstore(w.sum + v * W, vfma(vload(w.sum + v * W), vload(w.corr + v * W), total));
+}
+
+// w.acct x corr: each query vector whose lanes' maxima moved (most hold once their first keys are in).
+static void pa_rescale(PrefillScratch w, int64_t Mp, int64_t D) {
+    for (int64_t v = 0; v < Mp / W; ++v) {
+        const V cr = vload(w.corr + v * W);
+        if (_mm512_cmpneq_ps_mask(cr, vset1(1.0f)) == 0) continue;
+        for (int64_t d = 0; d < D; ++d) vstore(w.acct + d * Mp + v * W, vmul(vload(w.acct + d * Mp + v * W), cr));
+    }
+}
+
+// Query tiles c, c + 1 of w.acct [D, Mp] += V^T x P over the step's np pair tiles (values: vt's tiles pt0..,
+// `tiles` a dim tile; probabilities: w.pp, S parts). 2 x 2 blocking: dim tiles dt, dt + 1 x the two query tiles
+// in tmm4-7 (D is a multiple of 32).
+template <int S>
+static void pa_values_t(PrefillScratch w, int64_t Mp, int64_t D, const uint32_t* vt, int64_t tiles, int64_t pt0,
+                        int64_t np, int64_t c) {
+    const bool two = c + 1 < Mp / PA;
+    for (int64_t dt = 0; dt < D / PA; dt += 2) {
+        float* out = w.acct + dt * PA * Mp + c * PA;
+        _tile_loadd(4, out, Mp * 4);
+        _tile_loadd(5, out + PA * Mp, Mp * 4);
+        if (two) _tile_loadd(6, out + PA, Mp * 4);
+        if (two) _tile_loadd(7, out + PA * Mp + PA, Mp * 4);
+        for (int64_t p = 0; p < np; ++p) {
+            _tile_loadd(0, vt + (dt * tiles + pt0 + p) * PA_TILE, 64);
+            _tile_loadd(1, vt + ((dt + 1) * tiles + pt0 + p) * PA_TILE, 64);
+            for (int part = 0; part < S; ++part) {
+                const uint32_t* b = w.pp + (part * PA_PART + p * PA) * Mp + c * PA;
+                _tile_loadd(2, b, Mp * 4);
+                _tile_dpbf16ps(4, 0, 2);
+                _tile_dpbf16ps(5, 1, 2);
+                if (two) {
+                    _tile_loadd(3, b + PA, Mp * 4);
+                    _tile_dpbf16ps(6, 0, 3);
+                    _tile_dpbf16ps(7, 1, 3);
                 }
             }
-            _tile_stored(4, out, D * 4);
-            if (two) _tile_stored(5, out + PA, D * 4);
         }
+        _tile_stored(4, out, Mp * 4);
+        _tile_stored(5, out + PA * Mp, Mp * 4);
+        if (two) _tile_stored(6, out + PA, Mp * 4);
+        if (two) _tile_stored(7, out + PA * Mp + PA, Mp * 4);
+    }
+}
+
+// w.acc [Mp, D] <- w.acct [D, Mp], 16 x 16 at a time: the outputs as the FMA routes leave them.
+static void pa_untranspose(PrefillScratch w, int64_t Mp, int64_t D) {
+    for (int64_t v = 0; v < Mp / W; ++v)
+        for (int64_t d0 = 0; d0 < D; d0 += W) {
+            __m512i r[W];
+            for (int64_t i = 0; i < W; ++i) r[i] = _mm512_loadu_si512(w.acct + (d0 + i) * Mp + v * W);
+            transpose16_dwords(r);
+            for (int64_t j = 0; j < W; ++j) _mm512_storeu_si512(w.acc + (v * W + j) * D + d0, r[j]);
+        }
+}
+
+// One online-softmax step's rescaling, probabilities and P x V on the tiles (after pf_attend's maxima): S = 1
+// (PF_TILES, ATTN_BF16: vexp2) or 3 (PF_EXACT_TILES, ATTN_F32: vexp). vt null: the step packs its values into
+// w.vp; else the call's tiles (pf_attend), this step's from pair tile k0 / 32.
+template <typename KT>
+static void pa_step(PrefillScratch w, int64_t Mp, int64_t D, int64_t G, const KT* const* vrow, int64_t n,
+                    bool masked, int64_t hidden0, bool exact, const uint32_t* vt, int64_t vt_tiles, int64_t k0) {
+    pa_rescale(w, Mp, D);
+    const int64_t np = ((n + 1) / 2 + PA - 1) / PA;
+    int64_t pt0 = k0 / 32;
+    if (vt == nullptr) {
+        vt_tiles = PREFILL_KEY_STEP / 32, pt0 = 0;
+        for (int64_t pt = 0; pt < np; ++pt)
+            pa_pack_values_t(vrow + 32 * pt, n - 32 * pt < 32 ? n - 32 * pt : 32, D, w.vp, vt_tiles, pt);
+        vt = w.vp;
+    }
+    // Query tiles c, c + 1's probabilities, then the previous pair's products: the tiles load rows the vector
+    // stores wrote one pair earlier.
+    const int64_t nq = Mp / PA;
+    for (int64_t c = 0; c < nq + 2; c += 2) {
+        for (int64_t v = c; v < c + 2 && v < nq; ++v) {
+            if (exact && masked) pa_lane_exp_pairs<3, true, false>(w, Mp, n, v, hidden0, G);
+            else if (exact) pa_lane_exp_pairs<3, false, false>(w, Mp, n, v, 0, G);
+            else if (masked) pa_lane_exp_pairs<1, true, true>(w, Mp, n, v, hidden0, G);
+            else pa_lane_exp_pairs<1, false, true>(w, Mp, n, v, 0, G);
+        }
+        if (c == 0) continue;
+        if (exact) pa_values_t<3>(w, Mp, D, vt, vt_tiles, pt0, np, c - 2);
+        else pa_values_t<1>(w, Mp, D, vt, vt_tiles, pt0, np, c - 2);
     }
 }
