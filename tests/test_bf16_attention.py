@@ -3,9 +3,10 @@
 Prefill and shared-prefix attention round the scaled queries and the unnormalised probabilities to bf16 and
 sum the (exact) products in float32: AVX512-BF16 pair dot products where the CPU has them, float32 FMAs on
 the same rounded values elsewhere (the AVX2 build, or a CPU without them). The oracle is
-`reference.paged_attention(..., bf16_products=True)`; it rounds the probabilities against the row's max where the
-kernel rounds against its running max, so the check is a tolerance -- and, to show the rounding really
-happens, that the kernel sits several times closer to the bf16 oracle than to the float32 one.
+`reference.paged_attention(..., bf16_products=True)`; it rounds the probabilities against the row's max where
+the kernel rounds against its running max (moved lazily: prefill.h's pf_lazy_max), so the check is a
+tolerance -- and, to show the rounding really happens, that the kernel sits several times closer to the bf16
+oracle than to the float32 one.
 """
 
 from __future__ import annotations
@@ -203,6 +204,47 @@ def test_native_tracks_the_torch_twin_and_differs_from_float32(tiny_model_dir):
     float32 = top(kernels="native")
     assert (native - twin).abs().max() < 0.03
     assert (float32 - twin).abs().max() > 0.05
+
+
+def climbing_span(seed: int, cached: int = 320, tokens: int = 40):
+    """A span whose keys grow along the context (x1 at position 0 to x7 at its end), so the scores' running max
+    climbs step after step, past the lazy max's margin (ln 256) several times: each route must still agree."""
+    queries, keys, values, spans, table = one_span(torch.Generator().manual_seed(seed), cached, tokens, 16, 3, 3, 64)
+    context = cached + tokens
+    for position in range(context):
+        block, offset = int(table[0, position // 16]), position % 16
+        keys[block, offset] = (keys[block, offset].float() * (1 + 6 * position / context)).bfloat16()
+    return queries, keys, values, spans, table
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_climbing_max_gives_the_oracles_outputs(kernels, seed):
+    """Scores that keep rising (the max moves, then holds within its margin while probabilities reach 256):
+    bf16 products within the bf16 oracle's tolerance and closer to it than to float32's; float32 products (a
+    bf16 pool) the oracle's up to summation order, whichever route this CPU takes (AMX tiles move the max lazily
+    too)."""
+    case = climbing_span(seed)
+    bf16 = kernels.native.prefill_attention(*case, 0.125, bf16_products=True)
+    torch.testing.assert_close(bf16, expected(*case, 0.125, True), **TOLERANCE)
+    near, far = ((bf16 - expected(*case, 0.125, exact)).abs().mean() for exact in (True, False))
+    assert near < far / 3
+    float32 = kernels.native.prefill_attention(*case, 0.125)
+    torch.testing.assert_close(float32, expected(*case, 0.125, False), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not avx512_with("amx_bf16"), reason="this CPU has no AMX-BF16 (or no AVX-512 build)")
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_climbing_max_on_tiles_equals_the_fmas(seed):
+    """The AMX tiles and the FMAs they replace keep the same lazy maxima, so over a climbing max they still
+    differ only where summation order tips a probability to its neighbouring bf16 (bounded as in
+    test_amx_tiles_equal_the_pair_products)."""
+    fast = Kernels.create("native", isa="avx512")
+    case = climbing_span(seed)
+    tiles, fmas = on_then_off(fast.native.set_amx_exact, lambda: fast.native.prefill_attention(
+        *case, 0.125, bf16_products=True))
+    gap = (tiles - fmas).abs()
+    assert gap.max() <= 2**-8 * case[2].float().abs().max()
+    assert int((gap.amax(-1) > 1e-5).sum()) <= max(2, 0.05 * gap[..., 0].numel())
 
 
 @pytest.mark.skipif(not avx512_with("amx_bf16"), reason="this CPU has no AMX-BF16 (or no AVX-512 build)")
