@@ -123,6 +123,30 @@ static inline V pf_zero_below(V p, int64_t count) {
 #endif
 }
 
+// One probability vector of the online softmax, exp(x - max): `neg` is pf_neg_max's. EXP2 (ATTN_BF16, whose
+// probabilities are rounded to bf16): 2^(x log2 e - max log2 e) through vexp2, one FMA and ~60% of vexp's uops
+// (the exp pass was a third of a chat turn's attention). MASKED: lanes below `below` are the causal mask's,
+// exactly 0 (the exp clamps -inf to ~1e-38). Shared with prefill_amx.h's one-pass softmax.
+constexpr float PF_LOG2E = 1.44269504088896341f;
+template <bool EXP2>
+static inline V pf_neg_max(const float* mx) { return vmul(vload(mx), vset1(EXP2 ? -PF_LOG2E : -1.0f)); }
+template <bool MASKED, bool EXP2>
+static inline V pf_prob(V x, V neg, int64_t below) {
+    const V p = EXP2 ? vexp2(vfma(x, vset1(PF_LOG2E), neg)) : vexp(vadd(x, neg));
+    return MASKED ? pf_zero_below(p, below) : p;
+}
+
+// rows[i] = KV head g's row of token k0 + i in `pool` [blocks, bs, KVH, D] through a block table, i < n: the
+// slots walked without a division per token (one per key was ~7% of prefill attention under perf).
+template <typename KT>
+static inline void pf_rows(const KT* pool, const int64_t* table, int64_t bs, int64_t KVH, int64_t g, int64_t D,
+                           int64_t k0, int64_t n, const KT** rows) {
+    for (int64_t i = 0, b = k0 / bs, off = k0 % bs; i < n; ++i) {
+        rows[i] = pool + ((table[b] * bs + off) * KVH + g) * D;
+        if (++off == bs) off = 0, ++b;
+    }
+}
+
 // Scratch of one thread: every buffer sized for the widest tile (Mp query lanes).
 struct PrefillScratch {
     float* qt;    // [D, Mp] scaled queries, transposed
@@ -278,7 +302,6 @@ static inline void pf_values_tile_pairs(const uint32_t* pp, int64_t Mp, const ui
 static void pf_reset(PrefillScratch w, int64_t Mp, int64_t D) {
     for (int64_t m = 0; m < Mp; ++m) { w.mx[m] = -__builtin_inff(); w.sum[m] = 0.0f; }
     for (int64_t e = 0; e < Mp * D; e += W) vstore(w.acc + e, vzero());
-    for (int64_t e = 0; e < Mp * D; e += W) vstore(w.acct + e, vzero());
 }
 
 // Zeroes the padded query lanes [M, Mp) and resets the online-softmax state of all Mp lanes.
@@ -345,18 +368,14 @@ static inline void pf_lane_max(const float* s, int64_t Mp, int64_t n, int64_t nv
 // folded into w.sum (w.sum x corr + the step's sum) -- one pass where an exp pass and a sum pass each read s.
 // Each lane sums its keys in order from 0, as the separate pass did: the same bits (the add chain hides behind
 // each key's exp, so one vector at a time suffices here, unlike pf_lane_max). MASKED: key r's lanes below
-// hidden0 + r * G are the causal mask's, exactly 0 (the exp clamps -inf to ~1e-38).
-// EXP2 (ATTN_BF16, whose probabilities are rounded to bf16): 2^(s log2 e - max log2 e) through vexp2, one FMA
-// and ~60% of vexp's uops (the exp pass was a third of a chat turn's attention; prefill_amx.h's does the same).
+// hidden0 + r * G are hidden.
 template <bool MASKED, bool EXP2>
 static inline void pf_lane_exp(PrefillScratch w, int64_t Mp, int64_t n, int64_t v, int64_t hidden0, int64_t G) {
-    constexpr float LOG2E = 1.44269504088896341f;
-    const V neg = vmul(vload(w.mx + v * W), vset1(EXP2 ? -LOG2E : -1.0f));
+    const V neg = pf_neg_max<EXP2>(w.mx + v * W);
     V total = vzero();
     for (int64_t r = 0; r < n; ++r) {
         float* s = w.s + r * Mp + v * W;
-        V p = EXP2 ? vexp2(vfma(vload(s), vset1(LOG2E), neg)) : vexp(vadd(vload(s), neg));
-        if (MASKED) p = pf_zero_below(p, hidden0 + r * G - v * W);
+        const V p = pf_prob<MASKED, EXP2>(vload(s), neg, hidden0 + r * G - v * W);
         vstore(s, p);
         total = vadd(total, p);
     }
@@ -365,9 +384,9 @@ static inline void pf_lane_exp(PrefillScratch w, int64_t Mp, int64_t n, int64_t 
 static inline void pf_lane_exp(PrefillScratch w, int64_t Mp, int64_t n, int64_t v, bool masked, int64_t hidden0,
                                int64_t G, bool exp2) {
     if (exp2 && masked) pf_lane_exp<true, true>(w, Mp, n, v, hidden0, G);
-    else if (exp2) pf_lane_exp<false, true>(w, Mp, n, v, 0, G);
+    else if (exp2) pf_lane_exp<false, true>(w, Mp, n, v, hidden0, G);
     else if (masked) pf_lane_exp<true, false>(w, Mp, n, v, hidden0, G);
-    else pf_lane_exp<false, false>(w, Mp, n, v, 0, G);
+    else pf_lane_exp<false, false>(w, Mp, n, v, hidden0, G);
 }
 
 // The running max of ATTN_BF16 and of the AMX routes (FlashAttention-4's lazy rescaling): a lane's max moves
@@ -476,18 +495,17 @@ static void pf_attend(PrefillScratch w, int64_t Mp, int64_t D, int64_t G, const 
     if (prod == ATTN_BF16) pf_round_queries(w, Mp, D, route != PF_FMA);
 #if KV_AVX512 && KV_HAS_AMX
     if (route == PF_EXACT_TILES) pa_split_queries(w, Mp, D);
-    if (tiles) pa_begin();
+    if (tiles) {  // the tiles accumulate in w.acct from zero: callers attend once per pf_reset (its zeroed w.acc)
+        pa_begin();
+        for (int64_t e = 0; e < Mp * D; e += W) vstore(w.acct + e, vzero());
+    }
 #endif
     const KT* krow[PREFILL_KEY_STEP];
     const KT* vrow[PREFILL_KEY_STEP];
     for (int64_t k0 = k0_begin; k0 < end; k0 += PREFILL_KEY_STEP) {
         const int64_t n = end - k0 < PREFILL_KEY_STEP ? end - k0 : PREFILL_KEY_STEP;
-        for (int64_t i = 0, b = k0 / bs, off = k0 % bs; i < n; ++i) {  // no division per key (~7% under perf)
-            const int64_t slot = table[b] * bs + off;
-            krow[i] = kpool + (slot * KVH + g) * D;
-            vrow[i] = vpool + (slot * KVH + g) * D;
-            if (++off == bs) off = 0, ++b;
-        }
+        pf_rows(kpool, table, bs, KVH, g, D, k0, n, krow);
+        pf_rows(vpool, table, bs, KVH, g, D, k0, n, vrow);
         pf_step_scores(w, Mp, D, krow, n, route, k0, bs);
         // Causal mask: key k0 + r is hidden from the tile's tokens before it, i.e. lanes m < (k0 + r - first) * G.
         const bool masked = first >= 0 && k0 + n - 1 > first;

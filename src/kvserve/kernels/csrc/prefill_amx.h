@@ -134,10 +134,7 @@ static void pa_pack_spans(const KT* vpool, int64_t KVH, int64_t D, int64_t bs, i
         const int64_t pt = (job - s_offset[s]) % tiles, k0 = 32 * pt;
         const int64_t count = span_ctx[s] - k0 < 32 ? span_ctx[s] - k0 : 32;
         const KT* vrow[32];
-        for (int64_t i = 0, b = k0 / bs, off = k0 % bs; i < count; ++i) {  // no division per key
-            vrow[i] = vpool + ((tables[s * table_stride + b] * bs + off) * KVH + g) * D;
-            if (++off == bs) off = 0, ++b;
-        }
+        pf_rows(vpool, tables + s * table_stride, bs, KVH, g, D, k0, count, vrow);
         pa_pack_values_t(vrow, count, D, vt + (s_offset[s] + g * tiles) * (D / PA) * PA_TILE, tiles, pt);
     }
 }
@@ -150,12 +147,9 @@ static void pa_pack_spans(const KT* vpool, int64_t KVH, int64_t D, int64_t bs, i
 constexpr int64_t PA_PART = PREFILL_KEY_STEP / 2;  // times Mp: the dwords of one part's pairs
 template <int S, bool MASKED, bool EXP2>
 static void pa_lane_exp_pairs(PrefillScratch w, int64_t Mp, int64_t n, int64_t v, int64_t hidden0, int64_t G) {
-    constexpr float LOG2E = 1.44269504088896341f;
-    const V neg = vmul(vload(w.mx + v * W), vset1(EXP2 ? -LOG2E : -1.0f));
+    const V neg = pf_neg_max<EXP2>(w.mx + v * W);
     const auto prob = [&](int64_t r) {
-        const V x = vload(w.s + r * Mp + v * W);
-        V p = EXP2 ? vexp2(vfma(x, vset1(LOG2E), neg)) : vexp(vadd(x, neg));
-        return MASKED ? pf_zero_below(p, hidden0 + r * G - v * W) : p;
+        return pf_prob<MASKED, EXP2>(vload(w.s + r * Mp + v * W), neg, hidden0 + r * G - v * W);
     };
     V total = vzero();
     const int64_t n2 = (n + 1) / 2, padded = (n2 + PA - 1) / PA * PA;
@@ -260,9 +254,9 @@ static void pa_step(PrefillScratch w, int64_t Mp, int64_t D, int64_t G, const KT
     for (int64_t c = 0; c < nq + 2; c += 2) {
         for (int64_t v = c; v < c + 2 && v < nq; ++v) {
             if (exact && masked) pa_lane_exp_pairs<3, true, false>(w, Mp, n, v, hidden0, G);
-            else if (exact) pa_lane_exp_pairs<3, false, false>(w, Mp, n, v, 0, G);
+            else if (exact) pa_lane_exp_pairs<3, false, false>(w, Mp, n, v, hidden0, G);
             else if (masked) pa_lane_exp_pairs<1, true, true>(w, Mp, n, v, hidden0, G);
-            else pa_lane_exp_pairs<1, false, true>(w, Mp, n, v, 0, G);
+            else pa_lane_exp_pairs<1, false, true>(w, Mp, n, v, hidden0, G);
         }
         if (c == 0) continue;
         if (exact) pa_values_t<3>(w, Mp, D, vt, vt_tiles, pt0, np, c - 2);
