@@ -187,12 +187,31 @@ static void pa_rescale(PrefillScratch w, int64_t Mp, int64_t D) {
     }
 }
 
-// Query tiles c, c + 1 of w.acct [D, Mp] += V^T x P over the step's np pair tiles (values: vt's tiles pt0..,
-// `tiles` a dim tile; probabilities: w.pp, S parts). 2 x 2 blocking: dim tiles dt, dt + 1 x the two query tiles
-// in tmm4-7 (D is a multiple of 32).
+// P x V deferred: the steps' probabilities stay in w.pp's PF_PP_SLOTS slots (step s in slot s % slots) until a
+// query-tile pair multiplies all it holds at once, so its accumulator tiles are loaded and stored once per
+// several steps, not once a step (that traffic was ~18% of the turn's attention). Pair q multiplies at the
+// steps where (s + q) % slots == slots - 1 -- staggered, so every step still runs about one step's products
+// beside its exponentials -- before its lanes' running max moves (the held probabilities are relative to the
+// old one) and at the end. Each output sums the same products in the same order as multiplying every step:
+// the same bits. One slot where the call packed no values (each step packs its own into w.vp).
+constexpr int64_t PA_MAX_PAIRS = 64;  // query-tile pairs (32 tokens x G <= 2,048 lanes); more: one slot
+struct PaDefer {
+    int64_t slots = 1, step = 0;    // steps begun
+    int64_t first[PA_MAX_PAIRS];    // pair q's first step not yet multiplied
+    int64_t pt0[PF_PP_SLOTS], np[PF_PP_SLOTS];  // slot j's step: its first pair tile in vt, its pair tiles
+    PaDefer(int64_t Mp, bool packed) {
+        const int64_t pairs = (Mp / PA + 1) / 2;
+        if (packed && pairs <= PA_MAX_PAIRS) slots = PF_PP_SLOTS;
+        for (int64_t q = 0; q < pairs && q < PA_MAX_PAIRS; ++q) first[q] = 0;
+    }
+};
+
+// Query tiles c, c + 1 of w.acct [D, Mp] += V^T x P over steps [from, to) held in w.pp (values: vt's tiles,
+// `tiles` a dim tile; probabilities: S parts a slot). 2 x 2 blocking: dim tiles dt, dt + 1 x the two query
+// tiles in tmm4-7 (D is a multiple of 32).
 template <int S>
-static void pa_values_t(PrefillScratch w, int64_t Mp, int64_t D, const uint32_t* vt, int64_t tiles, int64_t pt0,
-                        int64_t np, int64_t c) {
+static void pa_values_t(PrefillScratch w, int64_t Mp, int64_t D, const uint32_t* vt, int64_t tiles,
+                        const PaDefer& d, int64_t from, int64_t to, int64_t c) {
     const bool two = c + 1 < Mp / PA;
     for (int64_t dt = 0; dt < D / PA; dt += 2) {
         float* out = w.acct + dt * PA * Mp + c * PA;
@@ -200,18 +219,22 @@ static void pa_values_t(PrefillScratch w, int64_t Mp, int64_t D, const uint32_t*
         _tile_loadd(5, out + PA * Mp, Mp * 4);
         if (two) _tile_loadd(6, out + PA, Mp * 4);
         if (two) _tile_loadd(7, out + PA * Mp + PA, Mp * 4);
-        for (int64_t p = 0; p < np; ++p) {
-            _tile_loadd(0, vt + (dt * tiles + pt0 + p) * PA_TILE, 64);
-            _tile_loadd(1, vt + ((dt + 1) * tiles + pt0 + p) * PA_TILE, 64);
-            for (int part = 0; part < S; ++part) {
-                const uint32_t* b = w.pp + (part * PA_PART + p * PA) * Mp + c * PA;
-                _tile_loadd(2, b, Mp * 4);
-                _tile_dpbf16ps(4, 0, 2);
-                _tile_dpbf16ps(5, 1, 2);
-                if (two) {
-                    _tile_loadd(3, b + PA, Mp * 4);
-                    _tile_dpbf16ps(6, 0, 3);
-                    _tile_dpbf16ps(7, 1, 3);
+        for (int64_t step = from; step < to; ++step) {
+            const int64_t slot = step % d.slots, pt0 = d.pt0[slot];
+            const uint32_t* pp = w.pp + slot * S * PA_PART * Mp;
+            for (int64_t p = 0; p < d.np[slot]; ++p) {
+                _tile_loadd(0, vt + (dt * tiles + pt0 + p) * PA_TILE, 64);
+                _tile_loadd(1, vt + ((dt + 1) * tiles + pt0 + p) * PA_TILE, 64);
+                for (int part = 0; part < S; ++part) {
+                    const uint32_t* b = pp + (part * PA_PART + p * PA) * Mp + c * PA;
+                    _tile_loadd(2, b, Mp * 4);
+                    _tile_dpbf16ps(4, 0, 2);
+                    _tile_dpbf16ps(5, 1, 2);
+                    if (two) {
+                        _tile_loadd(3, b + PA, Mp * 4);
+                        _tile_dpbf16ps(6, 0, 3);
+                        _tile_dpbf16ps(7, 1, 3);
+                    }
                 }
             }
         }
@@ -220,6 +243,15 @@ static void pa_values_t(PrefillScratch w, int64_t Mp, int64_t D, const uint32_t*
         if (two) _tile_stored(6, out + PA, Mp * 4);
         if (two) _tile_stored(7, out + PA * Mp + PA, Mp * 4);
     }
+}
+
+// Pair q's held steps [first, to) into w.acct.
+static void pa_flush(PrefillScratch w, int64_t Mp, int64_t D, bool exact, const uint32_t* vt, int64_t tiles,
+                     PaDefer& d, int64_t q, int64_t to) {
+    if (d.first[q] >= to) return;
+    if (exact) pa_values_t<3>(w, Mp, D, vt, tiles, d, d.first[q], to, 2 * q);
+    else pa_values_t<1>(w, Mp, D, vt, tiles, d, d.first[q], to, 2 * q);
+    d.first[q] = to;
 }
 
 // w.acc [Mp, D] <- w.acct [D, Mp], 16 x 16 at a time: the outputs as the FMA routes leave them.
@@ -235,31 +267,45 @@ static void pa_untranspose(PrefillScratch w, int64_t Mp, int64_t D) {
 
 // One online-softmax step's rescaling, probabilities and P x V on the tiles (after pf_attend's maxima): S = 1
 // (PF_TILES, ATTN_BF16: vexp2) or 3 (PF_EXACT_TILES, ATTN_F32: vexp). vt null: the step packs its values into
-// w.vp; else the call's tiles (pf_attend), this step's from pair tile k0 / 32.
+// w.vp; else the call's tiles (pf_attend), this step's from pair tile k0 / 32. P x V as PaDefer says; pa_finish
+// multiplies what is still held once the keys are done.
 template <typename KT>
 static void pa_step(PrefillScratch w, int64_t Mp, int64_t D, int64_t G, const KT* const* vrow, int64_t n,
-                    bool masked, int64_t hidden0, bool exact, const uint32_t* vt, int64_t vt_tiles, int64_t k0) {
+                    bool masked, int64_t hidden0, bool exact, const uint32_t* vt, int64_t vt_tiles, int64_t k0,
+                    PaDefer& d) {
+    const int64_t nq = Mp / PA, s = d.step, slot = s % d.slots, S = exact ? 3 : 1;
+    for (int64_t v = 0; v < nq; ++v)  // lanes whose max moved: their pair's held products first (vt null: none)
+        if (_mm512_cmpneq_ps_mask(vload(w.corr + v * W), vset1(1.0f)) != 0) pa_flush(w, Mp, D, exact, vt, vt_tiles, d, v / 2, s);
     pa_rescale(w, Mp, D);
     const int64_t np = ((n + 1) / 2 + PA - 1) / PA;
-    int64_t pt0 = k0 / 32;
-    if (vt == nullptr) {
-        vt_tiles = PREFILL_KEY_STEP / 32, pt0 = 0;
+    d.pt0[slot] = k0 / 32, d.np[slot] = np;
+    if (vt == nullptr) {  // one slot: every pair multiplies this step below, before the next packs
+        vt_tiles = PREFILL_KEY_STEP / 32, d.pt0[slot] = 0;
         for (int64_t pt = 0; pt < np; ++pt)
             pa_pack_values_t(vrow + 32 * pt, n - 32 * pt < 32 ? n - 32 * pt : 32, D, w.vp, vt_tiles, pt);
         vt = w.vp;
     }
-    // Query tiles c, c + 1's probabilities, then the previous pair's products: the tiles load rows the vector
-    // stores wrote one pair earlier.
-    const int64_t nq = Mp / PA;
+    PrefillScratch ws = w;
+    ws.pp = w.pp + slot * S * PA_PART * Mp;
+    // Query tiles c, c + 1's probabilities, then the previous pair's products where due: the tiles load rows the
+    // vector stores wrote one pair earlier.
     for (int64_t c = 0; c < nq + 2; c += 2) {
         for (int64_t v = c; v < c + 2 && v < nq; ++v) {
-            if (exact && masked) pa_lane_exp_pairs<3, true, false>(w, Mp, n, v, hidden0, G);
-            else if (exact) pa_lane_exp_pairs<3, false, false>(w, Mp, n, v, hidden0, G);
-            else if (masked) pa_lane_exp_pairs<1, true, true>(w, Mp, n, v, hidden0, G);
-            else pa_lane_exp_pairs<1, false, true>(w, Mp, n, v, hidden0, G);
+            if (exact && masked) pa_lane_exp_pairs<3, true, false>(ws, Mp, n, v, hidden0, G);
+            else if (exact) pa_lane_exp_pairs<3, false, false>(ws, Mp, n, v, hidden0, G);
+            else if (masked) pa_lane_exp_pairs<1, true, true>(ws, Mp, n, v, hidden0, G);
+            else pa_lane_exp_pairs<1, false, true>(ws, Mp, n, v, hidden0, G);
         }
         if (c == 0) continue;
-        if (exact) pa_values_t<3>(w, Mp, D, vt, vt_tiles, pt0, np, c - 2);
-        else pa_values_t<1>(w, Mp, D, vt, vt_tiles, pt0, np, c - 2);
+        const int64_t q = (c - 2) / 2;
+        if ((s + q) % d.slots == d.slots - 1) pa_flush(w, Mp, D, exact, vt, vt_tiles, d, q, s + 1);
     }
+    d.step = s + 1;
+}
+
+// What pa_step still holds, multiplied (vt: as pa_step's), then w.acct -> w.acc.
+static void pa_finish(PrefillScratch w, int64_t Mp, int64_t D, bool exact, const uint32_t* vt, int64_t vt_tiles,
+                      PaDefer& d) {
+    for (int64_t q = 0; q < (Mp / PA + 1) / 2; ++q) pa_flush(w, Mp, D, exact, vt, vt_tiles, d, q, d.step);
+    pa_untranspose(w, Mp, D);
 }
