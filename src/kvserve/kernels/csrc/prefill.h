@@ -139,6 +139,21 @@ static inline V pf_prob(V x, V neg, int64_t below) {
     return MASKED ? pf_zero_below(p, below) : p;
 }
 
+// The running max of ATTN_BF16 and of the AMX routes (FlashAttention-4's lazy rescaling): a lane's max moves
+// only when the step's exceeds it by more than PF_LAZY_MAX (probabilities up to 256 otherwise), so after a
+// sequence's first keys almost every step's correction is exactly 1 and the accumulators are left alone (on
+// the tiles, 16 queries a vector: pa_rescale). Any max gives the same softmax; the first step (max -inf) always
+// moves. Every route of one arithmetic keeps the same maxima, so they round the same probabilities.
+constexpr float PF_LAZY_MAX = 5.5451774f;  // ln 256
+static inline V pf_lazy_max(V mold, V step_max) {
+#if KV_AVX512
+    const __mmask16 moves = _mm512_cmp_ps_mask(step_max, vadd(mold, vset1(PF_LAZY_MAX)), _CMP_GT_OQ);
+    return _mm512_mask_blend_ps(moves, mold, step_max);
+#else
+    return _mm256_blendv_ps(mold, step_max, _mm256_cmp_ps(step_max, vadd(mold, vset1(PF_LAZY_MAX)), _CMP_GT_OQ));
+#endif
+}
+
 // rows[i] = KV head g's row of token k0 + i in `pool` [blocks, bs, KVH, D] through a block table, i < n: the
 // slots walked without a division per token (one per key was ~7% of prefill attention under perf).
 template <typename KT>
@@ -394,21 +409,6 @@ static inline void pf_lane_exp(PrefillScratch w, int64_t Mp, int64_t n, int64_t 
     else pf_lane_exp<false, false>(w, Mp, n, v, hidden0, G);
 }
 
-// The running max of ATTN_BF16 and of the AMX routes (FlashAttention-4's lazy rescaling): a lane's max moves
-// only when the step's exceeds it by more than PF_LAZY_MAX (probabilities up to 256 otherwise), so after a
-// sequence's first keys almost every step's correction is exactly 1 and the accumulators are left alone (on
-// the tiles, 16 queries a vector: pa_rescale). Any max gives the same softmax; the first step (max -inf) always
-// moves. Every route of one arithmetic keeps the same maxima, so they round the same probabilities.
-constexpr float PF_LAZY_MAX = 5.5451774f;  // ln 256
-static inline V pf_lazy_max(V mold, V step_max) {
-#if KV_AVX512
-    const __mmask16 moves = _mm512_cmp_ps_mask(step_max, vadd(mold, vset1(PF_LAZY_MAX)), _CMP_GT_OQ);
-    return _mm512_mask_blend_ps(moves, mold, step_max);
-#else
-    return _mm256_blendv_ps(mold, step_max, _mm256_cmp_ps(step_max, vadd(mold, vset1(PF_LAZY_MAX)), _CMP_GT_OQ));
-#endif
-}
-
 // How the products run: float32 FMAs (ATTN_F32, or ATTN_BF16 on the rounded values), AVX512-BF16 pair dot
 // products or AMX-BF16 tiles (ATTN_BF16), or AMX tiles on three bf16 parts of each float32 query and
 // probability (ATTN_F32 over a bf16 pool: exact products, as the FMAs; prefill_amx.h).
@@ -519,7 +519,9 @@ static void pf_attend(PrefillScratch w, int64_t Mp, int64_t D, int64_t G, const 
             for (int64_t r = 0; r < n; ++r)
                 for (int64_t m = 0, lim = (k0 + r - first) * G; m < lim; ++m) w.s[r * Mp + m] = -__builtin_inff();
         const int64_t hidden0 = masked ? (k0 - first) * G : 0;
-        for (int64_t v0 = 0; v0 < MV; v0 += PF_LANE_VECTORS) {
+        // The tiles' later steps find their maxima in the exponentials' pass (pa_step's speculation).
+        const bool speculate = tiles && k0 > k0_begin;
+        for (int64_t v0 = 0; v0 < MV && !speculate; v0 += PF_LANE_VECTORS) {
             const int64_t nv = MV - v0 < PF_LANE_VECTORS ? MV - v0 : PF_LANE_VECTORS;
             V bm[PF_LANE_VECTORS];
             pf_lane_max(w.s + v0 * W, Mp, n, nv, bm);
@@ -537,7 +539,8 @@ static void pf_attend(PrefillScratch w, int64_t Mp, int64_t D, int64_t G, const 
 #if KV_AVX512 && KV_HAS_AMX
         if constexpr (sizeof(KT) <= 2) {
             if (tiles) {
-                pa_step(w, Mp, D, G, vrow, n, masked, hidden0, route == PF_EXACT_TILES, vt, vt_tiles, k0, defer);
+                pa_step(w, Mp, D, G, vrow, n, masked, hidden0, route == PF_EXACT_TILES, vt, vt_tiles, k0, defer,
+                        speculate);
                 continue;
             }
         }

@@ -140,16 +140,21 @@ static void pa_pack_spans(const KT* vpool, int64_t KVH, int64_t D, int64_t bs, i
 }
 
 // The step's probabilities of query vector v (lanes 16 v..) as bf16 pairs of keys (2 i2, 2 i2 + 1), key-pair-major
-// -- pp + part * PA_PART + i2 * Mp: the P x V tiles' B operand as it is -- and their float32 sum folded into w.sum
-// (w.sum x corr + the step's), summed key by key in order as pf_lane_exp does: one pass over w.s, no probability
-// stored as float32 or transposed. S = 1: rounded to nearest even; S = 3: the three exact parts. Pairs past the
-// step's keys up to a whole pair tile are 0. MASKED / EXP2: pf_lane_exp's.
+// -- pp + part * PA_PART + i2 * Mp: the P x V tiles' B operand as it is -- and their float32 sum, returned (summed
+// key by key in order as pf_lane_exp does): one pass over w.s, no probability stored as float32 or transposed.
+// S = 1: rounded to nearest even; S = 3: the three exact parts. Pairs past the step's keys up to a whole pair tile
+// are 0. MASKED / EXP2: pf_lane_exp's. TRACK: also the step's maxima of the raw scores, into *step_max (pa_step's
+// speculation: the probabilities against the running max as it stands).
 constexpr int64_t PA_PART = PREFILL_KEY_STEP / 2;  // times Mp: the dwords of one part's pairs
-template <int S, bool MASKED, bool EXP2>
-static void pa_lane_exp_pairs(PrefillScratch w, int64_t Mp, int64_t n, int64_t v, int64_t hidden0, int64_t G) {
+template <int S, bool MASKED, bool EXP2, bool TRACK = false>
+static V pa_lane_exp_pairs(PrefillScratch w, int64_t Mp, int64_t n, int64_t v, int64_t hidden0, int64_t G,
+                           V* step_max = nullptr) {
     const V neg = pf_neg_max<EXP2>(w.mx + v * W);
+    V top = vset1(-__builtin_inff());
     const auto prob = [&](int64_t r) {
-        return pf_prob<MASKED, EXP2>(vload(w.s + r * Mp + v * W), neg, hidden0 + r * G - v * W);
+        const V x = vload(w.s + r * Mp + v * W);
+        if constexpr (TRACK) top = vmax(top, x);
+        return pf_prob<MASKED, EXP2>(x, neg, hidden0 + r * G - v * W);
     };
     V total = vzero();
     const int64_t n2 = (n + 1) / 2, padded = (n2 + PA - 1) / PA * PA;
@@ -175,16 +180,28 @@ static void pa_lane_exp_pairs(PrefillScratch w, int64_t Mp, int64_t n, int64_t v
     for (int64_t i2 = n2; i2 < padded; ++i2)
         for (int part = 0; part < S; ++part)
             _mm512_storeu_si512(w.pp + (part * PA_PART + i2) * Mp + v * W, _mm512_setzero_si512());
-    vstore(w.sum + v * W, vfma(vload(w.sum + v * W), vload(w.corr + v * W), total));
+    if constexpr (TRACK) *step_max = top;
+    return total;
 }
 
-// w.acct x corr: each query vector whose lanes' maxima moved (most hold once their first keys are in).
+// pa_lane_exp_pairs by route: exact (S = 3, vexp) or not (S = 1, vexp2), masked or not; the step's sum returned.
+template <bool TRACK>
+static V pa_lane_exps(PrefillScratch w, int64_t Mp, int64_t n, int64_t v, int64_t hidden0, int64_t G, bool exact,
+                      bool masked, V* step_max = nullptr) {
+    if (exact && masked) return pa_lane_exp_pairs<3, true, false, TRACK>(w, Mp, n, v, hidden0, G, step_max);
+    if (exact) return pa_lane_exp_pairs<3, false, false, TRACK>(w, Mp, n, v, hidden0, G, step_max);
+    if (masked) return pa_lane_exp_pairs<1, true, true, TRACK>(w, Mp, n, v, hidden0, G, step_max);
+    return pa_lane_exp_pairs<1, false, true, TRACK>(w, Mp, n, v, hidden0, G, step_max);
+}
+
+// Query vector v's rows of w.acct x corr, where any of its lanes' maxima moved (most hold once their first keys
+// are in); pa_rescale: every vector by w.corr.
+static void pa_rescale_vector(PrefillScratch w, int64_t Mp, int64_t D, int64_t v, V corr) {
+    if (_mm512_cmpneq_ps_mask(corr, vset1(1.0f)) == 0) return;
+    for (int64_t d = 0; d < D; ++d) vstore(w.acct + d * Mp + v * W, vmul(vload(w.acct + d * Mp + v * W), corr));
+}
 static void pa_rescale(PrefillScratch w, int64_t Mp, int64_t D) {
-    for (int64_t v = 0; v < Mp / W; ++v) {
-        const V cr = vload(w.corr + v * W);
-        if (_mm512_cmpneq_ps_mask(cr, vset1(1.0f)) == 0) continue;
-        for (int64_t d = 0; d < D; ++d) vstore(w.acct + d * Mp + v * W, vmul(vload(w.acct + d * Mp + v * W), cr));
-    }
+    for (int64_t v = 0; v < Mp / W; ++v) pa_rescale_vector(w, Mp, D, v, vload(w.corr + v * W));
 }
 
 // P x V deferred: the steps' probabilities stay in w.pp's PF_PP_SLOTS slots (step s in slot s % slots) until a
@@ -265,19 +282,28 @@ static void pa_untranspose(PrefillScratch w, int64_t Mp, int64_t D) {
         }
 }
 
-// One online-softmax step's rescaling, probabilities and P x V on the tiles (after pf_attend's maxima): S = 1
-// (PF_TILES, ATTN_BF16: vexp2) or 3 (PF_EXACT_TILES, ATTN_F32: vexp). vt null: the step packs its values into
-// w.vp; else the call's tiles (pf_attend), this step's from pair tile k0 / 32. P x V as PaDefer says; pa_finish
-// multiplies what is still held once the keys are done.
+// One online-softmax step's rescaling, probabilities and P x V on the tiles: S = 1 (PF_TILES, ATTN_BF16: vexp2)
+// or 3 (PF_EXACT_TILES, ATTN_F32: vexp). vt null: the step packs its values into w.vp; else the call's tiles
+// (pf_attend), this step's from pair tile k0 / 32. P x V as PaDefer says; pa_finish multiplies what is still held
+// once the keys are done.
+// The maxima: the first step's come from pf_attend (w.mx, w.corr); later steps speculate (`speculate`): each
+// query vector's probabilities are computed against its running max as it stands while the same pass finds the
+// step's maxima, and only a vector whose max moves (pf_lazy_max: rarely after the first keys) is computed again
+// against the new one -- after its pair's held products and its accumulator's rescaling, as every step did them
+// before. The same maxima, corrections and probabilities as a separate max pass: the same bits, one pass over
+// the scores fewer.
 template <typename KT>
 static void pa_step(PrefillScratch w, int64_t Mp, int64_t D, int64_t G, const KT* const* vrow, int64_t n,
                     bool masked, int64_t hidden0, bool exact, const uint32_t* vt, int64_t vt_tiles, int64_t k0,
-                    PaDefer& d) {
+                    PaDefer& d, bool speculate) {
     const int64_t nq = Mp / PA, s = d.step, slot = s % d.slots, S = exact ? 3 : 1;
-    for (int64_t v = 0; v < nq; ++v)  // lanes whose max moved: their pair's held products first (vt null: none)
-        if (_mm512_cmpneq_ps_mask(vload(w.corr + v * W), vset1(1.0f)) != 0) pa_flush(w, Mp, D, exact, vt, vt_tiles, d, v / 2, s);
-    pa_rescale(w, Mp, D);
+    if (!speculate) {
+        for (int64_t v = 0; v < nq; ++v)  // lanes whose max moved: their pair's held products first (vt null: none)
+            if (_mm512_cmpneq_ps_mask(vload(w.corr + v * W), vset1(1.0f)) != 0) pa_flush(w, Mp, D, exact, vt, vt_tiles, d, v / 2, s);
+        pa_rescale(w, Mp, D);
+    }
     const int64_t np = ((n + 1) / 2 + PA - 1) / PA;
+    const uint32_t* packed = vt;
     d.pt0[slot] = k0 / 32, d.np[slot] = np;
     if (vt == nullptr) {  // one slot: every pair multiplies this step below, before the next packs
         vt_tiles = PREFILL_KEY_STEP / 32, d.pt0[slot] = 0;
@@ -291,10 +317,23 @@ static void pa_step(PrefillScratch w, int64_t Mp, int64_t D, int64_t G, const KT
     // vector stores wrote one pair earlier.
     for (int64_t c = 0; c < nq + 2; c += 2) {
         for (int64_t v = c; v < c + 2 && v < nq; ++v) {
-            if (exact && masked) pa_lane_exp_pairs<3, true, false>(ws, Mp, n, v, hidden0, G);
-            else if (exact) pa_lane_exp_pairs<3, false, false>(ws, Mp, n, v, hidden0, G);
-            else if (masked) pa_lane_exp_pairs<1, true, true>(ws, Mp, n, v, hidden0, G);
-            else pa_lane_exp_pairs<1, false, true>(ws, Mp, n, v, hidden0, G);
+            float* sum = w.sum + v * W;
+            if (!speculate) {
+                vstore(sum, vfma(vload(sum), vload(w.corr + v * W), pa_lane_exps<false>(ws, Mp, n, v, hidden0, G, exact, masked)));
+                continue;
+            }
+            V top;
+            const V total = pa_lane_exps<true>(ws, Mp, n, v, hidden0, G, exact, masked, &top);
+            const V mold = vload(w.mx + v * W), mnew = pf_lazy_max(mold, top);
+            if (_mm512_cmpneq_ps_mask(mnew, mold) == 0) {  // corr 1: w.sum x 1 + total
+                vstore(sum, vadd(vload(sum), total));
+                continue;
+            }
+            pa_flush(w, Mp, D, exact, packed, vt_tiles, d, v / 2, s);  // vt null: nothing held
+            const V corr = vexp(vadd(mold, vmul(mnew, vset1(-1.0f))));
+            vstore(w.mx + v * W, mnew);
+            pa_rescale_vector(w, Mp, D, v, corr);
+            vstore(sum, vfma(vload(sum), corr, pa_lane_exps<false>(ws, Mp, n, v, hidden0, G, exact, masked)));
         }
         if (c == 0) continue;
         const int64_t q = (c - 2) / 2;
