@@ -51,6 +51,69 @@ static void pa_split_queries(PrefillScratch w, int64_t Mp, int64_t D) {
         }
 }
 
+// Keys r0..r0 + 15 (rows, stride bytes apart) x every query into w.s. NK = D / 32 of 2 or 4: the keys' NK tiles
+// load once (tmm0..) and stay while every query-tile pair passes (B tmm4, 5; C tmm6, 7) -- a key tile loaded once
+// per query-tile pair was the scores' largest stall (the pool's rows come from L2).
+// (The tile intrinsics take register numbers as literal tokens, hence a macro, not a template.)
+#define PA_SCORES_DIMS(J)                                                 \
+    for (int part = 0; part < S; ++part) {                                \
+        const uint32_t* qp = w.qp + (part * D / 2 + PA * (J)) * Mp;      \
+        _tile_loadd(4, qp + PA * c, Mp * 4);                              \
+        _tile_dpbf16ps(6, J, 4);                                          \
+        if (two) {                                                        \
+            _tile_loadd(5, qp + PA * (c + 1), Mp * 4);                    \
+            _tile_dpbf16ps(7, J, 5);                                      \
+        }                                                                 \
+    }
+template <int S, int NK>
+static void pa_scores_keys(PrefillScratch w, int64_t Mp, int64_t D, const bf16_t* rows, int64_t stride, int64_t r0) {
+    _tile_loadd(0, rows, stride);
+    _tile_loadd(1, rows + 32, stride);
+    if constexpr (NK == 4) {
+        _tile_loadd(2, rows + 64, stride);
+        _tile_loadd(3, rows + 96, stride);
+    }
+    const int64_t nq = Mp / PA;
+    for (int64_t c = 0; c < nq; c += 2) {
+        const bool two = c + 1 < nq;
+        _tile_zero(6);
+        _tile_zero(7);
+        PA_SCORES_DIMS(0)
+        PA_SCORES_DIMS(1)
+        if constexpr (NK == 4) {
+            PA_SCORES_DIMS(2)
+            PA_SCORES_DIMS(3)
+        }
+        _tile_stored(6, w.s + r0 * Mp + PA * c, Mp * 4);
+        if (two) _tile_stored(7, w.s + r0 * Mp + PA * (c + 1), Mp * 4);
+    }
+}
+#undef PA_SCORES_DIMS
+// Any other head dim: a key tile per 32 dims and query-tile pair.
+template <int S>
+static void pa_scores_any(PrefillScratch w, int64_t Mp, int64_t D, const bf16_t* rows, int64_t stride, int64_t r0) {
+    const int64_t nq = Mp / PA, nk = D / 32;
+    for (int64_t c = 0; c < nq; c += 2) {
+        const bool two = c + 1 < nq;
+        _tile_zero(4);
+        _tile_zero(5);
+        for (int64_t j = 0; j < nk; ++j) {
+            _tile_loadd(0, rows + 32 * j, stride);
+            for (int part = 0; part < S; ++part) {
+                const uint32_t* qp = w.qp + (part * D / 2 + PA * j) * Mp;
+                _tile_loadd(1, qp + PA * c, Mp * 4);
+                _tile_dpbf16ps(4, 0, 1);
+                if (two) {
+                    _tile_loadd(2, qp + PA * (c + 1), Mp * 4);
+                    _tile_dpbf16ps(5, 0, 2);
+                }
+            }
+        }
+        _tile_stored(4, w.s + r0 * Mp + PA * c, Mp * 4);
+        if (two) _tile_stored(5, w.s + r0 * Mp + PA * (c + 1), Mp * 4);
+    }
+}
+
 // w.s[r * Mp + m] = key r . query m (queries in w.qp: S parts) for the step's keys k0..k0+n of block size bs;
 // rows n..16 * ceil(n / 16) of w.s get values nobody reads.
 // KT: a bf16 pool's rows, read in place where they can be; an fp8 pool's, always copied widened to bf16.
@@ -58,7 +121,7 @@ template <int S, typename KT>
 static void pa_scores(PrefillScratch w, int64_t Mp, int64_t D, const KT* const* krow, int64_t n, int64_t k0,
                       int64_t bs) {
     bf16_t* copy = reinterpret_cast<bf16_t*>(w.vp);  // [KEY_STEP, D]: free until pa_step packs values there
-    const int64_t nq = Mp / PA, nk = D / 32;
+    const int64_t nk = D / 32;
     for (int64_t r0 = 0; r0 < n; r0 += PA) {
         const int64_t nr = n - r0 < PA ? n - r0 : PA;
         const bf16_t* rows = copy + r0 * D;
@@ -77,25 +140,9 @@ static void pa_scores(PrefillScratch w, int64_t Mp, int64_t D, const KT* const* 
                 for (int64_t i = 0; i < nr; ++i) __builtin_memcpy(copy + (r0 + i) * D, krow[r0 + i], D * 2);
             }
         }
-        for (int64_t c = 0; c < nq; c += 2) {
-            const bool two = c + 1 < nq;
-            _tile_zero(4);
-            _tile_zero(5);
-            for (int64_t j = 0; j < nk; ++j) {
-                _tile_loadd(0, rows + 32 * j, stride);
-                for (int part = 0; part < S; ++part) {
-                    const uint32_t* qp = w.qp + (part * D / 2 + PA * j) * Mp;
-                    _tile_loadd(1, qp + PA * c, Mp * 4);
-                    _tile_dpbf16ps(4, 0, 1);
-                    if (two) {
-                        _tile_loadd(2, qp + PA * (c + 1), Mp * 4);
-                        _tile_dpbf16ps(5, 0, 2);
-                    }
-                }
-            }
-            _tile_stored(4, w.s + r0 * Mp + PA * c, Mp * 4);
-            if (two) _tile_stored(5, w.s + r0 * Mp + PA * (c + 1), Mp * 4);
-        }
+        if (nk == 2) pa_scores_keys<S, 2>(w, Mp, D, rows, stride, r0);
+        else if (nk == 4) pa_scores_keys<S, 4>(w, Mp, D, rows, stride, r0);
+        else pa_scores_any<S>(w, Mp, D, rows, stride, r0);
     }
 }
 
