@@ -301,3 +301,25 @@ def test_cascade_shared_parts_on_exact_tiles(block_size, kv_heads, group, head_d
     tiles, fmas = on_then_off(fast.native.set_amx_exact, lambda: fast.native.cascade_attention(*case, 0.125))
     torch.testing.assert_close(tiles, fmas, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(tiles, reference.cascade_attention(*case, 0.125), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not avx512_with("amx_bf16"), reason="this CPU has no AMX-BF16 (or no AVX-512 build)")
+@pytest.mark.parametrize("bf16_products", [False, True])
+def test_amx_tiles_with_more_query_pairs_than_the_deferral_holds(bf16_products):
+    """A task of 32 tokens x G = 66 query heads per KV head has 66 query-tile pairs, more than P x V's deferral
+    tracks (prefill_amx.h's PA_MAX_PAIRS): those tasks multiply every step at once and give what the FMAs give,
+    over several 64-key steps with the max moving (keys growing along the context)."""
+    fast = Kernels.create("native", isa="avx512")
+    case = one_span(torch.Generator().manual_seed(5), 150, 40, 16, 1, 66, 32)
+    keys = case[1].float()
+    ramp = torch.linspace(1, 5, keys.shape[0] * keys.shape[1]).view(keys.shape[0], keys.shape[1], 1, 1)
+    case = (case[0], (keys * ramp).bfloat16(), *case[2:])
+    tiles, fmas = on_then_off(fast.native.set_amx_exact, lambda: fast.native.prefill_attention(
+        *case, 0.125, bf16_products=bf16_products))
+    if bf16_products:
+        gap = (tiles - fmas).abs()
+        assert gap.max() <= 2**-8 * case[2].float().abs().max()
+        assert int((gap.amax(-1) > 1e-5).sum()) <= max(2, 0.05 * gap[..., 0].numel())
+    else:
+        torch.testing.assert_close(tiles, fmas, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(tiles, expected(*case, 0.125, bf16_products), **TOLERANCE)

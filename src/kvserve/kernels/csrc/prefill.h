@@ -540,7 +540,7 @@ static void pf_attend(PrefillScratch w, int64_t Mp, int64_t D, int64_t G, const 
         if constexpr (sizeof(KT) <= 2) {
             if (tiles) {
                 pa_step(w, Mp, D, G, vrow, n, masked, hidden0, route == PF_EXACT_TILES, vt, vt_tiles, k0, defer,
-                        speculate);
+                        speculate, k0 + PREFILL_KEY_STEP >= end);
                 continue;
             }
         }
@@ -548,7 +548,7 @@ static void pf_attend(PrefillScratch w, int64_t Mp, int64_t D, int64_t G, const 
         pf_step_values(w, Mp, D, vrow, n, prod, route);
     }
 #if KV_AVX512 && KV_HAS_AMX
-    if (tiles) pa_finish(w, Mp, D, route == PF_EXACT_TILES, vt, vt_tiles, defer);
+    if (tiles) pa_untranspose(w, Mp, D);  // pa_step's last step multiplied all it held
 #endif
 }
 

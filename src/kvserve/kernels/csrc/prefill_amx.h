@@ -256,18 +256,23 @@ static void pa_rescale(PrefillScratch w, int64_t Mp, int64_t D) {
 // several steps, not once a step (that traffic was ~18% of the turn's attention). Pair q multiplies at the
 // steps where (s + q) % slots == slots - 1 -- staggered, so every step still runs about one step's products
 // beside its exponentials -- before its lanes' running max moves (the held probabilities are relative to the
-// old one) and at the end. Each output sums the same products in the same order as multiplying every step:
-// the same bits. One slot where the call packed no values (each step packs its own into w.vp).
-constexpr int64_t PA_MAX_PAIRS = 64;  // query-tile pairs (32 tokens x G <= 2,048 lanes); more: one slot
+// old one) and in the last step. Each output sums the same products in the same order as multiplying every
+// step: the same bits. One slot (every pair multiplies every step) where the call packed no values (each step
+// packs its own into w.vp) or where a task has more query-tile pairs than PA_MAX_PAIRS (G > 64, or cascade's
+// shared parts).
+constexpr int64_t PA_MAX_PAIRS = 64;
 struct PaDefer {
     int64_t slots = 1, step = 0;    // steps begun
-    int64_t first[PA_MAX_PAIRS];    // pair q's first step not yet multiplied
+    int64_t first[PA_MAX_PAIRS];    // with slots > 1: pair q's first step not yet multiplied
     int64_t pt0[PF_PP_SLOTS], np[PF_PP_SLOTS];  // slot j's step: its first pair tile in vt, its pair tiles
     PaDefer(int64_t Mp, bool packed) {
         const int64_t pairs = (Mp / PA + 1) / 2;
-        if (packed && pairs <= PA_MAX_PAIRS) slots = PF_PP_SLOTS;
-        for (int64_t q = 0; q < pairs && q < PA_MAX_PAIRS; ++q) first[q] = 0;
+        if (!packed || pairs > PA_MAX_PAIRS) return;
+        slots = PF_PP_SLOTS;
+        for (int64_t q = 0; q < pairs; ++q) first[q] = 0;
     }
+    // Pair q's first step not yet multiplied (one slot: the step under way, whatever the pair).
+    int64_t held_from(int64_t q) const { return slots == 1 ? step : first[q]; }
 };
 
 // Query tiles c, c + 1 of w.acct [D, Mp] += V^T x P over steps [from, to) held in w.pp (values: vt's tiles,
@@ -312,10 +317,11 @@ static void pa_values_t(PrefillScratch w, int64_t Mp, int64_t D, const uint32_t*
 // Pair q's held steps [first, to) into w.acct.
 static void pa_flush(PrefillScratch w, int64_t Mp, int64_t D, bool exact, const uint32_t* vt, int64_t tiles,
                      PaDefer& d, int64_t q, int64_t to) {
-    if (d.first[q] >= to) return;
-    if (exact) pa_values_t<3>(w, Mp, D, vt, tiles, d, d.first[q], to, 2 * q);
-    else pa_values_t<1>(w, Mp, D, vt, tiles, d, d.first[q], to, 2 * q);
-    d.first[q] = to;
+    const int64_t from = d.held_from(q);
+    if (from >= to) return;
+    if (exact) pa_values_t<3>(w, Mp, D, vt, tiles, d, from, to, 2 * q);
+    else pa_values_t<1>(w, Mp, D, vt, tiles, d, from, to, 2 * q);
+    if (d.slots > 1) d.first[q] = to;
 }
 
 // w.acc [Mp, D] <- w.acct [D, Mp], 16 x 16 at a time: the outputs as the FMA routes leave them.
@@ -331,8 +337,8 @@ static void pa_untranspose(PrefillScratch w, int64_t Mp, int64_t D) {
 
 // One online-softmax step's rescaling, probabilities and P x V on the tiles: S = 1 (PF_TILES, ATTN_BF16: vexp2)
 // or 3 (PF_EXACT_TILES, ATTN_F32: vexp). vt null: the step packs its values into w.vp; else the call's tiles
-// (pf_attend), this step's from pair tile k0 / 32. P x V as PaDefer says; pa_finish multiplies what is still held
-// once the keys are done.
+// (pf_attend), this step's from pair tile k0 / 32. P x V as PaDefer says, and every pair's in the `last` step
+// (each beside the next pair's exponentials, not all after them).
 // The maxima: the first step's come from pf_attend (w.mx, w.corr); later steps speculate (`speculate`): each
 // query vector's probabilities are computed against its running max as it stands while the same pass finds the
 // step's maxima, and only a vector whose max moves (pf_lazy_max: rarely after the first keys) is computed again
@@ -342,7 +348,7 @@ static void pa_untranspose(PrefillScratch w, int64_t Mp, int64_t D) {
 template <typename KT>
 static void pa_step(PrefillScratch w, int64_t Mp, int64_t D, int64_t G, const KT* const* vrow, int64_t n,
                     bool masked, int64_t hidden0, bool exact, const uint32_t* vt, int64_t vt_tiles, int64_t k0,
-                    PaDefer& d, bool speculate) {
+                    PaDefer& d, bool speculate, bool last) {
     const int64_t nq = Mp / PA, s = d.step, slot = s % d.slots, S = exact ? 3 : 1;
     if (!speculate) {
         for (int64_t v = 0; v < nq; ++v)  // lanes whose max moved: their pair's held products first (vt null: none)
@@ -384,14 +390,7 @@ static void pa_step(PrefillScratch w, int64_t Mp, int64_t D, int64_t G, const KT
         }
         if (c == 0) continue;
         const int64_t q = (c - 2) / 2;
-        if ((s + q) % d.slots == d.slots - 1) pa_flush(w, Mp, D, exact, vt, vt_tiles, d, q, s + 1);
+        if (last || (s + q) % d.slots == d.slots - 1) pa_flush(w, Mp, D, exact, vt, vt_tiles, d, q, s + 1);
     }
     d.step = s + 1;
-}
-
-// What pa_step still holds, multiplied (vt: as pa_step's), then w.acct -> w.acc.
-static void pa_finish(PrefillScratch w, int64_t Mp, int64_t D, bool exact, const uint32_t* vt, int64_t vt_tiles,
-                      PaDefer& d) {
-    for (int64_t q = 0; q < (Mp / PA + 1) / 2; ++q) pa_flush(w, Mp, D, exact, vt, vt_tiles, d, q, d.step);
-    pa_untranspose(w, Mp, D);
 }
