@@ -27,7 +27,8 @@ ORDER = [
     "kernels_zen4_avx2_decode", "kernels_zen4_avx2", "isa_pairing", "kernels_amx_bf16attn",
     "kernels_amx_bf16attn_prefill", "kernels_amx_bf16attn_final_prefill", "batch_decode_amx_fresh",
     "batch_decode_amx_pair", "kernels_amx_bf16prefill_prefill", "kernels_amx_bf16prefill_pair_prefill",
-    "kernels_amx_softmax_prefill", "batch_decode_amx_bf16prefill", "batch_decode_amx_fp8", "short_prefill",
+    "kernels_amx_softmax_prefill", "kernels_amx_deferred_prefill", "batch_decode_amx_bf16prefill",
+    "batch_decode_amx_fp8", "short_prefill",
     "short_prefill_configs",
     "perplexity",
     "kernels_amx", "configs", "configs_amx", "configs_amx_kv", "amx",
@@ -42,7 +43,8 @@ ORDER = [
 ]
 # Sections that are write-ups of several runs (their commands are inside): assembled, never run.
 WRITE_UPS = {"avx2_exact_gemm", "perplexity_earlier", "decode_step_batch_split", "kernels_avx2_prefill",
-             "qgemm_small_zen4_1t", "kernels_amx_softmax_prefill"}  # the last: paired against a checkout
+             "qgemm_small_zen4_1t", "kernels_amx_softmax_prefill",
+             "kernels_amx_deferred_prefill"}  # the last two: paired against a checkout
 # Sections written by another script's mode: (script, its arguments).
 SCRIPTS = {
     "router_2w": ("router", ["--max-workers", "2", "--worker-counts", "2", "--workloads", "rag", "chat",
@@ -260,7 +262,10 @@ batch 32 2.89x / 3.02x transformers bf16 in two runs (about half the rounds at 3
 streams the bf16 pool, is ~40% of a 32-row step) and 3.24x with an fp8 cache (3.07-3.44x, every round).
 Later still the tiles' softmax became one pass that writes the probabilities as the P x V tiles load them, with
 cheaper exponentials and a lazily moved max: prefill of 2,048 tokens 1.07x the code before (7 of 7 rounds), **1.93x
-transformers bf16** (section "... (kernels_amx_softmax_prefill)").
+transformers bf16** (section "... (kernels_amx_softmax_prefill)"); then P x V deferred over three steps, the
+maxima found in the exponentials' pass, key tiles kept and the tasks reordered (the same bits): 2,048 tokens 1.04x
+again (7 of 7 rounds), **2.08x transformers bf16**, the turn's attention 0.60 -> 0.54 ms a layer (section "...
+(kernels_amx_deferred_prefill)").
 Since 2026-12-06 **`--kv-cache-dtype fp8`** (vLLM's name) stores keys and values as e4m3fn: four times
 float32's cached tokens (twice bf16's) in the same memory, decode after 1,900 tokens 1.12x bf16's and 1.52x
 float32's, perplexity 13.66 against 13.44 (section "KV cache dtype"); batch 32 in the fastest configuration
@@ -271,10 +276,11 @@ with it **3.00x transformers bf16** (1,010 against 337 tok/s; bf16 KV right afte
 matmuls are bound by the bf16 weights' bytes; since the threads split the panels up to 512 rows (each weight read
 once) with the next panel prefetched (1.20x / 1.17x at 128 / 256 tokens by 7 paired rounds against the code
 before), 128 / 256 fresh tokens answer in 26.2 / 40.8 ms (2.8x / 2.5x transformers bf16, 13x / 17x
-llama-cpp-python). A chat turn of 100 tokens after a cached 1,900-token history takes 43.4 ms (llama-cpp-python,
-reusing its own prompt cache, 445 ms): **1.70x its 100 tokens alone against the seed's target of 1.2**
-(llama-cpp-python 1.60); what the turn adds is its queries' softmax over 2,000 keys, whose exponentials alone
-need ~4 ms of both cores' vector ports (the section's reading). The default exact configuration (float32
+llama-cpp-python). A chat turn of 100 tokens after a cached 1,900-token history takes 43.5 ms (llama-cpp-python,
+reusing its own prompt cache, 470 ms): **1.79x its 100 tokens alone (24.3 ms in that run) against the seed's
+target of 1.2** (1.70-1.79 over the day's runs; llama-cpp-python 1.60-1.66); what the turn adds is its
+queries' softmax over 2,000 keys, whose exponentials alone need ~4 ms of both cores' vector ports (the
+section's reading). The default exact configuration (float32
 activations and KV) answers short prompts 3-6x sooner than llama-cpp-python too, but **trails transformers bf16
 from 256 tokens** (0.86x, 0.52x at 768) and takes 149 ms for that turn: its attention reads a float32 pool with
 FMAs (section "... (short_prefill_configs)").
