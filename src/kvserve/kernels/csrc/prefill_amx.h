@@ -13,15 +13,17 @@
 // load, so no probability goes to memory as float32 or through a transpose.
 //
 // Layouts, per online-softmax step of n <= KEY_STEP keys and the Mp stacked queries:
-//   Q x K^T: C (tmm4, 5) = 16 keys x 16 queries of w.s (key-major, as the softmax reads it); A (tmm0) = 16 key
-//   rows, 32 dims each, read from the pool in place when the 16 keys sit in one block (else copied into the
-//   value-pair buffer, not yet in use); B (tmm1, 2) = 16 dim pairs x 16 queries of qp, as pf_round_queries
-//   already lays them out.
+//   Q x K^T: C (tmm6, 7) = 16 keys x 16 queries of w.s (key-major, as the softmax reads it); A (tmm0-3, kept
+//   while every query-tile pair passes) = 16 key rows, 32 dims each, read from the pool in place when the 16
+//   keys sit in one block (else copied into the value-pair buffer, not yet in use); B (tmm4, 5) = 16 dim pairs x
+//   16 queries of qp, as pf_round_queries already lays them out. (Head dims other than 64 / 128: C tmm4, 5, A
+//   tmm0 per pair, B tmm1, 2.)
 //   P x V, transposed (out^T = V^T P): C (tmm4-7) = 16 dims x 16 queries of w.acct; A (tmm0, 1) = 16 dims x 16
 //   key pairs of the values (pa_pack_values_t: packed once per call for every span and KV head, or per step into
-//   w.vp); B (tmm2, 3) = 16 key pairs x 16 queries of w.pp, key-major as the softmax runs. Each output sums the
-//   same products in the same order as with the operands' roles swapped (the same bits as the untransposed
-//   product, checked when it was written); w.acct becomes w.acc [Mp, D] once the keys are done (pa_untranspose).
+//   w.vp); B (tmm2, 3) = 16 key pairs x 16 queries of w.pp, key-major as the softmax runs, up to three steps of
+//   them (PaDefer). Each output sums the same products in the same order as with the operands' roles swapped
+//   (the same bits as the untransposed product, checked when it was written); w.acct becomes w.acc [Mp, D] once
+//   the keys are done (pa_untranspose).
 
 constexpr int64_t PA = 16;  // tile rows, and float32 / bf16-pair columns
 
@@ -352,7 +354,8 @@ static void pa_step(PrefillScratch w, int64_t Mp, int64_t D, int64_t G, const KT
     const int64_t nq = Mp / PA, s = d.step, slot = s % d.slots, S = exact ? 3 : 1;
     if (!speculate) {
         for (int64_t v = 0; v < nq; ++v)  // lanes whose max moved: their pair's held products first (vt null: none)
-            if (_mm512_cmpneq_ps_mask(vload(w.corr + v * W), vset1(1.0f)) != 0) pa_flush(w, Mp, D, exact, vt, vt_tiles, d, v / 2, s);
+            if (_mm512_cmpneq_ps_mask(vload(w.corr + v * W), vset1(1.0f)) != 0)
+                pa_flush(w, Mp, D, exact, vt, vt_tiles, d, v / 2, s);
         pa_rescale(w, Mp, D);
     }
     const int64_t np = ((n + 1) / 2 + PA - 1) / PA;
@@ -372,7 +375,8 @@ static void pa_step(PrefillScratch w, int64_t Mp, int64_t D, int64_t G, const KT
         for (int64_t v = c; v < c + 2 && v < nq; ++v) {
             float* sum = w.sum + v * W;
             if (!speculate) {
-                vstore(sum, vfma(vload(sum), vload(w.corr + v * W), pa_lane_exps<false>(ws, Mp, n, v, hidden0, G, exact, masked)));
+                const V total = pa_lane_exps<false>(ws, Mp, n, v, hidden0, G, exact, masked);
+                vstore(sum, vfma(vload(sum), vload(w.corr + v * W), total));
                 continue;
             }
             V top;
