@@ -20,8 +20,8 @@
 
 constexpr int64_t PREFILL_TILE_TOKENS = 32;  // query tokens per task (x G heads stacked)
 constexpr int64_t PREFILL_KEY_STEP = 64;     // keys per online-softmax step (even: keys pair up below)
-// Steps whose probabilities the AMX routes keep before multiplying them by the values (prefill_amx.h's pa_step):
-// w.pp holds this many steps' pairs.
+// Steps whose probabilities the AMX bf16 route keeps before multiplying them by the values (prefill_amx.h's
+// pa_step): w.pp holds this many steps' pairs -- or one step's three parts on the exact tiles.
 constexpr int64_t PF_PP_SLOTS = 3;
 
 // The attention products (`--attention-dtype`). ATTN_F32: float32 queries and probabilities, the FMAs below.
@@ -175,8 +175,8 @@ struct PrefillScratch {
     float* corr;  // [Mp]
     uint32_t* qp;  // ATTN_BF16 pair products: [D / 2, Mp] bf16 query pairs (dims 2d, 2d + 1); exact tiles: 3 of
                    // them, the queries' three bf16 parts (prefill_amx.h)
-    uint32_t* pp;  // [KEY_STEP / 2, Mp] bf16 probability pairs (keys 2i, 2i + 1); 3 of them on the exact tiles;
-                   // PF_PP_SLOTS steps' of them on the AMX tiles (prefill_amx.h's pa_step)
+    uint32_t* pp;  // [KEY_STEP / 2, Mp] bf16 probability pairs (keys 2i, 2i + 1); 3 of them: the exact tiles' three
+                   // parts, or PF_PP_SLOTS steps' pairs on the bf16 tiles (prefill_amx.h's pa_step)
     uint32_t* vp;  // [KEY_STEP / 2, D] bf16 value pairs (keys 2i, 2i + 1); AMX tiles: first the step's keys, then
                    // its values as transposed tiles where the call packed none (prefill_amx.h)
     float* acct;  // [D, Mp] the AMX tiles' unnormalised outputs, transposed (acc once the keys are done)
@@ -186,7 +186,8 @@ struct PrefillScratch {
 static PrefillScratch pf_scratch_new(ScratchScope& scope, int64_t Mp, int64_t D) {
     float* buf = scope.take<float>(D * Mp + PREFILL_KEY_STEP * Mp + Mp * D + 3 * Mp + D * Mp);
     float* mx = buf + D * Mp + PREFILL_KEY_STEP * Mp + Mp * D;
-    const int64_t pp_size = PF_PP_SLOTS * 3 * PREFILL_KEY_STEP / 2 * Mp;
+    static_assert(PF_PP_SLOTS <= 3, "w.pp holds three parts or PF_PP_SLOTS steps of one");
+    const int64_t pp_size = 3 * PREFILL_KEY_STEP / 2 * Mp;
     uint32_t* pairs = scope.take<uint32_t>(3 * D / 2 * Mp + pp_size + PREFILL_KEY_STEP / 2 * D);
     uint32_t* pp = pairs + 3 * D / 2 * Mp;
     return PrefillScratch{buf, buf + D * Mp, buf + D * Mp + PREFILL_KEY_STEP * Mp, mx, mx + Mp, mx + 2 * Mp,
@@ -504,7 +505,7 @@ static void pf_attend(PrefillScratch w, int64_t Mp, int64_t D, int64_t G, const 
         pa_begin();
         for (int64_t e = 0; e < Mp * D; e += W) vstore(w.acct + e, vzero());
     }
-    PaDefer defer(Mp, vt != nullptr);
+    PaDefer defer(Mp, vt != nullptr, route == PF_EXACT_TILES);
 #endif
     const KT* krow[PREFILL_KEY_STEP];
     const KT* vrow[PREFILL_KEY_STEP];

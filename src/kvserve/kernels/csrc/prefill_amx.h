@@ -260,16 +260,17 @@ static void pa_rescale(PrefillScratch w, int64_t Mp, int64_t D) {
 // beside its exponentials -- before its lanes' running max moves (the held probabilities are relative to the
 // old one) and in the last step. Each output sums the same products in the same order as multiplying every
 // step: the same bits. One slot (every pair multiplies every step) where the call packed no values (each step
-// packs its own into w.vp) or where a task has more query-tile pairs than PA_MAX_PAIRS (G > 64, or cascade's
-// shared parts).
+// packs its own into w.vp), where a task has more query-tile pairs than PA_MAX_PAIRS (G > 64, or cascade's
+// shared parts), and on the exact tiles (S = 3: three parts a step, three times the products per accumulator
+// load; held there, 2,048 tokens ran 4-8% slower than multiplied every step, a chat turn's shape within noise).
 constexpr int64_t PA_MAX_PAIRS = 64;
 struct PaDefer {
     int64_t slots = 1, step = 0;    // steps begun
     int64_t first[PA_MAX_PAIRS];    // with slots > 1: pair q's first step not yet multiplied
     int64_t pt0[PF_PP_SLOTS], np[PF_PP_SLOTS];  // slot j's step: its first pair tile in vt, its pair tiles
-    PaDefer(int64_t Mp, bool packed) {
+    PaDefer(int64_t Mp, bool packed, bool exact) {
         const int64_t pairs = (Mp / PA + 1) / 2;
-        if (!packed || pairs > PA_MAX_PAIRS) return;
+        if (!packed || exact || pairs > PA_MAX_PAIRS) return;
         slots = PF_PP_SLOTS;
         for (int64_t q = 0; q < pairs; ++q) first[q] = 0;
     }
