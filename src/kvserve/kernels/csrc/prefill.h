@@ -142,8 +142,8 @@ static inline V pf_prob(V x, V neg, int64_t below) {
 // The running max of ATTN_BF16 and of the AMX routes (FlashAttention-4's lazy rescaling): a lane's max moves
 // only when the step's exceeds it by more than PF_LAZY_MAX (probabilities up to 256 otherwise), so after a
 // sequence's first keys almost every step's correction is exactly 1 and the accumulators are left alone (on
-// the tiles, 16 queries a vector: pa_rescale). Any max gives the same softmax; the first step (max -inf) always
-// moves. Every route of one arithmetic keeps the same maxima, so they round the same probabilities.
+// the tiles, 16 queries a vector: pa_rescale_vector). Any max gives the same softmax; the first step (max -inf)
+// always moves. Every route of one arithmetic keeps the same maxima, so they round the same probabilities.
 constexpr float PF_LAZY_MAX = 5.5451774f;  // ln 256
 static inline V pf_lazy_max(V mold, V step_max) {
 #if KV_AVX512
@@ -153,6 +153,10 @@ static inline V pf_lazy_max(V mold, V step_max) {
     return _mm256_blendv_ps(mold, step_max, _mm256_cmp_ps(step_max, vadd(mold, vset1(PF_LAZY_MAX)), _CMP_GT_OQ));
 #endif
 }
+
+// A lane's correction when its max moves from mold to mnew, exp(mold - mnew) (the first step: mold -inf, ~1e-38,
+// times a zero accumulator). One expression for pf_attend and prefill_amx.h's pa_step, so they round alike.
+static inline V pf_correction(V mold, V mnew) { return vexp(vadd(mold, vmul(mnew, vset1(-1.0f)))); }
 
 // rows[i] = KV head g's row of token k0 + i in `pool` [blocks, bs, KVH, D] through a block table, i < n: the
 // slots walked without a division per token (one per key was ~7% of prefill attention under perf).
@@ -529,9 +533,7 @@ static void pf_attend(PrefillScratch w, int64_t Mp, int64_t D, int64_t G, const 
             for (int64_t v = v0; v < v0 + nv; ++v) {
                 const V mold = vload(w.mx + v * W);
                 const V mnew = lazy ? pf_lazy_max(mold, bm[v - v0]) : vmax(mold, bm[v - v0]);
-                const V neg = vmul(mnew, vset1(-1.0f));
-                // mnew is finite (see above); the first step's correction exp(-inf) clamps to ~1e-38, times 0.
-                vstore(w.corr + v * W, vexp(vadd(mold, neg)));
+                vstore(w.corr + v * W, pf_correction(mold, mnew));  // mnew is finite (see above)
                 vstore(w.mx + v * W, mnew);
             }
             if (tiles) continue;  // below, after the accumulators' rescaling

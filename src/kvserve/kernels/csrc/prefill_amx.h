@@ -244,13 +244,10 @@ static V pa_lane_exps(PrefillScratch w, int64_t Mp, int64_t n, int64_t v, int64_
 }
 
 // Query vector v's rows of w.acct x corr, where any of its lanes' maxima moved (most hold once their first keys
-// are in); pa_rescale: every vector by w.corr.
+// are in).
 static void pa_rescale_vector(PrefillScratch w, int64_t Mp, int64_t D, int64_t v, V corr) {
     if (_mm512_cmpneq_ps_mask(corr, vset1(1.0f)) == 0) return;
     for (int64_t d = 0; d < D; ++d) vstore(w.acct + d * Mp + v * W, vmul(vload(w.acct + d * Mp + v * W), corr));
-}
-static void pa_rescale(PrefillScratch w, int64_t Mp, int64_t D) {
-    for (int64_t v = 0; v < Mp / W; ++v) pa_rescale_vector(w, Mp, D, v, vload(w.corr + v * W));
 }
 
 // P x V deferred: the steps' probabilities stay in w.pp's PF_PP_SLOTS slots (step s in slot s % slots) until a
@@ -342,7 +339,8 @@ static void pa_untranspose(PrefillScratch w, int64_t Mp, int64_t D) {
 // or 3 (PF_EXACT_TILES, ATTN_F32: vexp). vt null: the step packs its values into w.vp; else the call's tiles
 // (pf_attend), this step's from pair tile k0 / 32. P x V as PaDefer says, and every pair's in the `last` step
 // (each beside the next pair's exponentials, not all after them).
-// The maxima: the first step's come from pf_attend (w.mx, w.corr); later steps speculate (`speculate`): each
+// The maxima: the first step's come from pf_attend (w.mx, w.corr; nothing is held yet and w.acct is still zero,
+// so nothing to multiply or rescale first); later steps speculate (`speculate`): each
 // query vector's probabilities are computed against its running max as it stands while the same pass finds the
 // step's maxima, and only a vector whose max moves (pf_lazy_max: rarely after the first keys) is computed again
 // against the new one -- after its pair's held products and its accumulator's rescaling, as every step did them
@@ -353,12 +351,6 @@ static void pa_step(PrefillScratch w, int64_t Mp, int64_t D, int64_t G, const KT
                     bool masked, int64_t hidden0, bool exact, const uint32_t* vt, int64_t vt_tiles, int64_t k0,
                     PaDefer& d, bool speculate, bool last) {
     const int64_t nq = Mp / PA, s = d.step, slot = s % d.slots, S = exact ? 3 : 1;
-    if (!speculate) {
-        for (int64_t v = 0; v < nq; ++v)  // lanes whose max moved: their pair's held products first (vt null: none)
-            if (_mm512_cmpneq_ps_mask(vload(w.corr + v * W), vset1(1.0f)) != 0)
-                pa_flush(w, Mp, D, exact, vt, vt_tiles, d, v / 2, s);
-        pa_rescale(w, Mp, D);
-    }
     const int64_t np = ((n + 1) / 2 + PA - 1) / PA;
     const uint32_t* packed = vt;
     d.pt0[slot] = k0 / 32, d.np[slot] = np;
@@ -388,7 +380,7 @@ static void pa_step(PrefillScratch w, int64_t Mp, int64_t D, int64_t G, const KT
                 continue;
             }
             pa_flush(w, Mp, D, exact, packed, vt_tiles, d, v / 2, s);  // vt null: nothing held
-            const V corr = vexp(vadd(mold, vmul(mnew, vset1(-1.0f))));
+            const V corr = pf_correction(mold, mnew);
             vstore(w.mx + v * W, mnew);
             pa_rescale_vector(w, Mp, D, v, corr);
             vstore(sum, vfma(vload(sum), corr, pa_lane_exps<false>(ws, Mp, n, v, hidden0, G, exact, masked)));
