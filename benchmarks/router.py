@@ -36,6 +36,10 @@ requests direct vs. through the router.
     python benchmarks/router.py --max-workers 2 --worker-counts 2 --workloads rag --num-blocks 192 \
         --host-cache 0 --queries 256 --policies round_robin cache_aware kv_events --out router_rag_bounded
         # each worker's cache below the working set (3 of the 4 documents), no host tier: where routing pays
+    python benchmarks/router.py --max-workers 2 --worker-counts 2 --workloads chat rag --no-single \
+        --policies round_robin cache_aware kv_events cache_aware:store_fetch_cost=1 \
+        kv_events:store_fetch_cost=1 --host-cache 0 --shared-store --repeat 2 --out router_shared_store
+        # the workers on one Redis (their remote tier): store-aware policies against store-blind ones
     python benchmarks/router.py --max-workers 2 --worker-counts 2 --workloads rag --no-single --out x \
         --policies round_robin kv_events kv_events:queue_model=shared:max_share=1 --dump samples.json
 
@@ -58,6 +62,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, command_line, markdown_table, write_result  # noqa: E402
@@ -68,6 +73,7 @@ from kvserve.router.keys import RouteKey  # noqa: E402
 from kvserve.router.policies import CacheAwarePolicy, CacheAwareSettings, KvEventsPolicy  # noqa: E402
 from kvserve.router.thread import RouterThread  # noqa: E402
 from kvserve.router.workers import Worker, WorkerLoad  # noqa: E402
+from kvserve.tiers.local_redis import LocalRedis  # noqa: E402
 
 POLICIES = ("round_robin", "least_load", "cache_aware", "kv_events")
 TOKEN_RANGE = [1000, 48000]  # benchmarks/data/workloads.json: ids fed directly (--token-range overrides)
@@ -221,7 +227,11 @@ WORKLOADS = {"chat": chat_workload, "chat-private": private_chat_workload, "rag"
 DEFAULT_WORKLOADS = ["chat", "rag"]
 
 
-def reset_caches(urls: list[str]) -> None:
+def reset_caches(urls: list[str], store: str | None = None) -> None:
+    """Every worker's prefix cache dropped, and the shared store emptied (--shared-store), so each run
+    starts cold."""
+    if store:
+        redis.Redis.from_url(store).flushdb()
     for url in urls:
         deadline = time.monotonic() + 60
         while httpx.post(f"{url}/reset_prefix_cache", timeout=30).status_code != 200:
@@ -295,7 +305,7 @@ def _compare_cluster(cluster: Cluster, name: str, workload, model: str, args: ar
             for policy in args.policies:
                 label = policy if args.repeat == 1 else f"{policy} #{repeat + 1}"
                 progress(began, f"{name}: {num_workers} workers, {label}")
-                reset_caches(urls)
+                reset_caches(urls, args.store_url)
                 with RouterThread(policy_config(policy, urls)) as router:
                     if policy.startswith("kv_events"):
                         _wait_for_streams(router, num_workers)
@@ -373,14 +383,17 @@ def kept_notes() -> str:
 
 
 def host_note(args: argparse.Namespace) -> str:
-    return "" if args.host_cache is None else f" (host tier {args.host_cache})"
+    host = "" if args.host_cache is None else f" (host tier {args.host_cache})"
+    store = " (the cluster's workers share one local Redis as their remote tier)" if args.store_url else ""
+    return host + store
 
 
-def worker_argv(args: argparse.Namespace, threads: int) -> list[str]:
+def worker_argv(args: argparse.Namespace, threads: int, store: str | None = None) -> list[str]:
     """One worker's flags: the pool, the host tier when --host-cache is given (the server's default
-    otherwise), the torch threads."""
+    otherwise), the shared store when given, the torch threads."""
     host = ["--host-cache", args.host_cache] if args.host_cache is not None else []
-    return ["--model", args.model, "--num-blocks", str(args.num_blocks), *host, "--num-threads", str(threads)]
+    remote = ["--remote-cache", store] if store else []
+    return ["--model", args.model, "--num-blocks", str(args.num_blocks), *host, *remote, "--num-threads", str(threads)]
 
 
 def sizes_note(args: argparse.Namespace) -> str:
@@ -485,7 +498,7 @@ def _histogram_mean(url: str, name: str) -> float:
 
 def partial_run(args: argparse.Namespace, began: float) -> None:
     """--out: the policy table alone, in its own result file."""
-    argv, single_argv = worker_argv(args, 1), worker_argv(args, args.single_threads)
+    argv, single_argv = worker_argv(args, 1, args.store_url), worker_argv(args, args.single_threads)
     tails: list[list[object]] = []
     with Cluster.start_args(argv, args.max_workers, kv_events=True) as cluster, \
             (contextlib.nullcontext() if args.no_single else Cluster.start_args(single_argv, 1)) as single:
@@ -549,8 +562,18 @@ def main() -> None:
     parser.add_argument("--reuse-policies", action="store_true",
                         help="take the policy table from the last run's results/router.json (re-measure the rest)")
     parser.add_argument("--token-range", type=int, nargs=2, default=TOKEN_RANGE, help="prompt ids: [low, high)")
+    parser.add_argument("--shared-store", action="store_true",
+                        help="start one local Redis and give every cluster worker it as --remote-cache (the "
+                             "multi-machine form: a block one worker computed, another loads instead of "
+                             "recomputing); emptied before each run. The single worker has none")
     args = parser.parse_args()
     TOKEN_RANGE[:] = args.token_range
+    with LocalRedis() if args.shared_store else contextlib.nullcontext() as store:
+        args.store_url = store.url if store is not None else None
+        run(args)
+
+
+def run(args: argparse.Namespace) -> None:
     if args.private_system:
         args.workloads = ["chat-private" if name == "chat" else name for name in args.workloads]
     began = time.perf_counter()
@@ -561,7 +584,7 @@ def main() -> None:
 
     decisions = decision_latency(args.tree_tokens)
     progress(began, f"decision latency: {decisions}")
-    argv, single_argv = worker_argv(args, 1), worker_argv(args, args.single_threads)
+    argv, single_argv = worker_argv(args, 1, args.store_url), worker_argv(args, args.single_threads)
     with Cluster.start_args(argv, args.max_workers, kv_events=True) as cluster, \
             Cluster.start_args(single_argv, 1) as single:
         model = httpx.get(f"{cluster.urls[0]}/v1/models").json()["data"][0]["id"]

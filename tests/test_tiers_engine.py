@@ -237,3 +237,40 @@ def test_usage_and_metrics_split_cached_tokens_by_source(tiny_model_dir, tmp_pat
     assert f'kvserve_kv_tier_blocks{{model_name="m",tier="host"}} {float(stats["tiers"]["host"]["blocks"])}' in text
     assert 'kvserve_kv_tier_loaded_blocks_total{model_name="m",tier="disk"}' in text
     llm.engine.close()
+
+
+def test_a_probe_that_finds_nothing_does_not_cost_the_request_a_step(tiny_model_dir, tiny_hf_model, tmp_path,
+                                                                      request, monkeypatch):
+    """With a remote tier every admission with uncached blocks asks the store (a background job). When the
+    answer comes back within the schedule's short wait (an empty local Redis: one round trip) the request
+    is admitted in the same step; with no wait (QUICK_LAND_S 0, the behaviour before) it sat the step out.
+    Outputs are the oracle's either way, and a prefix another replica wrote is still loaded."""
+    import redis
+
+    import kvserve.engine.kv_tiers as kv_tiers
+
+    prompt = random_prompts(1, 41, 41, seed=29)[0]
+    expected = hf_greedy(tiny_hf_model, prompt, MAX_TOKENS)
+    store = redis.Redis.from_url(request.getfixturevalue("redis_url"))
+    for quick, first_step_runs in ((kv_tiers.QUICK_LAND_S, True), (0.0, False)):
+        store.flushdb()  # the store has none of the prompt's blocks
+        monkeypatch.setattr(kv_tiers, "QUICK_LAND_S", quick)
+        llm = make_llm(tiny_model_dir, tmp_path, request, redis=True)
+        engine = llm.engine
+        request_id = engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
+        engine.step()
+        runs = [r.request_id for r in engine.scheduler.running] == [request_id]
+        assert runs == first_step_runs, quick
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert run(llm, prompt).token_ids == expected
+        llm.engine.close()
+    store.flushdb()
+    writer = make_llm(tiny_model_dir, tmp_path, request, redis=True)
+    run(writer, prompt)
+    writer.engine.tiers.policy.flush()
+    reader = make_llm(tiny_model_dir, tmp_path, request, redis=True)
+    output = run(reader, prompt)
+    assert output.token_ids == expected and nonzero(output.cached_tokens_by_source) == {"remote": 40}
+    for llm in (writer, reader):
+        llm.engine.close()

@@ -107,7 +107,7 @@ class Router:
             self.cache_keys.learn(cache_key, key.namespace, worker)
             learn = (lambda answer, at=worker: self.affinity.learn(at, answer)) if path == RESPONSES_PATH else None
             upstream = Upstream(self.client, worker, path, body, forward_headers(request), self.metrics,
-                                prefill, route, learn)
+                                prefill, route, learn, lambda at=worker: self.policy.on_prefilled(key, at))
             try:
                 response = await (upstream.stream(request) if streaming else upstream.unary(request))
             except WorkerFailed as err:

@@ -70,6 +70,9 @@ def _add_common_flags(parser: argparse.ArgumentParser, port: int) -> None:
                        help="cache_aware (eta) and kv_events: a worker past this share of the router's last "
                             f"{defaults.SHARE_WINDOW} requests sends the next to a worker with fewer in flight "
                             "(1: off)")
+    group.add_argument("--store-fetch-cost", type=float, default=defaults.STORE_FETCH_COST,
+                       help="kv_events over workers sharing one --remote-cache store: loading a prompt token "
+                            "another worker computed costs this much of computing it (1: ignore the store)")
     group.add_argument("--pd-min-prompt", type=int, default=defaults.PD_MIN_PROMPT,
                        help="pd: prompts shorter than this (tokens) skip the prefill workers")
 
@@ -81,7 +84,7 @@ def router_config(args: argparse.Namespace, workers: list[str]) -> RouterConfig:
         balance_abs=args.balance_abs, balance_rel=args.balance_rel, cache_threshold=args.cache_threshold,
         tree_budget=args.tree_budget, load_weight=args.load_weight, request_overhead=args.request_overhead,
         load_estimate=args.load_estimate, max_share=args.max_share,
-        pd_min_prompt=args.pd_min_prompt, open_metrics=args.open_metrics,
+        pd_min_prompt=args.pd_min_prompt, open_metrics=args.open_metrics, store_fetch_cost=args.store_fetch_cost,
     )
 
 

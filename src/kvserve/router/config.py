@@ -15,6 +15,7 @@ MAX_SHARE = 0.58  # a worker past this share of the recent requests sheds them t
 SHARE_WINDOW = 32  # ... the recent requests counted (policies/base.py ShareGuard)
 LOAD_ESTIMATES = ("eta", "requests")  # cache_aware: how it picks among cache holders and new workers
 QUEUE_MODELS = ("fcfs", "shared")  # eta: a request waits for all prefill queued ahead | Σ min(p, its own)
+STORE_FETCH_COST = 0.2  # kv_events: loading a token from a shared store costs this much of computing it
 PD_MIN_PROMPT = 128  # pd: shorter prompts skip the prefill pool (a chat turn is cheaper to compute than to ship)
 
 
@@ -39,6 +40,7 @@ class RouterConfig:
     max_share: float = MAX_SHARE
     queue_model: str = "fcfs"  # eta's queue: "shared" is the earlier processor-sharing estimate
     pd_min_prompt: int = PD_MIN_PROMPT
+    store_fetch_cost: float = STORE_FETCH_COST  # kv_events over workers sharing a store (policies/store.py)
     polled_load: bool = False  # a worker's load as max(own in flight, polled): the lagging count, for comparisons
 
     def __post_init__(self) -> None:
@@ -58,5 +60,7 @@ class RouterConfig:
             raise ValueError(f"queue_model must be one of {QUEUE_MODELS}, got {self.queue_model!r}")
         if not 0.0 < self.max_share <= 1.0:
             raise ValueError(f"max_share must be in (0, 1], got {self.max_share}")
+        if not 0.0 <= self.store_fetch_cost <= 1.0:
+            raise ValueError(f"store_fetch_cost must be in [0, 1], got {self.store_fetch_cost}")
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")

@@ -70,6 +70,7 @@ class Upstream:
     prefill_tokens: int = 0  # the policy's estimate of the prompt tokens the worker must compute
     route_header: str | None = None  # ROUTE_HEADER's value for our caller (None: not sent)
     on_answer: Callable[[bytes], None] | None = None  # sees a 200 body, or a stream's first bytes
+    on_prefilled: Callable[[], None] | None = None  # the worker answered (200 body or first bytes): prompt computed
 
     _start: PrefillStart | None = field(default=None, init=False)  # our entry in worker.starts, while pending
     _open: bool = field(default=False, init=False)  # counted in worker.in_flight
@@ -94,6 +95,8 @@ class Upstream:
             self.worker.starts.remove(self._start)
             if answered:
                 self.worker.observe_prefill(self.prefill_tokens, time.monotonic() - self._start.started)
+                if self.on_prefilled is not None:
+                    self.on_prefilled()
             self._start = None
 
     def _own_headers(self) -> dict[str, str]:
@@ -112,6 +115,8 @@ class Upstream:
         self.metrics.first_byte.observe(time.perf_counter() - started)
         if answer.status_code == 503:
             raise WorkerFailed(f"worker answered 503: {answer.text[:200]}")
+        if answer.status_code == 200 and self.on_prefilled is not None:
+            self.on_prefilled()
         if answer.status_code == 200 and self.on_answer is not None:
             self.on_answer(answer.content)
         return Response(answer.content, status_code=answer.status_code,

@@ -22,6 +22,7 @@ from kvserve.router.policies import (
     RoundRobinPolicy,
 )
 from kvserve.router.policies.eta import EtaCost
+from kvserve.router.policies.store import SharedStore
 from kvserve.router.workers import WorkerPool
 from kvserve.server.auth import load_api_keys, read_key_entries
 
@@ -51,9 +52,10 @@ def build_policy(config: RouterConfig) -> Policy:
         return LeastLoadPolicy()
     cost = EtaCost(config.load_weight, config.request_overhead, config.queue_model)
     if config.policy == "kv_events":
-        return KvEventsPolicy(cost, config.balance_abs, config.balance_rel, config.max_share)
+        return KvEventsPolicy(cost, config.balance_abs, config.balance_rel, config.max_share,
+                              SharedStore(config.store_fetch_cost))
     settings = CacheAwareSettings(config.balance_abs, config.balance_rel, config.cache_threshold, config.tree_budget,
-                                  config.load_estimate, cost, config.max_share)
+                                  config.load_estimate, cost, config.max_share, SharedStore(config.store_fetch_cost))
     if config.policy == "pd":  # plans by request counts (PdPolicy)
         return PdPolicy(settings, config.pd_min_prompt)
     return CacheAwarePolicy(settings)

@@ -63,6 +63,7 @@ class WorkerLoad:
     instance: str | None = None  # changes when the worker process restarts
     role: str = "mixed"  # `kvserve serve --role`: prefill | decode | mixed (the pd policy splits on it)
     remote_tier: str | None = None  # "ok" | "open" (breaker open: the store is unreachable) | None (no store)
+    remote_store: str | None = None  # which store: workers naming the same one load each other's blocks
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> WorkerLoad:
@@ -73,6 +74,7 @@ class WorkerLoad:
             prefix_hash=data.get("prefix_hash"), kv_events_endpoint=data.get("kv_events_endpoint"),
             kv_events_replay_endpoint=data.get("kv_events_replay_endpoint"), instance=data.get("instance"),
             role=str(data.get("role", "mixed")), remote_tier=data.get("remote_tier"),
+            remote_store=data.get("remote_store"),
         )
 
 

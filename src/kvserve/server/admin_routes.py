@@ -47,6 +47,7 @@ async def load(request: Request, _: Admin) -> JSONResponse:
         "kv_events_replay_endpoint": publisher.replay_endpoint if publisher else None,
         "instance": state.replica.instance,
         "role": state.replica.role.role, "remote_tier": state.replica.role.remote_tier(),
+        "remote_store": state.replica.role.remote_store(),
     })
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import logging
 import time
 from collections.abc import Sequence
@@ -85,6 +86,15 @@ class RoleInfo:
         if self.offload is None:
             return None
         return "ok" if self.offload.remote_available() else "open"
+
+    def remote_store(self) -> str | None:
+        """For `/load`: which store this worker shares, as a digest of the store's URL and the model's key
+        fingerprint (None: no store). Workers naming the same one can load each other's blocks; the
+        router's kv_events policy prices such a load below a prefill (router/policies/store.py)."""
+        if self.offload is None or self.offload.remote is None:
+            return None
+        identity = f"{self.offload.remote.url}#{self.offload.fingerprint.hex()}"
+        return hashlib.sha256(identity.encode()).hexdigest()[:16]
 
     def flush(self, prompts: Sequence[Sequence[int]], block_size: int, namespace: tuple[str, ...],
               prefix_hash: str) -> FlushReport:

@@ -37,6 +37,10 @@ class Policy:
     def on_routed(self, key: RouteKey, worker: Worker) -> None:
         """The request keyed `key` was sent to `worker` (the proxy calls this once it commits)."""
 
+    def on_prefilled(self, key: RouteKey, worker: Worker) -> None:
+        """`worker` answered the request keyed `key` (its first token or its whole answer): the prompt's
+        blocks are computed there, and written through to its store if it shares one."""
+
     def on_join(self, worker: Worker) -> None:
         """`worker` (re)joined the pool: whatever was indexed for it is stale."""
 

@@ -41,6 +41,7 @@ from kvserve.router.policies.base import (
     is_imbalanced,
 )
 from kvserve.router.policies.eta import EtaCost
+from kvserve.router.policies.store import SharedStore
 from kvserve.router.radix import TokenTree
 from kvserve.router.workers import Worker
 
@@ -54,6 +55,7 @@ class CacheAwareSettings:
     load_estimate: str = "eta"  # "requests": SGLang's rule as is
     cost: EtaCost = EtaCost()
     max_share: float = MAX_SHARE  # with eta: ShareGuard (1.0: off)
+    store: SharedStore = SharedStore()  # workers sharing a KV store load what another one computed
 
     def __post_init__(self) -> None:
         if self.load_estimate not in LOAD_ESTIMATES:
@@ -79,17 +81,19 @@ class CacheAwarePolicy(Policy):
     def __init__(self, settings: CacheAwareSettings | None = None) -> None:
         self.settings = settings or CacheAwareSettings()
         self._trees: dict[Worker, TokenTree] = {}
+        self._answered: dict[Worker, TokenTree] = {}  # prompts each worker has answered: computed, in its store
         self._ties = LoadTieBreaker()
         self.hot = HotPrefixes()
         self.shares = ShareGuard(self.settings.max_share)
 
-    def tree(self, worker: Worker) -> TokenTree:
-        """The worker's tree, bounded by what the worker can hold: a tree that remembered more than the
-        worker's KV pool would predict hits the worker evicted long ago."""
+    def tree(self, worker: Worker, trees: dict[Worker, TokenTree] | None = None) -> TokenTree:
+        """The worker's tree (of `trees`, default what was sent there), bounded by what the worker can hold:
+        a tree that remembered more than the worker's KV pool would predict hits the worker evicted long ago."""
+        trees = self._trees if trees is None else trees
         budget = min(self.settings.tree_budget, worker.capacity_tokens or self.settings.tree_budget)
-        tree = self._trees.get(worker)
+        tree = trees.get(worker)
         if tree is None:
-            tree = self._trees[worker] = TokenTree(budget)
+            tree = trees[worker] = TokenTree(budget)
         elif tree.budget != budget:
             tree.budget = budget
             if tree.num_tokens > budget:
@@ -102,7 +106,21 @@ class CacheAwarePolicy(Policy):
         if not key.usable:
             return Decision(self._ties.least_loaded(workers), "imbalance" if imbalanced else "unkeyed")
         seq = tree_key(key)
-        matches = {worker: max(self.tree(worker).match(seq) - 1, 0) for worker in workers}
+        held = {worker: max(self.tree(worker).match(seq) - 1, 0) for worker in workers}
+        matches = held
+        if s.store.applies(workers):  # what another worker answered is in the store: loadable
+            answered = {worker: max(self.tree(worker, self._answered).match(seq) - 1, 0) for worker in workers}
+            matches = s.store.effective(held, answered)
+        decision = self._choose(key, workers, matches, imbalanced)
+        loads = matches[decision.worker] > held[decision.worker]
+        if loads and decision.reason in ("cache_hit", "rebalance", "smallest_tree"):
+            return Decision(decision.worker, "shared_store", decision.matched_tokens)
+        return decision
+
+    def _choose(self, key: RouteKey, workers: list[Worker], matches: dict[Worker, int], imbalanced: bool) -> Decision:
+        """SGLang's rule (module docstring) over `matches`, the tokens each worker holds or can load."""
+        s = self.settings
+        assert key.tokens is not None
         best = max(matches.values())
         hit = best > s.cache_threshold * len(key.tokens)
         if imbalanced:
@@ -148,8 +166,14 @@ class CacheAwarePolicy(Policy):
         if key.usable:
             self.tree(worker).insert(tree_key(key))
 
+    def on_prefilled(self, key: RouteKey, worker: Worker) -> None:
+        if key.usable and self.settings.store.applies([worker]):
+            self.tree(worker, self._answered).insert(tree_key(key))
+
     def on_join(self, worker: Worker) -> None:
         self._trees[worker] = TokenTree(self.settings.tree_budget)
+        self._answered.pop(worker, None)
 
     def on_leave(self, worker: Worker) -> None:
         self._trees.pop(worker, None)
+        self._answered.pop(worker, None)

@@ -55,6 +55,7 @@ from kvserve.router.policies.base import (
     is_imbalanced,
 )
 from kvserve.router.policies.eta import EtaCost
+from kvserve.router.policies.store import SharedStore
 from kvserve.router.workers import Worker
 
 logger = logging.getLogger("kvserve.router")
@@ -65,11 +66,13 @@ class KvEventsPolicy(Policy):
     name = "kv_events"
 
     def __init__(self, cost: EtaCost | None = None, balance_abs: int = BALANCE_ABS,
-                 balance_rel: float = BALANCE_REL, max_share: float = MAX_SHARE) -> None:
+                 balance_rel: float = BALANCE_REL, max_share: float = MAX_SHARE,
+                 store: SharedStore | None = None) -> None:
         self.index = BlockIndex()
         self.pending = PendingBlocks(PENDING_TTL_S)
         self._last_hashes: tuple[RouteKey, dict[Worker, list[bytes]]] | None = None
         self.cost = cost or EtaCost()
+        self.store = store or SharedStore()
         self.balance_abs = balance_abs
         self.balance_rel = balance_rel
         self._ties = LoadTieBreaker()
@@ -82,10 +85,13 @@ class KvEventsPolicy(Policy):
 
     def choose(self, key: RouteKey, workers: list[Worker]) -> Decision:
         imbalanced = is_imbalanced(workers, self.balance_abs, self.balance_rel)
-        runs = self.cached_tokens(key, workers)
-        if not runs:
+        held = self.cached_tokens(key, workers)
+        if not held:
             return Decision(self._ties.least_loaded(workers), "imbalance" if imbalanced else "unkeyed")
         assert key.tokens is not None
+        runs = held
+        if self.store.applies(workers):
+            runs = self.store.effective(held, self.cached_tokens(key, workers, published_only=True))
         best = max(runs.values())
         if imbalanced:
             emptiest = None if best else lambda w: (self.index.num_blocks(w.url),)  # a new prefix: spread it
@@ -98,12 +104,13 @@ class KvEventsPolicy(Policy):
         lighter = self.shares.shed(chosen, workers)
         if lighter is not None:
             return Decision(lighter, "share", runs[lighter])
-        reason = "least_load" if best == 0 else "rebalance" if runs[chosen] < best else "cache_hit"
+        reason = ("least_load" if best == 0 else "shared_store" if runs[chosen] > held[chosen]
+                  else "rebalance" if runs[chosen] < best else "cache_hit")
         return Decision(chosen, reason, runs[chosen])
 
-    def cached_tokens(self, key: RouteKey, workers: list[Worker]) -> dict[Worker, int]:
-        """Tokens of the prompt each worker holds (or was just sent) as leading blocks; {} when not
-        computable."""
+    def cached_tokens(self, key: RouteKey, workers: list[Worker], published_only: bool = False) -> dict[Worker, int]:
+        """Tokens of the prompt each worker holds (or was just sent, unless `published_only`) as leading
+        blocks; {} when not computable."""
         hashes = self._hashes(key, workers)
         if not hashes:
             return {}
@@ -112,7 +119,8 @@ class KvEventsPolicy(Policy):
         for worker in workers:
             run = 0
             for block_hash in hashes.get(worker, ()):
-                if not (self.index.holds(worker.url, block_hash) or self.pending.holds(worker.url, block_hash, now)):
+                if not (self.index.holds(worker.url, block_hash)
+                        or (not published_only and self.pending.holds(worker.url, block_hash, now))):
                     break
                 run += 1
             runs[worker] = run * (worker.load.block_size or 0)
