@@ -140,16 +140,24 @@ async def sse_stream(
 ) -> AsyncIterator[str]:
     """Server-sent events for a group: role chunks, per-choice deltas, optional usage, then `[DONE]`.
 
+    The role chunks go out with the first output, not before it: a router (`router/proxy.py`) takes a
+    stream's first bytes as "the prompt is computed" (its pending-prefill count, the worker's prefill
+    speed, cache_aware's record of what the store holds), and a role chunk sent at once made every chat
+    stream look prefilled the moment it was accepted.
+
     A parallel request reports all its samples after every step, so a choice that already finished
     is skipped afterwards; beam search reports once, at the end: one whole chunk per choice.
     """
     latest: dict[int, RequestOutput] = {}
     finished_choices: set[int] = set()
     opened_choices: set[int] = set()
+    announced = False
     try:
-        for chunk in fmt.first_chunks(ctx):
-            yield _event(chunk)
         async for prompt_index, output in group:
+            if not announced:  # with the first output, as vLLM does: the first bytes mean the prompt is computed
+                announced = True
+                for chunk in fmt.first_chunks(ctx):
+                    yield _event(chunk)
             latest[prompt_index] = output
             metrics.observe_output(output)
             for index, completion in choices_of(ctx, prompt_index, output):
