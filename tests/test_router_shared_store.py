@@ -1,7 +1,8 @@
 """Routing over workers that share one KV store (router/policies/store.py): a worker can load what
-another published, at `fetch_cost` of computing it; only blocks the index holds (published, so written
-through) count, not blocks still being computed; a worker with no store, another store, or an
-unreachable one gets no credit; and `/load` names the store by URL and model fingerprint."""
+another computed, at `fetch_cost` of computing it; for kv_events only blocks the index holds (published,
+so written through) count, for cache_aware only prompts another worker has answered, never what is still
+being computed; a worker with no store, another store, or an unreachable one gets no credit; another
+tenant's blocks never count; and `/load` names the store by URL and model fingerprint."""
 
 from __future__ import annotations
 

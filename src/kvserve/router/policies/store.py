@@ -7,11 +7,14 @@ prefill. Their `/load` names the store (`remote_store`, a digest of its URL and 
 fingerprint) and says whether it is reachable (`remote_tier`).
 
 For a request, a worker holds `held` tokens of the prompt itself and the store holds at least what any
-other worker of the same store has published (`published`: the KV-event index, so blocks still being
-computed elsewhere do not count: they are not in the store yet). Loading a token costs `fetch_cost` of
-computing it, so the worker's effective cached tokens are
+other worker of the same store has computed (`published`). What is still being computed elsewhere must not
+count (it is not in the store yet): kv_events takes its KV-event index alone (not the blocks it has just
+sent), cache_aware a second tree per worker of the prompts that worker has answered (`on_prefilled`).
+Loading a token costs `fetch_cost` of computing it, so the worker's effective cached tokens are
 
     held + (1 − fetch_cost) × max(published elsewhere − held, 0)
+
+Namespaces are in every hash and tree key, so one tenant's prompt never counts another's blocks.
 
 and the policy's estimate (`EtaCost`) prices the rest as prefill. Measured here (benchmarks/results/
 tiers.md, the local Redis over loopback): a block of 16 tokens loads in ~2.3 ms, against ~16 ms to
