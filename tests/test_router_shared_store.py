@@ -159,3 +159,25 @@ def test_cache_aware_without_a_store_keeps_no_answered_tree():
     policy.on_prefilled(key(tuple(range(64))), plain)
     assert policy.choose(key(tuple(range(64))), [plain, worker("q", store=None)]).reason != "shared_store"
     assert not policy._answered
+
+
+def test_cluster_shared_store_starts_one_local_redis_unless_a_store_is_given():
+    import redis
+
+    from kvserve.cli import build_parser, engine_config_from_args
+    from kvserve.router.cli import shared_store
+
+    args = build_parser().parse_args(["cluster", "--replicas", "2", "--shared-store"])
+    engine = engine_config_from_args(args)
+    with shared_store(engine, args.shared_store) as with_store:
+        assert with_store.remote_cache is not None and with_store.remote_cache.startswith("redis://127.0.0.1:")
+        assert redis.Redis.from_url(with_store.remote_cache).ping()
+        url = with_store.remote_cache
+    with pytest.raises(redis.ConnectionError):  # stopped with the cluster
+        redis.Redis.from_url(url, socket_connect_timeout=0.5).ping()
+    given = engine_config_from_args(build_parser().parse_args(
+        ["cluster", "--shared-store", "--remote-cache", "redis://10.0.0.9:6379/0"]))
+    with shared_store(given, True) as kept:
+        assert kept.remote_cache == "redis://10.0.0.9:6379/0"
+    with shared_store(engine, False) as plain:
+        assert plain.remote_cache is None

