@@ -181,3 +181,27 @@ def test_cluster_shared_store_starts_one_local_redis_unless_a_store_is_given():
         assert kept.remote_cache == "redis://10.0.0.9:6379/0"
     with shared_store(engine, False) as plain:
         assert plain.remote_cache is None
+
+
+def test_decisions_tell_the_worker_whether_to_ask_the_store():
+    """Over a store: `store_probe` True only where the chosen worker is expected to load (shared_store),
+    False where the store holds nothing more than the worker (it stays with its history, or nobody has
+    the prompt); None without a store. The router sends it as `x-kvserve-store-probe`."""
+    from kvserve.server.roles import STORE_PROBE_HEADER, store_probe_wanted
+
+    policy = KvEventsPolicy(balance_abs=8)
+    pool, tokens = busy_holder(policy)
+    assert route(policy, pool, tokens).store_probe is True  # moves to w1, which loads
+    pool[0].in_flight, pool[0].starts = 0, []
+    stays = route(policy, pool, tokens)
+    assert stays.worker is pool[0] and stays.store_probe is False
+    assert route(policy, pool, tuple(range(5000, 5100))).store_probe is False  # cached nowhere
+    plain = KvEventsPolicy(balance_abs=8)
+    bare = [worker("x", store=None), worker("y", store=None)]
+    assert plain.choose(key(tuple(range(64))), bare).store_probe is None
+    policy, pool, turn = cache_aware_holder(answered=True)
+    assert policy.choose(turn, pool).store_probe is True
+    pool[0].in_flight, pool[0].starts = 0, []
+    assert policy.choose(turn, pool).store_probe is False
+    assert store_probe_wanted({}) and store_probe_wanted({STORE_PROBE_HEADER: "1"})
+    assert not store_probe_wanted({STORE_PROBE_HEADER: "0"})

@@ -274,3 +274,28 @@ def test_a_probe_that_finds_nothing_does_not_cost_the_request_a_step(tiny_model_
     assert output.token_ids == expected and nonzero(output.cached_tokens_by_source) == {"remote": 40}
     for llm in (writer, reader):
         llm.engine.close()
+
+
+def test_a_router_hint_skips_the_store_for_the_first_admission_only(tiny_model_dir, tiny_hf_model, tmp_path,
+                                                                     request):
+    """`Request.probe_remote` False (a store-aware router's `x-kvserve-store-probe: 0`): admission does not
+    ask the store, even when it holds the prompt (the prompt is computed, outputs unchanged); the flag is
+    the first admission's only."""
+    prompt = random_prompts(1, 41, 41, seed=31)[0]
+    expected = hf_greedy(tiny_hf_model, prompt, MAX_TOKENS)
+    writer = make_llm(tiny_model_dir, tmp_path, request, redis=True)
+    run(writer, prompt)
+    writer.engine.tiers.policy.flush()
+    reader = make_llm(tiny_model_dir, tmp_path, request, redis=True)
+    engine = reader.engine
+    hinted = engine.make_request(prompt, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
+    hinted.probe_remote = False
+    engine.add(hinted)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += [o for o in engine.step() if o.finished]
+    assert outputs[0].token_ids == expected
+    assert nonzero(outputs[0].cached_tokens_by_source) == {} and reader.stats()["tiers"]["remote"]["hits"] == 0
+    assert hinted.probe_remote  # reset at admission
+    for llm in (writer, reader):
+        llm.engine.close()

@@ -104,7 +104,7 @@ class EngineTiers:
             return matched
         found = self.policy.lookup(hashes, local_only=True)  # host and disk: in-memory indexes
         may_load = not request.kv_load_tried  # one background load per admission; host copies are free
-        if may_load and self.policy.remote_available() and found.num_blocks < len(hashes):
+        if may_load and request.probe_remote and self.policy.remote_available() and found.num_blocks < len(hashes):
             if self._start_load(request, matched, hashes, found.sources, probe=True):
                 return self.block_manager.match_prefix(request) if self._landed_quickly(request) else None
         if found.num_blocks == 0:

@@ -211,6 +211,7 @@ class Request:
     cached_tokens_by_source: dict[str, int] = field(default_factory=dict)  # splits num_cached_tokens
     kv_sources: dict[int, str] = field(default_factory=dict)  # block index -> tier it was loaded from
     kv_load_tried: bool = False  # a disk/remote load was started for the current admission
+    probe_remote: bool = True  # False: a router knows the shared store holds nothing more of it (kv_tiers.py)
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
     generator: torch.Generator | None = None

@@ -296,6 +296,7 @@ class Scheduler:
                 request.kv_sources, num_matched_tokens, self.block_manager.block_size)
         self.counters.record(request, num_matched_tokens)
         request.kv_sources, request.kv_load_tried = {}, False
+        request.probe_remote = True  # a router's hint is about its first admission: later ones ask the store
 
     def _requeue_loaded(self) -> None:
         """Requests whose tier load landed (or failed) go back to the head of the queue, in order."""

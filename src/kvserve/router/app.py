@@ -43,6 +43,7 @@ from kvserve.router.proxy import (
 )
 from kvserve.router.workers import Worker, WorkerPool
 from kvserve.server.auth import ApiKeys, AuthError, authenticate, require_admin
+from kvserve.server.roles import STORE_PROBE_HEADER
 
 MAX_BODY_BYTES = 16 * 1024 * 1024  # the workers' own limit
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -95,7 +96,7 @@ class Router:
             candidates = [worker for worker in self.pool.healthy() if worker not in tried]
             if not candidates:
                 break
-            prefill, route = 0, None
+            prefill, route, headers = 0, None, forward_headers(request)
             if first is not None and first in candidates:
                 worker, first = first, None
                 self.policy.on_routed(key, worker)
@@ -103,10 +104,12 @@ class Router:
                 decision = self._decide(key, candidates, started if attempt == 0 else None)
                 worker, prefill = decision.worker, decision.uncached(key)
                 route = route_header(decision, key, candidates)
+                if decision.store_probe is not None:  # over a shared store (policies/store.py)
+                    headers[STORE_PROBE_HEADER] = "1" if decision.store_probe else "0"
             tried.add(worker)
             self.cache_keys.learn(cache_key, key.namespace, worker)
             learn = (lambda answer, at=worker: self.affinity.learn(at, answer)) if path == RESPONSES_PATH else None
-            upstream = Upstream(self.client, worker, path, body, forward_headers(request), self.metrics,
+            upstream = Upstream(self.client, worker, path, body, headers, self.metrics,
                                 prefill, route, learn, lambda at=worker: self.policy.on_prefilled(key, at))
             try:
                 response = await (upstream.stream(request) if streaming else upstream.unary(request))

@@ -58,15 +58,17 @@ class StreamFormat:
 async def submit(
     state: ServerState, ctx: ResponseContext, prompts: Sequence[list[int]],
     params: SamplingParams | BeamSearchParams, namespace: Namespace, prompt_param: str,
-    lora: LoRAAdapter | None = None, priority: int = 0,
+    lora: LoRAAdapter | None = None, priority: int = 0, probe_store: bool = True,
 ) -> RequestGroup:
     """Queue one engine request per prompt (each carries its n choices) as one group; 429 when
-    `max_queue` requests already wait that cannot start now."""
+    `max_queue` requests already wait that cannot start now. `probe_store` False: admission does not ask
+    the shared store (a router said it holds nothing more, `server/roles.py` STORE_PROBE_HEADER)."""
     engine, max_queue = state.engine, state.max_queue
     if queue_backlog(engine, state.limits.max_num_seqs) >= max_queue:
         raise ApiError(429, f"the server's request queue is full ({max_queue} waiting); retry later",
                        code="queue_full", type_="rate_limit_error")
-    specs = [RequestSpec(ids, params, ctx.request_id(p), namespace, lora, priority) for p, ids in enumerate(prompts)]
+    specs = [RequestSpec(ids, params, ctx.request_id(p), namespace, lora, priority, probe_store)
+             for p, ids in enumerate(prompts)]
     try:
         return await engine.add_requests(specs)
     except ValueError as err:

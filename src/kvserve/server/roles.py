@@ -25,7 +25,7 @@ import asyncio
 import hashlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +35,9 @@ FLUSH_TIMEOUT_S = 2.0
 FLUSH_HEADER = "x-kvserve-kv-flush"
 FLUSH_BYTES_HEADER = "x-kvserve-kv-flush-bytes"
 FLUSH_MS_HEADER = "x-kvserve-kv-flush-ms"
+# From a store-aware router: "0" when it knows the shared store holds nothing of the prompt beyond what this
+# worker holds, so admission skips asking the store (`engine/kv_tiers.py`); "1" (or absent): ask as usual.
+STORE_PROBE_HEADER = "x-kvserve-store-probe"
 _POLL_FIRST_S, _POLL_MAX_S = 0.001, 0.02
 
 
@@ -58,6 +61,12 @@ class FlushReport:
     def headers(self) -> dict[str, str]:
         return {FLUSH_HEADER: self.status, FLUSH_BYTES_HEADER: str(self.nbytes),
                 FLUSH_MS_HEADER: f"{self.seconds * 1000:.3f}"}
+
+
+def store_probe_wanted(headers: Mapping[str, str]) -> bool:
+    """Whether admission should ask the shared store for the prompt's blocks (`STORE_PROBE_HEADER`). Only
+    the caller's own request is affected: skipping can cost it a load, never another tenant anything."""
+    return headers.get(STORE_PROBE_HEADER, "1").strip() != "0"
 
 
 @dataclass(slots=True)

@@ -49,6 +49,7 @@ class RequestSpec:
     namespace: Namespace = ()
     lora: LoRAAdapter | None = None  # the adapter the request runs under (None: the base model)
     priority: int = 0  # lower first, under --schedule-policy priority (else only 0)
+    probe_remote: bool = True  # False: admission skips asking the shared store (engine/kv_tiers.py)
 
 
 @dataclass(slots=True)
@@ -323,7 +324,8 @@ class AsyncEngine:
                                       namespace=spec.namespace, lora=spec.lora, priority=spec.priority)
             for spec in specs
         ]  # all validated before any is queued
-        for request, sink in zip(requests, sinks, strict=True):
+        for request, spec, sink in zip(requests, specs, sinks, strict=True):
+            request.probe_remote = spec.probe_remote
             self._sinks[request.request_id] = sink
             self._engine.add(request)
 

@@ -20,6 +20,7 @@ class Decision:
     worker: Worker
     reason: str
     matched_tokens: int = 0
+    store_probe: bool | None = None  # over a shared store: should the worker ask it (None: no opinion)
 
     def uncached(self, key: RouteKey) -> int:
         """The prompt tokens the worker must compute (its pending prefill while the request waits)."""

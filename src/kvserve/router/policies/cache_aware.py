@@ -107,15 +107,15 @@ class CacheAwarePolicy(Policy):
             return Decision(self._ties.least_loaded(workers), "imbalance" if imbalanced else "unkeyed")
         seq = tree_key(key)
         held = {worker: max(self.tree(worker).match(seq) - 1, 0) for worker in workers}
-        matches = held
-        if s.store.applies(workers):  # what another worker answered is in the store: loadable
-            answered = {worker: max(self.tree(worker, self._answered).match(seq) - 1, 0) for worker in workers}
-            matches = s.store.effective(held, answered)
+        if not s.store.applies(workers):
+            return self._choose(key, workers, held, imbalanced)
+        answered = {worker: max(self.tree(worker, self._answered).match(seq) - 1, 0) for worker in workers}
+        matches = s.store.effective(held, answered)  # what another worker answered is in the store: loadable
         decision = self._choose(key, workers, matches, imbalanced)
-        loads = matches[decision.worker] > held[decision.worker]
-        if loads and decision.reason in ("cache_hit", "rebalance", "smallest_tree"):
-            return Decision(decision.worker, "shared_store", decision.matched_tokens)
-        return decision
+        if matches[decision.worker] > held[decision.worker] and decision.reason in (
+                "cache_hit", "rebalance", "smallest_tree"):
+            decision = Decision(decision.worker, "shared_store", decision.matched_tokens)
+        return s.store.with_probe_hint(decision, (held, matches))
 
     def _choose(self, key: RouteKey, workers: list[Worker], matches: dict[Worker, int], imbalanced: bool) -> Decision:
         """SGLang's rule (module docstring) over `matches`, the tokens each worker holds or can load."""

@@ -73,6 +73,7 @@ class KvEventsPolicy(Policy):
         self._last_hashes: tuple[RouteKey, dict[Worker, list[bytes]]] | None = None
         self.cost = cost or EtaCost()
         self.store = store or SharedStore()
+        self._store_runs: tuple[dict[Worker, int], dict[Worker, int]] | None = None  # the last decision's
         self.balance_abs = balance_abs
         self.balance_rel = balance_rel
         self._ties = LoadTieBreaker()
@@ -84,6 +85,11 @@ class KvEventsPolicy(Policy):
         self._running = False
 
     def choose(self, key: RouteKey, workers: list[Worker]) -> Decision:
+        decision = self._choose(key, workers)
+        return self.store.with_probe_hint(decision, self._store_runs)
+
+    def _choose(self, key: RouteKey, workers: list[Worker]) -> Decision:
+        self._store_runs = None
         imbalanced = is_imbalanced(workers, self.balance_abs, self.balance_rel)
         held = self.cached_tokens(key, workers)
         if not held:
@@ -92,6 +98,7 @@ class KvEventsPolicy(Policy):
         runs = held
         if self.store.applies(workers):
             runs = self.store.effective(held, self.cached_tokens(key, workers, published_only=True))
+            self._store_runs = (held, runs)
         best = max(runs.values())
         if imbalanced:
             emptiest = None if best else lambda w: (self.index.num_blocks(w.url),)  # a new prefix: spread it

@@ -27,9 +27,11 @@ every device) is not counted: no event reports it.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from kvserve.router.config import STORE_FETCH_COST
+from kvserve.router.policies.base import Decision
 from kvserve.router.workers import Worker
 
 
@@ -57,6 +59,22 @@ class SharedStore:
             if elsewhere > own:
                 result[worker] = own + round((1.0 - self.fetch_cost) * (elsewhere - own))
         return result
+
+
+    @staticmethod
+    def with_probe_hint(decision: Decision, runs: tuple[dict[Worker, int], dict[Worker, int]] | None) -> Decision:
+        """`decision` telling its worker whether to ask the store (`runs`: held and effective tokens per
+        worker, None when no store applied). Asking costs the request a round trip the engine waits up to
+        3 ms for, and a whole step when the answer is late (measured over 2 one-thread workers on one Redis
+        at 4 requests in flight: 67 of 192 probes late, the others 2.1 ms on average): a worker whose
+        prompt the store holds no more of than it does itself is told not to. Blocks the store holds that
+        no live worker published (evicted everywhere, written by workers outside this router) are then
+        recomputed instead of loaded; later admissions of the request ask as usual."""
+        if runs is None:
+            return decision
+        held, effective = runs
+        loads = effective.get(decision.worker, 0) > held.get(decision.worker, 0)
+        return dataclasses.replace(decision, store_probe=loads)
 
 
 def store_of(worker: Worker) -> str | None:
