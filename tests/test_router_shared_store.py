@@ -1,9 +1,8 @@
 """Routing over workers that share one KV store (router/policies/store.py): a worker can load what
-another computed, at `fetch_cost` of computing it; for kv_events every block a worker of the store
-reported stored counts (device evictions or not), for cache_aware every prompt a worker of the store
-answered, never what is still being computed; a worker with no store, another store, or an unreachable
-one gets no credit; another tenant's blocks never count; decisions tell the worker whether to ask the
-store; and `/load` names the store by URL and model fingerprint."""
+another computed, at `fetch_cost` of computing it; for kv_events only blocks the index holds (published,
+so written through) count, for cache_aware only prompts another worker has answered, never what is still
+being computed; a worker with no store, another store, or an unreachable one gets no credit; another
+tenant's blocks never count; and `/load` names the store by URL and model fingerprint."""
 
 from __future__ import annotations
 
@@ -11,9 +10,7 @@ import time
 
 import pytest
 
-from kvserve.events.format import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from kvserve.prefix.hashing import block_hashes
-from kvserve.router.index import BlockIndex, StoreIndex, WorkerEvents
 from kvserve.router.keys import RouteKey
 from kvserve.router.policies import CacheAwarePolicy, CacheAwareSettings, KvEventsPolicy
 from kvserve.router.policies.store import SharedStore
@@ -28,44 +25,21 @@ def worker(name: str, store: str | None = "s1", tier: str | None = "ok") -> Work
     return Worker(url=f"http://{name}", healthy=True, load=load)
 
 
-def test_effective_counts_what_the_workers_store_holds_beyond_its_own():
-    a, b, c, d = worker("a"), worker("b"), worker("c", store=None), worker("d", tier="open")
+def test_effective_counts_what_another_worker_of_the_same_store_published():
+    a, b, c, d = worker("a"), worker("b"), worker("c", store="s2"), worker("d", tier="open")
     held = {a: 480, b: 0, c: 0, d: 0}
-    in_store = {a: 480, b: 480, c: 480, d: 480}
     store = SharedStore(fetch_cost=0.25)
-    assert store.effective(held, in_store) == {a: 480, b: 360, c: 0, d: 0}  # no store / unreachable: none
-    assert store.effective(held, {b: 240})[b] == 180
-    assert store.effective({a: 480, b: 500, c: 0, d: 0}, in_store)[b] == 500  # holding more: nothing to load
+    assert store.effective(held, held) == {a: 480, b: 360, c: 0, d: 0}
+    assert store.effective(held, {a: 240, b: 0, c: 0, d: 0})[b] == 180  # only what a published
+    assert store.effective({a: 480, b: 500, c: 0, d: 0}, held)[b] == 500  # holding more: nothing to load
     assert not SharedStore(fetch_cost=1.0).applies([a, b])
     assert not SharedStore().applies([worker("x", store=None), worker("y", store=None)])
     with pytest.raises(ValueError, match="store_fetch_cost"):
         SharedStore(fetch_cost=1.5)
 
 
-def test_store_index_keeps_what_devices_evict_and_forgets_the_oldest():
-    stores = StoreIndex(max_blocks=3)
-    events = WorkerEvents(BlockIndex(), "http://w0", stores=stores, store="s1")
-    h = [bytes([i]) * 32 for i in range(5)]
-    events.apply(stored(h[:2]))
-    events.apply(KVEventBatch(ts=0.0, events=[BlockRemoved([h[0], h[1]]), AllBlocksCleared()]))
-    assert events.index.num_blocks("http://w0") == 0 and stores.run("s1", h) == 2  # evicted, still stored
-    events.apply(stored(h[2:4]))
-    assert stores.num_blocks("s1") == 3 and stores.run("s1", h) == 0 and stores.run("s1", h[1:]) == 3
-    assert stores.run("s2", h) == 0
-
-
 def key(tokens: tuple[int, ...]) -> RouteKey:
     return RouteKey(tokens=tokens, namespace=ALICE, exact=True)
-
-
-def stored(hashes) -> KVEventBatch:
-    return KVEventBatch(ts=0.0, events=[BlockStored(list(hashes), None, [], 16)])
-
-
-def report(policy: KvEventsPolicy, at: Worker, hashes) -> None:
-    """`at` reports blocks stored, as its KV events do (its index entry and its store's)."""
-    WorkerEvents(policy.index, at.url, policy.pending, stores=policy.stores, store=at.load.remote_store).apply(
-        stored(hashes))
 
 
 def busy_holder(policy: KvEventsPolicy) -> tuple[list[Worker], tuple[int, ...]]:
@@ -74,8 +48,8 @@ def busy_holder(policy: KvEventsPolicy) -> tuple[list[Worker], tuple[int, ...]]:
     pool = [worker("w0"), worker("w1")]
     tokens = tuple(range(512)) + tuple(range(1000, 1480))
     hashes = block_hashes(list(tokens), 16, ALICE, "sha256")
-    report(policy, pool[0], hashes[:47])
-    report(policy, pool[1], hashes[:32])
+    policy.index.store(pool[0].url, hashes[:47])
+    policy.index.store(pool[1].url, hashes[:32])
     pool[0].in_flight, pool[0].starts = 2, [PrefillStart(240), PrefillStart(240)]
     return pool, tokens
 
@@ -112,26 +86,12 @@ def test_blocks_still_being_computed_elsewhere_are_not_in_the_store():
     """w0 was just sent the conversation (pending, not reported stored): it counts as cached on w0, but
     not as loadable on w1, which gets the store-blind answer."""
     policy = KvEventsPolicy(balance_abs=8)
-    pool = [worker("w0"), worker("w1")]
-    tokens = tuple(range(512)) + tuple(range(1000, 1480))
-    hashes = block_hashes(list(tokens), 16, ALICE, "sha256")
-    report(policy, pool[1], hashes[:32])
-    policy.pending.add(pool[0].url, hashes[:47], now=time.monotonic())
-    pool[0].in_flight, pool[0].starts = 2, [PrefillStart(240), PrefillStart(240)]
-    decision = route(policy, pool, tokens)
-    assert decision.worker is pool[1] and decision.reason == "rebalance" and decision.matched_tokens == 512
-
-
-def test_what_every_device_evicted_still_loads_from_the_store():
-    """w0 computed the conversation, then evicted it (BlockRemoved): no device holds it, the store does."""
-    policy = KvEventsPolicy(balance_abs=8)
     pool, tokens = busy_holder(policy)
     hashes = block_hashes(list(tokens), 16, ALICE, "sha256")
-    handler = WorkerEvents(policy.index, pool[0].url, policy.pending, stores=policy.stores, store="s1")
-    handler.apply(KVEventBatch(ts=0.0, events=[BlockRemoved(hashes[32:47])]))
-    pool[0].in_flight, pool[0].starts = 0, []
+    policy.index.clear(pool[0].url)
+    policy.pending.add(pool[0].url, hashes[:47], now=time.monotonic())
     decision = route(policy, pool, tokens)
-    assert decision.reason == "shared_store" and decision.matched_tokens == 704 and decision.store_probe is True
+    assert decision.worker is pool[1] and decision.reason == "rebalance" and decision.matched_tokens == 512
 
 
 def test_other_tenants_blocks_are_never_loadable():

@@ -8,7 +8,6 @@ after a hole is useless.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
@@ -133,61 +132,19 @@ class PendingBlocks:
         self._sweep_at.pop(worker, None)
 
 
-STORE_INDEX_BLOCKS = 1_000_000  # hashes remembered per shared store (~100 MB of router memory at most)
-
-
-class StoreIndex:
-    """What each shared KV store has been sent: every block a worker of that store reported stored (a
-    published block is written through to the store). A device eviction (`BlockRemoved`, a cleared
-    worker) does not remove it: the store keeps its copy until its own eviction or TTL, which no event
-    reports, so this is what the store *may* hold, bounded to the `max_blocks` most recently stored."""
-
-    def __init__(self, max_blocks: int = STORE_INDEX_BLOCKS) -> None:
-        self.max_blocks = max_blocks
-        self._stores: dict[str, OrderedDict[bytes, None]] = {}
-
-    def store(self, store: str, hashes: Sequence[bytes]) -> None:
-        held = self._stores.setdefault(store, OrderedDict())
-        for block_hash in hashes:
-            held[block_hash] = None
-            held.move_to_end(block_hash)
-        while len(held) > self.max_blocks:
-            held.popitem(last=False)
-
-    def run(self, store: str, hashes: Sequence[bytes]) -> int:
-        """How many leading `hashes` the store may hold."""
-        held = self._stores.get(store, {})
-        count = 0
-        for block_hash in hashes:
-            if block_hash not in held:
-                break
-            count += 1
-        return count
-
-    def num_blocks(self, store: str) -> int:
-        return len(self._stores.get(store, ()))
-
-
 @dataclass(slots=True)
 class WorkerEvents:
-    """The event handler for one worker: applies its batches to the shared index under its key, and
-    its stored blocks to its store's `StoreIndex` when it shares a store."""
+    """The event handler for one worker: applies its batches to the shared index under its key."""
 
     index: BlockIndex
     worker: Hashable
     pending: PendingBlocks | None = None
     resets: int = 0
-    stores: StoreIndex | None = None
-    store: str | None = None  # the worker's shared store (`remote_store` in its /load)
 
     def apply(self, batch: KVEventBatch) -> None:
         self.index.apply(self.worker, batch)
         if self.pending is not None:
             self.pending.settle(self.worker, batch)
-        if self.stores is not None and self.store is not None:
-            for event in batch.events:
-                if isinstance(event, BlockStored):
-                    self.stores.store(self.store, event.block_hashes)
 
     def reset(self, reason: str) -> None:
         self.resets += 1

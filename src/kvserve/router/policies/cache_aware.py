@@ -41,7 +41,7 @@ from kvserve.router.policies.base import (
     is_imbalanced,
 )
 from kvserve.router.policies.eta import EtaCost
-from kvserve.router.policies.store import SharedStore, store_of
+from kvserve.router.policies.store import SharedStore
 from kvserve.router.radix import TokenTree
 from kvserve.router.workers import Worker
 
@@ -81,18 +81,19 @@ class CacheAwarePolicy(Policy):
     def __init__(self, settings: CacheAwareSettings | None = None) -> None:
         self.settings = settings or CacheAwareSettings()
         self._trees: dict[Worker, TokenTree] = {}
-        self._answered: dict[str, TokenTree] = {}  # per shared store: prompts its workers answered (in it)
+        self._answered: dict[Worker, TokenTree] = {}  # prompts each worker has answered: computed, in its store
         self._ties = LoadTieBreaker()
         self.hot = HotPrefixes()
         self.shares = ShareGuard(self.settings.max_share)
 
-    def tree(self, worker: Worker) -> TokenTree:
-        """The worker's tree, bounded by what the worker can hold: a tree that remembered more than the
-        worker's KV pool would predict hits the worker evicted long ago."""
+    def tree(self, worker: Worker, trees: dict[Worker, TokenTree] | None = None) -> TokenTree:
+        """The worker's tree (of `trees`, default what was sent there), bounded by what the worker can hold:
+        a tree that remembered more than the worker's KV pool would predict hits the worker evicted long ago."""
+        trees = self._trees if trees is None else trees
         budget = min(self.settings.tree_budget, worker.capacity_tokens or self.settings.tree_budget)
-        tree = self._trees.get(worker)
+        tree = trees.get(worker)
         if tree is None:
-            tree = self._trees[worker] = TokenTree(budget)
+            tree = trees[worker] = TokenTree(budget)
         elif tree.budget != budget:
             tree.budget = budget
             if tree.num_tokens > budget:
@@ -108,7 +109,8 @@ class CacheAwarePolicy(Policy):
         held = {worker: max(self.tree(worker).match(seq) - 1, 0) for worker in workers}
         if not s.store.applies(workers):
             return self._choose(key, workers, held, imbalanced)
-        matches = s.store.effective(held, {worker: self._in_store(worker, seq) for worker in workers})
+        answered = {worker: max(self.tree(worker, self._answered).match(seq) - 1, 0) for worker in workers}
+        matches = s.store.effective(held, answered)  # what another worker answered is in the store: loadable
         decision = self._choose(key, workers, matches, imbalanced)
         if matches[decision.worker] > held[decision.worker] and decision.reason in (
                 "cache_hit", "rebalance", "smallest_tree"):
@@ -164,22 +166,14 @@ class CacheAwarePolicy(Policy):
         if key.usable:
             self.tree(worker).insert(tree_key(key))
 
-    def _in_store(self, worker: Worker, seq: list[int]) -> int:
-        """Tokens of the prompt in the worker's shared store: prompts its workers have answered."""
-        tree = self._answered.get(store_of(worker) or "")
-        return max(tree.match(seq) - 1, 0) if tree is not None else 0
-
     def on_prefilled(self, key: RouteKey, worker: Worker) -> None:
-        """An answered prompt is computed, so written through to the worker's store: it stays there after
-        the worker evicts it or restarts (until the store's own eviction, which no one reports)."""
-        store = store_of(worker)
-        if key.usable and store is not None and self.settings.store.applies([worker]):
-            if store not in self._answered:
-                self._answered[store] = TokenTree(self.settings.tree_budget)
-            self._answered[store].insert(tree_key(key))
+        if key.usable and self.settings.store.applies([worker]):
+            self.tree(worker, self._answered).insert(tree_key(key))
 
     def on_join(self, worker: Worker) -> None:
         self._trees[worker] = TokenTree(self.settings.tree_budget)
+        self._answered.pop(worker, None)
 
     def on_leave(self, worker: Worker) -> None:
         self._trees.pop(worker, None)
+        self._answered.pop(worker, None)

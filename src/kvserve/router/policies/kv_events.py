@@ -44,7 +44,7 @@ from urllib.parse import urlsplit
 from kvserve.events.subscriber import EventStream
 from kvserve.prefix.hashing import block_hashes
 from kvserve.router.config import BALANCE_ABS, BALANCE_REL, MAX_SHARE
-from kvserve.router.index import BlockIndex, PendingBlocks, StoreIndex, WorkerEvents
+from kvserve.router.index import BlockIndex, PendingBlocks, WorkerEvents
 from kvserve.router.keys import RouteKey
 from kvserve.router.policies.base import (
     Decision,
@@ -55,7 +55,7 @@ from kvserve.router.policies.base import (
     is_imbalanced,
 )
 from kvserve.router.policies.eta import EtaCost
-from kvserve.router.policies.store import SharedStore, store_of
+from kvserve.router.policies.store import SharedStore
 from kvserve.router.workers import Worker
 
 logger = logging.getLogger("kvserve.router")
@@ -69,7 +69,6 @@ class KvEventsPolicy(Policy):
                  balance_rel: float = BALANCE_REL, max_share: float = MAX_SHARE,
                  store: SharedStore | None = None) -> None:
         self.index = BlockIndex()
-        self.stores = StoreIndex()  # what each shared store was sent (policies/store.py)
         self.pending = PendingBlocks(PENDING_TTL_S)
         self._last_hashes: tuple[RouteKey, dict[Worker, list[bytes]]] | None = None
         self.cost = cost or EtaCost()
@@ -98,7 +97,7 @@ class KvEventsPolicy(Policy):
         assert key.tokens is not None
         runs = held
         if self.store.applies(workers):
-            runs = self.store.effective(held, self.store_tokens(key, workers))
+            runs = self.store.effective(held, self.cached_tokens(key, workers, published_only=True))
             self._store_runs = (held, runs)
         best = max(runs.values())
         if imbalanced:
@@ -116,21 +115,9 @@ class KvEventsPolicy(Policy):
                   else "rebalance" if runs[chosen] < best else "cache_hit")
         return Decision(chosen, reason, runs[chosen])
 
-    def store_tokens(self, key: RouteKey, workers: list[Worker]) -> dict[Worker, int]:
-        """Tokens of the prompt each worker's shared store was sent as leading blocks (`StoreIndex`: every
-        block a worker of that store reported stored, device evictions or not; never what was only just
-        routed somewhere, which is not in the store yet)."""
-        hashes = self._hashes(key, workers)
-        runs: dict[Worker, int] = {}
-        for worker in workers:
-            store = store_of(worker)
-            if store is not None and worker in hashes:
-                runs[worker] = self.stores.run(store, hashes[worker]) * (worker.load.block_size or 0)
-        return runs
-
-    def cached_tokens(self, key: RouteKey, workers: list[Worker]) -> dict[Worker, int]:
-        """Tokens of the prompt each worker holds (or was just sent) as leading blocks; {} when not
-        computable."""
+    def cached_tokens(self, key: RouteKey, workers: list[Worker], published_only: bool = False) -> dict[Worker, int]:
+        """Tokens of the prompt each worker holds (or was just sent, unless `published_only`) as leading
+        blocks; {} when not computable."""
         hashes = self._hashes(key, workers)
         if not hashes:
             return {}
@@ -139,7 +126,8 @@ class KvEventsPolicy(Policy):
         for worker in workers:
             run = 0
             for block_hash in hashes.get(worker, ()):
-                if not (self.index.holds(worker.url, block_hash) or self.pending.holds(worker.url, block_hash, now)):
+                if not (self.index.holds(worker.url, block_hash)
+                        or (not published_only and self.pending.holds(worker.url, block_hash, now))):
                     break
                 run += 1
             runs[worker] = run * (worker.load.block_size or 0)
@@ -195,8 +183,7 @@ class KvEventsPolicy(Policy):
         if not endpoint:
             logger.warning("router: worker %s publishes no KV events; kv_events sees it as empty", worker.url)
             return
-        handler = self.handlers[worker] = WorkerEvents(self.index, worker.url, self.pending, stores=self.stores,
-                                                       store=worker.load.remote_store)
+        handler = self.handlers[worker] = WorkerEvents(self.index, worker.url, self.pending)
         replay = worker.load.kv_events_replay_endpoint
         stream = EventStream(connectable(endpoint, worker.url), handler,
                              connectable(replay, worker.url) if replay else None)

@@ -6,15 +6,13 @@ conversation moved to another worker, or a document first read elsewhere, costs 
 prefill. Their `/load` names the store (`remote_store`, a digest of its URL and the model's key
 fingerprint) and says whether it is reachable (`remote_tier`).
 
-For a request, a worker holds `held` tokens of the prompt itself and its store holds `in_store`: what any
-worker of the store has computed, kept after devices evict it (the store keeps its copy until its own
-eviction or TTL, which nothing reports, so this is what the store may hold). What is still being
-computed must not count (it is not in the store yet): kv_events keeps a `StoreIndex` of every block a
-worker of the store reported stored (not the blocks it has just routed), cache_aware a tree per store of
-the prompts its workers have answered (`on_prefilled`). Loading a token costs `fetch_cost` of computing
-it, so the worker's effective cached tokens are
+For a request, a worker holds `held` tokens of the prompt itself and the store holds at least what any
+other worker of the same store has computed (`published`). What is still being computed elsewhere must not
+count (it is not in the store yet): kv_events takes its KV-event index alone (not the blocks it has just
+sent), cache_aware a second tree per worker of the prompts that worker has answered (`on_prefilled`).
+Loading a token costs `fetch_cost` of computing it, so the worker's effective cached tokens are
 
-    held + (1 − fetch_cost) × max(in_store − held, 0)
+    held + (1 − fetch_cost) × max(published elsewhere − held, 0)
 
 Namespaces are in every hash and tree key, so one tenant's prompt never counts another's blocks.
 
@@ -22,6 +20,9 @@ and the policy's estimate (`EtaCost`) prices the rest as prefill. Measured here 
 tiers.md, the local Redis over loopback): a block of 16 tokens loads in ~2.3 ms, against ~16 ms to
 compute it on one core: the default 0.2 keeps a margin for the probe round trip and the request's
 extra pass through the queue. 1 turns the store off for routing (a store-blind policy, for comparisons).
+
+What the store holds beyond the live workers' caches (blocks written through and since evicted from
+every device) is not counted: no event reports it.
 """
 
 from __future__ import annotations
@@ -46,14 +47,17 @@ class SharedStore:
         """Whether any worker can load from a store (else the held tokens are the whole story)."""
         return self.fetch_cost < 1.0 and any(store_of(worker) is not None for worker in workers)
 
-    def effective(self, held: dict[Worker, int], in_store: dict[Worker, int]) -> dict[Worker, int]:
-        """Each worker's cached tokens with what its store holds beyond them (`in_store`: the prompt's
-        tokens in the worker's store, 0 for a worker without a reachable one) counted at (1 − fetch_cost)."""
+    def effective(self, held: dict[Worker, int], published: dict[Worker, int]) -> dict[Worker, int]:
+        """Each worker's cached tokens with what it can load from its store counted at (1 − fetch_cost)."""
         result = dict(held)
         for worker, own in held.items():
-            stored = in_store.get(worker, 0) if store_of(worker) is not None else 0
-            if stored > own:
-                result[worker] = own + round((1.0 - self.fetch_cost) * (stored - own))
+            store = store_of(worker)
+            if store is None:
+                continue
+            elsewhere = max((published.get(other, 0) for other in held if other is not worker
+                             and store_of(other) == store), default=0)
+            if elsewhere > own:
+                result[worker] = own + round((1.0 - self.fetch_cost) * (elsewhere - own))
         return result
 
 
