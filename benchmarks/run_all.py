@@ -19,7 +19,7 @@ ORDER = [
     "throughput", "memory_efficiency", "prefix_cache", "prefix_lookup", "parallel_memory", "server_load",
     "server_steps", "serve_sweep", "side_channel", "dashboard", "soak", "soak_paced", "soak_amx_fast", "router",
     "router_2w", "router_2w_amx", "router_2w_zen4", "router_shared_store", "router_shared_store_4w",
-    "router_rag_bounded",
+    "router_rag_bounded_store", "router_rag_bounded",
     "router_rag_bounded_4w",
     "router_rag_bounded192",
     "router_chat_bounded", "router_chat_bounded_4w", "eviction", "structured", "tiers", "kernels", "kernels_avx2",
@@ -66,6 +66,10 @@ SCRIPTS = {
     "router_shared_store_4w": ("router", ["--max-workers", "4", "--worker-counts", "4", "--workloads", "chat", "rag",
                                           "--no-single", "--policies", "round_robin", "cache_aware", "kv_events",
                                           "--host-cache", "0", "--shared-store", "--out", "router_shared_store_4w"]),
+    "router_rag_bounded_store": ("router", ["--max-workers", "2", "--worker-counts", "2", "--workloads", "rag",
+                                            "--no-single", "--num-blocks", "192", "--host-cache", "0", "--queries",
+                                            "256", "--policies", "round_robin", "cache_aware", "kv_events",
+                                            "--shared-store", "--out", "router_rag_bounded_store"]),
     # replicas whose cache holds less than the working set (host tier off)
     "router_rag_bounded": ("router", ["--max-workers", "2", "--worker-counts", "2", "--workloads", "rag", "--policies",
                                       "round_robin", "cache_aware", "kv_events", "--num-blocks", "192", "--host-cache",
@@ -240,10 +244,11 @@ transformers alone (2.28-2.44x by round), 1.8x in a six-runner run whose kvserve
 over 2 workers; over 4, hit rate 94% against 66.5% and **p90 9.1x / 8.8x** (section "... (router_rag_bounded_4w)");
 chat over 4 workers of 960 blocks: hit rate 80% against 57.6%, p90 3.0x / 3.1x.
 **Router over a shared KV store** (section "... (router_shared_store)", 2 workers on one Redis, the
-store-aware policies counting what another worker computed as loadable): RAG TTFT p90 2.2-2.9x
-round_robin's (339-450 ms against 974-1,164; 0.8x without a store); chat 1.0-1.1x (round_robin finds every
-history in the store too); over 4 workers ("... (router_shared_store_4w)", one run) RAG 3.8x (kv_events) /
-1.8x (cache_aware), chat 1.2x / 1.0x.
+store-aware policies counting what another worker computed as loadable): RAG TTFT p90 2.7x (kv_events) /
+2.8x (cache_aware) round_robin's by the median of the day's paired runs, 1.65-3.5x per pair (0.8x without a
+store); with pools below the working set ("... (router_rag_bounded_store)") 3.1x / 2.7x; chat ~1x
+(round_robin finds every history in the store too); over 4 workers ("... (router_shared_store_4w)", one run)
+RAG 3.8x / 1.8x, chat 1.2x / 1.0x.
 **On a CPU with AMX and native bf16** (section "... (kernels_amx)": Intel Xeon with AVX-512 VNNI/BF16,
 AMX-INT8/BF16, 2 threads, idle, 2026-12-01 23:48 UTC, every runner in one run; llama.cpp built without its
 AMX backend, which segfaulted in `ggml_backend_amx_mul_mat` on this model): single-request decode 171 tok/s

@@ -115,7 +115,7 @@ class CacheAwarePolicy(Policy):
         if matches[decision.worker] > held[decision.worker] and decision.reason in (
                 "cache_hit", "rebalance", "smallest_tree"):
             decision = Decision(decision.worker, "shared_store", decision.matched_tokens)
-        return s.store.with_probe_hint(decision, (held, matches))
+        return decision  # no probe hint: these trees forget what the store still holds (see SharedStore)
 
     def _choose(self, key: RouteKey, workers: list[Worker], matches: dict[Worker, int], imbalanced: bool) -> Decision:
         """SGLang's rule (module docstring) over `matches`, the tokens each worker holds or can load."""

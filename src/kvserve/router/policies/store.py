@@ -69,7 +69,10 @@ class SharedStore:
         at 4 requests in flight: 67 of 192 probes late, the others 2.1 ms on average): a worker whose
         prompt the store holds no more of than it does itself is told not to. Blocks the store holds that
         no live worker published (evicted everywhere, written by workers outside this router) are then
-        recomputed instead of loaded; later admissions of the request ask as usual."""
+        recomputed instead of loaded; later admissions of the request ask as usual. kv_events only: its
+        index is exact about the live caches. cache_aware's trees, bounded by each worker's pool, forget
+        what the store still holds: with pools below the working set (RAG, 192 blocks a worker) its hints
+        took TTFT p90 to 1,364 ms against round_robin's 813, which asks the store every time."""
         if runs is None:
             return decision
         held, effective = runs
