@@ -73,7 +73,6 @@ class KvEventsPolicy(Policy):
         self._last_hashes: tuple[RouteKey, dict[Worker, list[bytes]]] | None = None
         self.cost = cost or EtaCost()
         self.store = store or SharedStore()
-        self._store_runs: tuple[dict[Worker, int], dict[Worker, int]] | None = None  # the last decision's
         self.balance_abs = balance_abs
         self.balance_rel = balance_rel
         self._ties = LoadTieBreaker()
@@ -85,20 +84,20 @@ class KvEventsPolicy(Policy):
         self._running = False
 
     def choose(self, key: RouteKey, workers: list[Worker]) -> Decision:
-        decision = self._choose(key, workers)
-        return self.store.with_probe_hint(decision, self._store_runs)
-
-    def _choose(self, key: RouteKey, workers: list[Worker]) -> Decision:
-        self._store_runs = None
         imbalanced = is_imbalanced(workers, self.balance_abs, self.balance_rel)
-        held = self.cached_tokens(key, workers)
+        held, published = self.cached_tokens(key, workers)
         if not held:
             return Decision(self._ties.least_loaded(workers), "imbalance" if imbalanced else "unkeyed")
+        if not self.store.applies(workers):
+            return self._decide(key, workers, held, held, imbalanced)
+        runs = self.store.effective(held, published)
+        return self.store.with_probe_hint(self._decide(key, workers, held, runs, imbalanced), (held, runs))
+
+    def _decide(self, key: RouteKey, workers: list[Worker], held: dict[Worker, int], runs: dict[Worker, int],
+                imbalanced: bool) -> Decision:
+        """The imbalance guard, the estimate and the share guard over `runs` (what each worker holds or,
+        over a shared store, can load; `held`: what it holds itself)."""
         assert key.tokens is not None
-        runs = held
-        if self.store.applies(workers):
-            runs = self.store.effective(held, self.cached_tokens(key, workers, published_only=True))
-            self._store_runs = (held, runs)
         best = max(runs.values())
         if imbalanced:
             emptiest = None if best else lambda w: (self.index.num_blocks(w.url),)  # a new prefix: spread it
@@ -115,23 +114,28 @@ class KvEventsPolicy(Policy):
                   else "rebalance" if runs[chosen] < best else "cache_hit")
         return Decision(chosen, reason, runs[chosen])
 
-    def cached_tokens(self, key: RouteKey, workers: list[Worker], published_only: bool = False) -> dict[Worker, int]:
-        """Tokens of the prompt each worker holds (or was just sent, unless `published_only`) as leading
-        blocks; {} when not computable."""
+    def cached_tokens(self, key: RouteKey, workers: list[Worker]) -> tuple[dict[Worker, int], dict[Worker, int]]:
+        """Tokens of the prompt each worker holds (or was just sent) as leading blocks, and of those the
+        leading ones it has reported stored (published: in its store, if it shares one); ({}, {}) when not
+        computable. One pass over the hashes for both."""
         hashes = self._hashes(key, workers)
         if not hashes:
-            return {}
+            return {}, {}
         now = time.monotonic()
-        runs: dict[Worker, int] = {}
+        held: dict[Worker, int] = {}
+        published: dict[Worker, int] = {}
         for worker in workers:
-            run = 0
+            run = reported = 0
             for block_hash in hashes.get(worker, ()):
-                if not (self.index.holds(worker.url, block_hash)
-                        or (not published_only and self.pending.holds(worker.url, block_hash, now))):
+                indexed = self.index.holds(worker.url, block_hash)
+                if not (indexed or self.pending.holds(worker.url, block_hash, now)):
                     break
+                if indexed and reported == run:  # the leading blocks it reported, not just sent
+                    reported += 1
                 run += 1
-            runs[worker] = run * (worker.load.block_size or 0)
-        return runs
+            size = worker.load.block_size or 0
+            held[worker], published[worker] = run * size, reported * size
+        return held, published
 
     def _hashes(self, key: RouteKey, workers: list[Worker]) -> dict[Worker, list[bytes]]:
         """The prompt's chained block hashes as each worker computes them (per block size and function)."""

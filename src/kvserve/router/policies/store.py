@@ -14,12 +14,11 @@ Loading a token costs `fetch_cost` of computing it, so the worker's effective ca
 
     held + (1 − fetch_cost) × max(published elsewhere − held, 0)
 
-Namespaces are in every hash and tree key, so one tenant's prompt never counts another's blocks.
-
 and the policy's estimate (`EtaCost`) prices the rest as prefill. Measured here (benchmarks/results/
 tiers.md, the local Redis over loopback): a block of 16 tokens loads in ~2.3 ms, against ~16 ms to
 compute it on one core: the default 0.2 keeps a margin for the probe round trip and the request's
 extra pass through the queue. 1 turns the store off for routing (a store-blind policy, for comparisons).
+Namespaces are in every hash and tree key, so one tenant's prompt never counts another's blocks.
 
 What the store holds beyond the live workers' caches (blocks written through and since evicted from
 every device) is not counted: no event reports it.
@@ -59,7 +58,6 @@ class SharedStore:
             if elsewhere > own:
                 result[worker] = own + round((1.0 - self.fetch_cost) * (elsewhere - own))
         return result
-
 
     @staticmethod
     def with_probe_hint(decision: Decision, runs: tuple[dict[Worker, int], dict[Worker, int]] | None) -> Decision:
