@@ -228,13 +228,13 @@ DEFAULT_WORKLOADS = ["chat", "rag"]
 
 
 def reset_caches(urls: list[str], store: str | None = None) -> None:
-    """Every worker's prefix cache dropped, and the shared store emptied (--shared-store), so each run
-    starts cold."""
+    """Every worker's prefix cache and its host and disk tiers dropped, and the shared store emptied
+    (--shared-store), so each run starts cold."""
     if store:
         redis.Redis.from_url(store).flushdb()
     for url in urls:
         deadline = time.monotonic() + 60
-        while httpx.post(f"{url}/reset_prefix_cache", timeout=30).status_code != 200:
+        while httpx.post(f"{url}/reset_prefix_cache", params={"tiers": "true"}, timeout=30).status_code != 200:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{url} would not reset its prefix cache")
             time.sleep(0.2)

@@ -12,20 +12,14 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
 import pytest
 
 from kvserve.router.config import RouterConfig
 from kvserve.router.thread import RouterThread
-from kvserve.router.workers import PrefillStart
 from kvserve.server.launcher import launch_server
-from test_router_support import wait_for, write_keys
+from test_router_support import ADMIN as OPS
+from test_router_support import complete, complete_behind, route_of, wait_for, wait_for_streams, write_keys
 from test_server_support import chat_model_dir, wait_until_drained  # noqa: F401
-
-MODEL = "tiny-chat"
-ALICE = {"Authorization": "Bearer sk-alice"}
-OPS = {"Authorization": "Bearer sk-ops"}
-GREEDY = {"temperature": 0, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
@@ -46,11 +40,6 @@ def workers(chat_model_dir, keys, redis_server):  # noqa: F811
         worker.terminate()
 
 
-def complete(url: str, prompt: list[int]) -> httpx.Response:
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": 6, **GREEDY}
-    response = httpx.post(url + "/v1/completions", json=body, headers=ALICE, timeout=120)
-    assert response.status_code == 200, response.text
-    return response
 
 
 def test_a_busy_holders_prompt_goes_where_the_store_can_load_it(workers, chat_model_dir, keys):  # noqa: F811
@@ -59,8 +48,7 @@ def test_a_busy_holders_prompt_goes_where_the_store_can_load_it(workers, chat_mo
                           policy="kv_events", poll_interval=0.2)
     with RouterThread(config) as thread:
         policy, pool = thread.router.policy, thread.router.pool.workers
-        wait_for(lambda: len(policy.streams) == 2 and all(s.stats.last_seq is not None
-                                                          for s in policy.streams.values()), timeout=30)
+        wait_for_streams(policy, 2)
         wait_for(lambda: all(w.load.remote_tier == "ok" for w in pool))
         assert pool[0].load.remote_store is not None and pool[0].load.remote_store == pool[1].load.remote_store
         prompt = list(range(3, 73))  # 4 full blocks of 16
@@ -69,12 +57,8 @@ def test_a_busy_holders_prompt_goes_where_the_store_can_load_it(workers, chat_mo
         follow_up = prompt + [80, 81, 82]
         expected = complete(w0.url, follow_up).json()["choices"][0]["text"]
         holder = next(w for w in pool if w.url == w0.url)
-        holder.starts = [PrefillStart(10_000)]  # w0 looks far behind; w1 can load the prefix
-        try:
-            routed = complete(thread.url, follow_up)
-        finally:
-            holder.starts = []
-        route = dict(item.strip().split("=", 1) for item in routed.headers["x-kvserve-route"].split(";"))
+        routed = complete_behind(thread.url, holder, 10_000, follow_up)  # w0 far behind; w1 can load the prefix
+        route = route_of(routed)
         assert route["worker"] == w1.url and route["reason"] == "shared_store", route
         usage = routed.json()["usage"]["prompt_tokens_details"]
         assert usage["cached_tokens_by_source"].get("remote", 0) >= 64, usage

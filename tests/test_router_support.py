@@ -41,3 +41,36 @@ def wait_for(condition, timeout: float = 20.0, interval: float = 0.05) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError("condition not met in time")
         time.sleep(interval)
+
+
+ALICE = {"Authorization": "Bearer sk-alice"}
+
+
+def complete(url: str, prompt: list[int], model: str = "tiny-chat") -> httpx.Response:
+    """Alice's greedy 6-token completion of token ids `prompt` (asserted 200)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    response = httpx.post(url + "/v1/completions", json=body, headers=ALICE, timeout=120)
+    assert response.status_code == 200, response.text
+    return response
+
+
+def route_of(response: httpx.Response) -> dict[str, str]:
+    """The router's `x-kvserve-route` header as a dict (worker, reason, ...)."""
+    return dict(item.strip().split("=", 1) for item in response.headers["x-kvserve-route"].split(";"))
+
+
+def wait_for_streams(policy, count: int) -> None:
+    """Until a kv_events policy has `count` event streams, each past its first batch."""
+    wait_for(lambda: len(policy.streams) == count and all(s.stats.last_seq is not None
+                                                          for s in policy.streams.values()), timeout=30)
+
+
+def complete_behind(router_url: str, worker, tokens: int, prompt: list[int]) -> httpx.Response:
+    """`complete` through the router while `worker` looks `tokens` of prefill behind in its books."""
+    from kvserve.router.workers import PrefillStart
+
+    worker.starts = [PrefillStart(tokens)]
+    try:
+        return complete(router_url, prompt)
+    finally:
+        worker.starts = []

@@ -177,6 +177,15 @@ def test_reset_prefix_cache(server, client):  # noqa: F811
     assert again.usage.prompt_tokens_details.cached_tokens == 0
 
 
+def test_reset_prefix_cache_of_the_tiers_too(server, client):  # noqa: F811
+    """`?tiers=true` is accepted (its effect on a host tier that holds blocks: tests/test_server_tiers.py);
+    `/load` says how many blocks the tiers hold (the default 1 GiB host tier here)."""
+    assert httpx.get(f"{server.url}/load").json()["tier_blocks"] > 0
+    client.completions.create(model=MODEL, prompt=random_ids(64, seed=5), max_tokens=1)
+    wait_until_drained(server.url)
+    assert httpx.post(f"{server.url}/reset_prefix_cache?tiers=true").json() == {"success": True}
+
+
 # --- bad input and faults -------------------------------------------------------------------------------
 
 def chat_body(**fields) -> bytes:

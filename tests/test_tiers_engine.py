@@ -300,3 +300,43 @@ def test_a_router_hint_skips_the_store_for_the_first_admission_only(tiny_model_d
     assert hinted.probe_remote  # reset at admission
     for llm in (writer, reader):
         llm.engine.close()
+
+
+def test_tier_events_follow_demotion_and_the_reset_of_tiers(tiny_model_dir, tmp_path, request):
+    """A device eviction demotes to host RAM: the CPU events name exactly the evicted hashes, after their
+    GPU removal; a plain reset keeps the host (and says nothing of it), `tiers=True` empties it and says so."""
+    from kvserve.events.engine_hook import attach_kv_events, attach_tier_events
+    from kvserve.events.format import MEDIUM_CPU, MEDIUM_GPU, BlockRemoved, BlockStored
+    from kvserve.tiers.store import FINGERPRINT_BYTES
+
+    class Collect:
+        def publish(self, batch: list) -> None:
+            events.extend(batch)
+
+    events: list = []
+    publisher = Collect()
+    llm = make_llm(tiny_model_dir, tmp_path, request, host_cache="1MiB")  # never full: no host eviction
+    attach_kv_events(llm.engine.block_manager, publisher)
+    attach_tier_events(llm.engine.tiers.policy, publisher, BLOCK)
+
+    def hashes(kind: type, medium: str) -> list[bytes]:
+        return [h for e in events if isinstance(e, kind) and e.medium == medium for h in e.block_hashes]
+
+    _flood(llm, seed=21)
+    host = llm.engine.tiers.policy.host
+    evicted = hashes(BlockRemoved, MEDIUM_GPU)
+    demoted = hashes(BlockStored, MEDIUM_CPU)
+    assert evicted and sorted(demoted) == sorted(set(evicted))
+    assert set(demoted) == {key[FINGERPRINT_BYTES:] for key in host.keys_lru_first()}
+    first_removed = {h: i for i, e in reversed(list(enumerate(events))) if isinstance(e, BlockRemoved)
+                     and e.medium == MEDIUM_GPU
+                     for h in e.block_hashes}
+    stored_at = {h: i for i, e in enumerate(events) if isinstance(e, BlockStored) and e.medium == MEDIUM_CPU
+                 for h in e.block_hashes}
+    assert all(first_removed[h] < stored_at[h] for h in demoted)  # the device copy's removal comes first
+    held = host.keys_lru_first()
+    assert llm.reset_prefix_cache() and host.keys_lru_first() == held  # and the reset demoted nothing:
+    assert hashes(BlockRemoved, MEDIUM_CPU) == [] and hashes(BlockStored, MEDIUM_CPU) == demoted
+    assert llm.reset_prefix_cache(tiers=True) and host.keys_lru_first() == []
+    assert sorted(hashes(BlockRemoved, MEDIUM_CPU)) == sorted(demoted)
+    llm.engine.close()

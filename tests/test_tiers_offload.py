@@ -138,3 +138,22 @@ def test_remote_probe_runs_in_the_load_job_after_local_blocks(pool, tmp_path, re
     assert result.sources == ["host", "host", "remote", "remote"]
     assert same_blocks(result.blocks, pool, [0, 1, 2, 3])
     policy.close()
+
+
+def test_clear_local_empties_host_and_disk_of_this_model_only(pool, tmp_path, redis_url):
+    policy = make_policy(pool, tmp_path, host_blocks=2, disk=True, redis_url=redis_url)
+    other = model_fingerprint(kv_dtype="float32", block_size=BLOCK, config={"hidden": 32})
+    hs = hashes(5)
+    policy.demote(hs, pool, list(range(5)))  # 2 stay in host, 3 are queued for disk
+    policy.write_through(hs[:1], pool, [0])
+    theirs = list(zip(other.keys(hs[:2]), policy.codec.encode_blocks(pool, [0, 1]), strict=True))
+    policy.disk.put(theirs)  # another model's blocks in the same directory
+    policy.host.put(theirs[:1])
+    assert policy.clear_local() == 5  # the queued disk writes landed first, then went too
+    assert policy.lookup(hs, local_only=True).num_blocks == 0
+    assert set(policy.disk.keys_lru_first()) == {key for key, _ in theirs}
+    assert policy.host.keys_lru_first() == [theirs[0][0]]
+    policy.flush()
+    assert policy.remote.longest_prefix(FP.keys(hs[:1])) == 1  # shared by the replicas: kept
+    policy.check_invariants()
+    policy.close()

@@ -1,4 +1,5 @@
-"""Hypothesis state machines: HostStore and DiskStore behave like a dict + LRU within a byte budget."""
+"""Hypothesis state machines: HostStore and DiskStore behave like a dict + LRU within a byte budget, and
+their `on_change` listener mirrors their key set exactly (what KV events for the tiers rely on)."""
 
 from __future__ import annotations
 
@@ -52,6 +53,22 @@ payloads = st.builds(lambda n, b: bytes([b]) * n, st.integers(1, 2500), st.integ
 key_lists = st.lists(st.sampled_from(KEYS), max_size=6)
 
 
+class Mirror:
+    """A consumer of a store's changes, as KV events are: only a key it lacks may be added, only one it
+    holds removed (a net change per call)."""
+
+    def __init__(self) -> None:
+        self.keys: set[bytes] = set()
+
+    def __call__(self, added: list[bytes], removed: list[bytes]) -> None:
+        assert added or removed, "a call without a change"
+        assert not set(added) & set(removed), "one call both adds and removes a key"
+        assert not set(added) & self.keys, "a key already present reported added"
+        assert set(removed) <= self.keys, "a key not present reported removed"
+        self.keys |= set(added)
+        self.keys -= set(removed)
+
+
 class StoreMachine(RuleBasedStateMachine):
     overhead = 0
 
@@ -59,6 +76,8 @@ class StoreMachine(RuleBasedStateMachine):
         super().__init__()
         self.model = LruModel(self.overhead)
         self.store = self.make_store()
+        self.mirror = Mirror()
+        self.store.on_change = self.mirror
 
     def make_store(self):
         raise NotImplementedError
@@ -68,6 +87,11 @@ class StoreMachine(RuleBasedStateMachine):
         self.store.put(items)
         for key, payload in items:
             self.model.put(key, payload)
+
+    @rule(items=st.lists(st.tuples(st.sampled_from(KEYS), st.integers(2000, 2500)), min_size=3, max_size=3))
+    def put_overflowing(self, items):
+        """A batch bigger than the budget: it evicts what it has just added (a net change reports neither)."""
+        self.put([(key, bytes([size % 256]) * size) for key, size in items])
 
     @rule(keys=key_lists)
     def get(self, keys):
@@ -90,6 +114,7 @@ class StoreMachine(RuleBasedStateMachine):
         stats = self.store.stats()
         assert stats.bytes == sum(self.model.size(p) for p in self.model.entries.values()) <= BUDGET
         assert stats.blocks == len(self.model.entries)
+        assert self.mirror.keys == set(self.store.keys_lru_first())
 
 
 class HostMachine(StoreMachine):
@@ -109,6 +134,8 @@ class DiskMachine(StoreMachine):
         """A new process on the same directory: same blocks; the LRU order comes back from mtimes,
         which the file system may record with ties, so the model adopts the store's order."""
         self.store = DiskStore(self.root, BUDGET, fsync=False)
+        self.mirror = Mirror()
+        self.store.watch(self.mirror)  # a new subscriber hears of the blocks already there
         assert set(self.store.keys_lru_first()) == set(self.model.entries)
         self.model.entries = OrderedDict((k, self.model.entries[k]) for k in self.store.keys_lru_first())
 

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import random
+import threading
+import time
 
 import pytest
 import torch
@@ -150,3 +153,77 @@ def test_fingerprint_covers_every_field():
         model_fingerprint(kv_dtype="float32", block_size=16)
     with pytest.raises(ValueError):
         ModelFingerprint(b"short")
+
+
+class KeyMirror:
+    """A strict consumer of `on_change`: each call is a net change against what it has heard so far.
+    `delay_s` holds each call a random moment, so a call made outside the store's lock would be overtaken."""
+
+    def __init__(self, delay_s: float = 0.0) -> None:
+        self.keys: set[bytes] = set()
+        self.calls = 0
+        self.delay_s = delay_s
+
+    def __call__(self, added: list[bytes], removed: list[bytes]) -> None:
+        if self.delay_s:
+            time.sleep(random.random() * self.delay_s)
+        assert (added or removed) and not set(added) & self.keys and set(removed) <= self.keys
+        self.keys = (self.keys | set(added)) - set(removed)
+        self.calls += 1
+
+
+@pytest.mark.parametrize("kind", ["host", "disk"])
+def test_change_listener_mirrors_concurrent_writers(kind, tmp_path):
+    """Calls come under the store's lock, so even with several threads putting and deleting at once the
+    mirror never hears a change out of order and ends equal to the store."""
+    store = HostStore(8 * 1000) if kind == "host" else DiskStore(tmp_path, 8 * 1100, fsync=False)
+    mirror = KeyMirror(delay_s=0.001)
+    store.on_change = mirror
+    ks = keys(16)
+
+    errors: list[BaseException] = []
+
+    def churn(seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            for _ in range(150):
+                if rng.random() < 0.7:
+                    store.put([(rng.choice(ks), payload(seed)) for _ in range(rng.randint(1, 3))])
+                else:
+                    store.delete(rng.sample(ks, 2))
+        except AssertionError as err:  # the mirror heard a change out of order
+            errors.append(err)
+
+    threads = [threading.Thread(target=churn, args=(seed,)) for seed in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors and mirror.keys == set(store.keys_lru_first()) and mirror.calls > 0
+    store.check_invariants()
+
+
+def test_host_change_listener_hears_net_changes_only():
+    store = HostStore(2000)
+    heard: list[tuple[list[bytes], list[bytes]]] = []
+    store.on_change = lambda added, removed: heard.append((added, removed))
+    ks = keys(4)
+    store.put([(ks[0], payload(0)), (ks[1], payload(1)), (ks[2], payload(2))])  # ks[0] in and out: never seen
+    store.put([(ks[1], payload(5))])  # a replacement: no change
+    store.delete([ks[3], ks[2]])  # ks[3] was never there
+    store.close()  # the process is going away: not reported
+    assert heard == [([ks[1], ks[2]], []), ([], [ks[2]])]
+
+
+def test_disk_change_listener_hears_a_vanished_file_and_not_the_old_index(tmp_path):
+    DiskStore(tmp_path, 1 << 20).put([(k, payload(i)) for i, k in enumerate(keys(2))])
+    store = DiskStore(tmp_path, 1 << 20)  # the index rebuilt at start is not a change
+    heard: list[tuple[list[bytes], list[bytes]]] = []
+    store.on_change = lambda added, removed: heard.append((added, removed))
+    ks = keys(3)
+    store.path_of(ks[0]).unlink()  # removed behind the store's back: found gone by the next read
+    assert store.get([ks[0]]) == [None]
+    store.put([(ks[1], payload(7)), (ks[2], payload(8))])  # ks[1] rewritten: no change
+    assert heard == [([], [ks[0]]), ([ks[2]], [])]
+    store.watch(mirror := KeyMirror())  # a late subscriber hears what is there, then every change
+    assert mirror.keys == set(ks[1:])

@@ -156,8 +156,9 @@ class LLM:
     def stats(self) -> dict[str, float | int]:
         return self.engine.stats()
 
-    def reset_prefix_cache(self) -> bool:
-        return self.engine.reset_prefix_cache()
+    def reset_prefix_cache(self, tiers: bool = False) -> bool:
+        """Drop every cached block (with `tiers`, the host and disk tiers' too); False while blocks are in use."""
+        return self.engine.reset_prefix_cache(tiers)
 
     def _make_request(
         self, prompt: Prompt, params: SamplingParams | BeamSearchParams | None, cache_salt: str | None,

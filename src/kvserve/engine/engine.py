@@ -385,13 +385,12 @@ class LLMEngine:
         """Pool, scheduler, prefix-cache, tier and speculative-decoding counters (see README for each field)."""
         return engine_stats(self.block_manager, self.scheduler, self.tiers)
 
-    def reset_prefix_cache(self) -> bool:
-        """Drop every cached block (the device's; the lower tiers keep theirs and are not filled with
-        the dropped blocks); refused (False) while any block is in use."""
+    def reset_prefix_cache(self, tiers: bool = False) -> bool:
+        """Drop every cached block on the device (not demoted to the lower tiers); with `tiers` host and disk
+        are emptied too (not the shared remote store). Refused (False) while any block is in use."""
         if self.tiers is None:
             return self.block_manager.reset_prefix_cache()
-        with self.tiers.demotion_paused():
-            return self.block_manager.reset_prefix_cache()
+        return self.tiers.reset_prefix_cache(local_tiers=tiers)
 
     def close(self) -> None:
         """Stop the tiers' background threads (queued writes are flushed first)."""

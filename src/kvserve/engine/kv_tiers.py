@@ -93,6 +93,17 @@ class EngineTiers:
         finally:
             self._demotion_paused = False
 
+    def reset_prefix_cache(self, local_tiers: bool) -> bool:
+        """Drop the device's cached blocks without demoting them (a reset must not fill the host); with
+        `local_tiers`, then empty host and disk too (the shared remote store stays). False, and nothing
+        changed anywhere, while a block is in use."""
+        with self.demotion_paused():
+            if not self.block_manager.reset_prefix_cache():
+                return False
+        if local_tiers:
+            self.policy.clear_local()
+        return True
+
     # --- admission -------------------------------------------------------------------------------
 
     def extend_match(self, request: Request, matched: list[int]) -> list[int] | None:

@@ -23,6 +23,8 @@ from typing import Any
 import msgpack
 
 MEDIUM_GPU = "GPU"  # vLLM's name for the device tier, whatever the device
+MEDIUM_CPU = "CPU"  # the host RAM tier (vLLM's CPU offloading names it so)
+MEDIUM_DISK = "DISK"  # the local-disk tier
 
 
 @dataclass(frozen=True, slots=True)

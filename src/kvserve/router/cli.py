@@ -78,6 +78,9 @@ def _add_common_flags(parser: argparse.ArgumentParser, port: int) -> None:
     group.add_argument("--store-fetch-cost", type=float, default=defaults.STORE_FETCH_COST,
                        help="kv_events over workers sharing one --remote-cache store: loading a prompt token "
                             "another worker computed costs this much of computing it (1: ignore the store)")
+    group.add_argument("--tier-fetch-cost", type=float, default=defaults.TIER_FETCH_COST,
+                       help="kv_events: loading a prompt token from a worker's own host RAM or disk tier (its "
+                            "events report them) costs this much of computing it (1: count the device only)")
     group.add_argument("--pd-min-prompt", type=int, default=defaults.PD_MIN_PROMPT,
                        help="pd: prompts shorter than this (tokens) skip the prefill workers")
 
@@ -90,6 +93,7 @@ def router_config(args: argparse.Namespace, workers: list[str]) -> RouterConfig:
         tree_budget=args.tree_budget, load_weight=args.load_weight, request_overhead=args.request_overhead,
         load_estimate=args.load_estimate, max_share=args.max_share,
         pd_min_prompt=args.pd_min_prompt, open_metrics=args.open_metrics, store_fetch_cost=args.store_fetch_cost,
+        tier_fetch_cost=args.tier_fetch_cost,
     )
 
 

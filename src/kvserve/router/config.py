@@ -16,6 +16,7 @@ SHARE_WINDOW = 32  # ... the recent requests counted (policies/base.py ShareGuar
 LOAD_ESTIMATES = ("eta", "requests")  # cache_aware: how it picks among cache holders and new workers
 QUEUE_MODELS = ("fcfs", "shared")  # eta: a request waits for all prefill queued ahead | Σ min(p, its own)
 STORE_FETCH_COST = 0.2  # kv_events: loading a token from a shared store costs this much of computing it
+TIER_FETCH_COST = 0.1  # kv_events: loading a token from a worker's own host RAM or disk tier, likewise
 PD_MIN_PROMPT = 128  # pd: shorter prompts skip the prefill pool (a chat turn is cheaper to compute than to ship)
 
 
@@ -41,6 +42,7 @@ class RouterConfig:
     queue_model: str = "fcfs"  # eta's queue: "shared" is the earlier processor-sharing estimate
     pd_min_prompt: int = PD_MIN_PROMPT
     store_fetch_cost: float = STORE_FETCH_COST  # kv_events over workers sharing a store (policies/store.py)
+    tier_fetch_cost: float = TIER_FETCH_COST  # kv_events: a worker's own lower tiers (policies/kv_events.py)
     polled_load: bool = False  # a worker's load as max(own in flight, polled): the lagging count, for comparisons
 
     def __post_init__(self) -> None:
@@ -62,5 +64,7 @@ class RouterConfig:
             raise ValueError(f"max_share must be in (0, 1], got {self.max_share}")
         if not 0.0 <= self.store_fetch_cost <= 1.0:
             raise ValueError(f"store_fetch_cost must be in [0, 1], got {self.store_fetch_cost}")
+        if not 0.0 <= self.tier_fetch_cost <= 1.0:
+            raise ValueError(f"tier_fetch_cost must be in [0, 1], got {self.tier_fetch_cost}")
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")

@@ -4,6 +4,14 @@ Each worker's events keep its entries true: `BlockStored` adds, `BlockRemoved` d
 `AllBlocksCleared` (or a lost stream, or a restart) clears that worker. A request's score on a worker
 is its longest run of leading blocks that worker holds: attention needs the whole prefix, so a block
 after a hole is useless.
+
+Events name their tier (`medium`): the device pool's ("GPU") and, below it, the worker's host RAM ("CPU")
+and local disk ("DISK"), which a kvserve worker loads back from at admission instead of computing. The
+device's entries are the index itself; each lower medium has a sub-index of its own (`lower(medium)`),
+because a block can be in several at once (a host copy stays when the block is loaded back to the device;
+a disk hit is promoted into host) and each medium's `BlockRemoved` takes it out of that medium only.
+`AllBlocksCleared` clears the device's entries (a worker's prefix-cache reset keeps its tiers, which report
+their own removals); a lost stream, a restart or a worker leaving clears every medium.
 """
 
 from __future__ import annotations
@@ -11,29 +19,50 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
-from kvserve.events.format import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from kvserve.events.format import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 
 class BlockIndex:
-    """hash → {worker key: medium}; worker keys are any hashables (the router uses worker URLs)."""
+    """hash → {worker key: medium} for one medium (the device's, unless made by `lower`); worker keys are
+    any hashables (the router uses worker URLs)."""
 
-    def __init__(self) -> None:
+    def __init__(self, medium: str = MEDIUM_GPU) -> None:
+        self.medium = medium
         self._holders: dict[bytes, dict[Hashable, str]] = {}
         self._by_worker: dict[Hashable, set[bytes]] = {}
+        self._lower: dict[str, BlockIndex] = {}  # the device index's sub-indexes, one per lower medium
 
     def holds(self, worker: Hashable, block_hash: bytes) -> bool:
         return block_hash in self._by_worker.get(worker, ())
 
+    def holds_lower(self, worker: Hashable, block_hash: bytes) -> bool:
+        """Whether one of the worker's lower tiers (host RAM, disk) holds the block."""
+        return any(index.holds(worker, block_hash) for index in self._lower.values())
+
+    def lower(self, medium: str) -> BlockIndex:
+        """The sub-index of a lower medium (made on first use)."""
+        index = self._lower.get(medium)
+        if index is None:
+            index = self._lower[medium] = BlockIndex(medium)
+        return index
+
     def num_blocks(self, worker: Hashable) -> int:
         return len(self._by_worker.get(worker, ()))
 
-    def store(self, worker: Hashable, hashes: Sequence[bytes], medium: str = "GPU") -> None:
+    def store(self, worker: Hashable, hashes: Sequence[bytes], medium: str = MEDIUM_GPU) -> None:
+        if medium != self.medium:
+            self.lower(medium).store(worker, hashes, medium)
+            return
         owned = self._by_worker.setdefault(worker, set())
         for block_hash in hashes:
             self._holders.setdefault(block_hash, {})[worker] = medium
             owned.add(block_hash)
 
-    def remove(self, worker: Hashable, hashes: Sequence[bytes]) -> None:
+    def remove(self, worker: Hashable, hashes: Sequence[bytes], medium: str = MEDIUM_GPU) -> None:
+        if medium != self.medium:
+            if medium in self._lower:
+                self._lower[medium].remove(worker, hashes, medium)
+            return
         owned = self._by_worker.get(worker)
         if not owned:
             return
@@ -43,6 +72,13 @@ class BlockIndex:
                 self._drop(block_hash, worker)
 
     def clear(self, worker: Hashable) -> None:
+        """Forget everything the worker holds, in every medium (a lost stream, a restart, leaving)."""
+        self.clear_medium(worker)
+        for index in self._lower.values():
+            index.clear(worker)
+
+    def clear_medium(self, worker: Hashable) -> None:
+        """Forget the worker's entries of this index's own medium only (`AllBlocksCleared`)."""
         for block_hash in self._by_worker.pop(worker, set()):
             self._drop(block_hash, worker)
 
@@ -56,11 +92,11 @@ class BlockIndex:
     def apply(self, worker: Hashable, batch: KVEventBatch) -> None:
         for event in batch.events:
             if isinstance(event, BlockStored):
-                self.store(worker, event.block_hashes, event.medium or "GPU")
+                self.store(worker, event.block_hashes, event.medium or MEDIUM_GPU)
             elif isinstance(event, BlockRemoved):
-                self.remove(worker, event.block_hashes)
+                self.remove(worker, event.block_hashes, event.medium or MEDIUM_GPU)
             elif isinstance(event, AllBlocksCleared):
-                self.clear(worker)
+                self.clear_medium(worker)
 
     def longest_runs(self, hashes: Sequence[bytes], workers: Sequence[Hashable]) -> dict[Hashable, int]:
         """For each worker, how many leading `hashes` it holds without a gap."""
@@ -79,6 +115,8 @@ class BlockIndex:
         return runs
 
     def check_invariants(self) -> None:
+        for index in self._lower.values():
+            index.check_invariants()
         for worker, owned in self._by_worker.items():
             for block_hash in owned:
                 assert worker in self._holders.get(block_hash, {}), "worker owns a hash the index lost"
@@ -116,12 +154,12 @@ class PendingBlocks:
         return self._expiry.get(worker, {}).get(block_hash, 0.0) > now
 
     def settle(self, worker: Hashable, batch: KVEventBatch) -> None:
-        """The worker reported on these blocks: the index is the truth for them now."""
+        """The worker reported on these blocks' device copies: the index is the truth for them now."""
         entries = self._expiry.get(worker)
         if not entries:
             return
         for event in batch.events:
-            if isinstance(event, (BlockStored, BlockRemoved)):
+            if isinstance(event, (BlockStored, BlockRemoved)) and (event.medium or MEDIUM_GPU) == MEDIUM_GPU:
                 for block_hash in event.block_hashes:
                     entries.pop(block_hash, None)
             elif isinstance(event, AllBlocksCleared):

@@ -56,6 +56,7 @@ class WorkerLoad:
     waiting: int = 0
     kv_usage: float = 0.0
     num_blocks: int | None = None  # the worker's KV pool: with block_size, how many tokens it can cache
+    tier_blocks: int = 0  # how many more its host RAM and disk tiers hold, loaded back instead of computed
     block_size: int | None = None
     prefix_hash: str | None = None
     kv_events_endpoint: str | None = None
@@ -70,6 +71,7 @@ class WorkerLoad:
         return cls(
             running=int(data.get("running", 0)), waiting=int(data.get("waiting", 0)),
             kv_usage=float(data.get("kv_usage", 0.0)), num_blocks=data.get("num_blocks"),
+            tier_blocks=int(data.get("tier_blocks") or 0),
             block_size=data.get("block_size"),
             prefix_hash=data.get("prefix_hash"), kv_events_endpoint=data.get("kv_events_endpoint"),
             kv_events_replay_endpoint=data.get("kv_events_replay_endpoint"), instance=data.get("instance"),
@@ -100,9 +102,10 @@ class Worker:
 
     @property
     def capacity_tokens(self) -> int | None:
-        """Tokens the worker's KV pool holds at most (None until its `/load` says)."""
+        """Tokens the worker can keep at most: its KV pool and the host RAM and disk tiers below it, from which
+        it loads a prompt's blocks back rather than computing them (None until its `/load` says)."""
         if self.load.num_blocks and self.load.block_size:
-            return self.load.num_blocks * self.load.block_size
+            return (self.load.num_blocks + self.load.tier_blocks) * self.load.block_size
         return None
 
     @property

@@ -34,8 +34,8 @@ async def metrics(request: Request, _: Admin) -> Response:
 @router.get("/load")
 async def load(request: Request, _: Admin) -> JSONResponse:
     """Load and cache layout for a router: running / waiting requests, KV usage, block size, hash
-    function, KV-event endpoints, and this process's instance id. Admin-only with API keys, like
-    `/metrics` (load reveals other tenants' traffic)."""
+    function, KV-event endpoints, how many blocks the host and disk tiers can hold (`tier_blocks`), and
+    this process's instance id. Admin-only with API keys, like `/metrics` (load reveals other tenants' traffic)."""
     state = server_state(request)
     stats = state.engine.stats()
     publisher = state.replica.kv_events
@@ -47,15 +47,16 @@ async def load(request: Request, _: Admin) -> JSONResponse:
         "kv_events_replay_endpoint": publisher.replay_endpoint if publisher else None,
         "instance": state.replica.instance,
         "role": state.replica.role.role, "remote_tier": state.replica.role.remote_tier(),
-        "remote_store": state.replica.role.remote_store(),
+        "remote_store": state.replica.role.remote_store(), "tier_blocks": state.replica.tier_blocks,
     })
 
 
 @router.post("/reset_prefix_cache")
-async def reset_prefix_cache(request: Request, _: Admin) -> JSONResponse:
-    """Drop every cached block; 409 while requests hold blocks (retry when idle)."""
+async def reset_prefix_cache(request: Request, _: Admin, tiers: bool = False) -> JSONResponse:
+    """Drop every cached block on the device; with `?tiers=true` empty the host and disk tiers too (the
+    shared remote store stays). 409 while requests hold blocks (retry when idle)."""
     try:
-        reset = await server_state(request).engine.reset_prefix_cache()
+        reset = await server_state(request).engine.reset_prefix_cache(tiers=tiers)
     except EngineDeadError as err:
         raise engine_unavailable(err) from err
     if not reset:

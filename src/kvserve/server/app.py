@@ -21,7 +21,7 @@ from starlette.middleware.cors import CORSMiddleware
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import LLMEngine
 from kvserve.engine.step_trace import StepTrace
-from kvserve.events.engine_hook import attach_kv_events
+from kvserve.events.engine_hook import attach_kv_events, attach_tier_events
 from kvserve.events.format import AllBlocksCleared
 from kvserve.events.publisher import KVEventPublisher
 from kvserve.lora.adapter import LoRAAdapter
@@ -149,12 +149,17 @@ def run_server(
                  if kv_events_endpoint else None)
     adapters: dict[str, LoRAAdapter] = {}
     offload: list[Any] = []  # the engine's remote tier policy, for a prefill worker's role (or None)
+    tier_blocks: list[int] = []  # how many blocks its host and disk tiers hold at most (`/load`)
 
     def build() -> LLMEngine:  # on the engine's thread, which then steps it (AsyncEngine.spawn says why)
         llm_engine = LLMEngine(config)
+        policy = getattr(getattr(llm_engine, "tiers", None), "policy", None)
         if publisher is not None:
             publisher.publish([AllBlocksCleared()])
             attach_kv_events(llm_engine.block_manager, publisher)
+            if policy is not None:
+                attach_tier_events(policy, publisher, config.block_size)
+        tier_blocks.append(policy.local_capacity_blocks() if policy is not None else 0)
         _attach_step_trace(llm_engine)
         if request_log:
             llm_engine.finish_listeners.append(RequestLog(request_log, config.block_size, config.prefix_hash))
@@ -169,7 +174,8 @@ def run_server(
             _override_chat_template(engine, options.chat_template)
             show = dashboard_enabled(options.dashboard, host, api_keys is not None)
             role = RoleInfo(options.role, options.prefill_flush_timeout, offload[0])
-            replica = ReplicaInfo(prefix_hash=config.prefix_hash, kv_events=publisher, role=role)
+            replica = ReplicaInfo(prefix_hash=config.prefix_hash, kv_events=publisher, role=role,
+                                  tier_blocks=tier_blocks[0])
             app = build_app(engine, engine.info.model_name, api_keys, max_queue, options, limits, dashboard=show,
                             replica=replica, lora_adapters=adapters)
             mode = f"{len(api_keys)} API keys" if api_keys else "single tenant, no auth"

@@ -48,6 +48,7 @@ class ReplicaInfo:
     kv_events: KVEventPublisher | None = None
     instance: str = field(default_factory=lambda: uuid.uuid4().hex)
     role: RoleInfo = field(default_factory=RoleInfo)  # --role: prefill | decode | mixed (server/roles.py)
+    tier_blocks: int = 0  # blocks the host and disk tiers can hold together (0: no tiers)
 
 
 @dataclass(slots=True)

@@ -206,9 +206,9 @@ class AsyncEngine:
         except EngineDeadError:
             pass  # nothing runs any more, so nothing is left to abort
 
-    async def reset_prefix_cache(self) -> bool:
-        """Drop every cached block; False while blocks are in use."""
-        return await self.call(lambda engine: engine.reset_prefix_cache())
+    async def reset_prefix_cache(self, tiers: bool = False) -> bool:
+        """Drop every cached block (with `tiers`, the host and disk tiers' too); False while blocks are in use."""
+        return await self.call(lambda engine: engine.reset_prefix_cache(tiers))
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run `fn(engine)` on the engine thread between steps and return its result."""

@@ -21,6 +21,9 @@ deleted and reported missing. Temp files (``*.tmp``) left by a crash mid-write a
 The index (key → size, least recently used first) lives in memory, rebuilt at start from the files'
 mtimes; a read refreshes the file's mtime so the LRU order survives a restart. One process per
 directory: two engines sharing a directory would each count only their own bytes.
+
+`on_change` (a `ChangeListener`, called under the lock) hears every key the index gains or loses from
+then on; the index found at start is not reported (read it with `keys_lru_first`).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from pathlib import Path
 
 import xxhash
 
-from kvserve.tiers.store import BlockKey, TierStats
+from kvserve.tiers.store import BlockKey, ChangeListener, ChangeSet, TierStats
 
 _MAGIC = b"KVD1"
 _HEAD = struct.Struct("<4sQH")
@@ -55,6 +58,7 @@ class DiskStore:
         self.root = Path(root)
         self.capacity_bytes = capacity_bytes
         self.fsync = fsync
+        self.on_change: ChangeListener | None = None  # set by whoever mirrors the keys (KV events)
         self._index: OrderedDict[BlockKey, int] = OrderedDict()  # key -> file size, LRU first
         self._bytes = 0
         self._lock = threading.Lock()
@@ -93,8 +97,7 @@ class DiskStore:
             self._account_put(key, size)
 
     def delete(self, keys: Sequence[BlockKey]) -> None:
-        for key in keys:
-            self._drop(key)
+        self._drop(keys)
 
     def stats(self) -> TierStats:
         with self._lock:
@@ -112,6 +115,15 @@ class DiskStore:
     def keys_lru_first(self) -> list[BlockKey]:
         with self._lock:
             return list(self._index)
+
+    def watch(self, listener: ChangeListener) -> None:
+        """Install `listener` as `on_change` and report every key already indexed as added, under one hold
+        of the lock: a consumer that mirrors from here on neither misses nor reorders a change (the disk
+        tier outlives the process, so it starts with blocks a new subscriber has never heard of)."""
+        with self._lock:
+            self.on_change = listener
+            if self._index:
+                listener(list(self._index), [])
 
     def path_of(self, key: BlockKey) -> Path:
         name = key.hex()
@@ -154,7 +166,7 @@ class DiskStore:
             data = path.read_bytes()
             os.utime(path)
         except FileNotFoundError:  # evicted or deleted meanwhile
-            self._forget(key)
+            self._forget([key])
             return None
         except OSError:
             self._count_error(corrupt=False)
@@ -162,7 +174,7 @@ class DiskStore:
         payload = _verify(key, data)
         if payload is None:
             self._count_error(corrupt=True)
-            self._drop(key)
+            self._drop([key])
         return payload
 
     def _rebuild_index(self) -> None:
@@ -186,32 +198,55 @@ class DiskStore:
     # --- index ------------------------------------------------------------------------------------
 
     def _account_put(self, key: BlockKey, size: int) -> None:
+        """Index a file just written, then evict to the budget: one change, reported under the lock."""
+        change = ChangeSet()
         with self._lock:
-            self._bytes += size - self._index.pop(key, 0)
+            old_size = self._index.pop(key, None)
+            if old_size is None:
+                change.add(key)  # rewriting a present key changes no key set
+            self._bytes += size - (old_size or 0)
             self._index[key] = size
             self._stats.puts += 1
-        self._evict_over_budget()
+            evicted = self._pop_over_budget(change)
+            change.report(self.on_change)
+        self._unlink(evicted)
 
     def _evict_over_budget(self) -> None:
-        while True:
-            with self._lock:
-                if self._bytes <= self.capacity_bytes or not self._index:
-                    return
-                key, size = self._index.popitem(last=False)
-                self._bytes -= size
-                self._stats.evictions += 1
-            self.path_of(key).unlink(missing_ok=True)
-
-    def _drop(self, key: BlockKey) -> None:
-        if self._forget(key):
-            self.path_of(key).unlink(missing_ok=True)
-
-    def _forget(self, key: BlockKey) -> bool:
+        change = ChangeSet()
         with self._lock:
-            size = self._index.pop(key, None)
-            if size is not None:
-                self._bytes -= size
-            return size is not None
+            evicted = self._pop_over_budget(change)
+            change.report(self.on_change)
+        self._unlink(evicted)
+
+    def _pop_over_budget(self, change: ChangeSet) -> list[BlockKey]:
+        """Least recently used keys out of the index until it fits (caller holds the lock, unlinks)."""
+        evicted: list[BlockKey] = []
+        while self._bytes > self.capacity_bytes and self._index:
+            key, size = self._index.popitem(last=False)
+            self._bytes -= size
+            self._stats.evictions += 1
+            change.remove(key)
+            evicted.append(key)
+        return evicted
+
+    def _unlink(self, keys: list[BlockKey]) -> None:
+        for key in keys:
+            self.path_of(key).unlink(missing_ok=True)
+
+    def _drop(self, keys: Sequence[BlockKey]) -> None:
+        self._unlink(self._forget(keys))
+
+    def _forget(self, keys: Sequence[BlockKey]) -> list[BlockKey]:
+        """Take `keys` out of the index; the ones that were in it (one change, reported under the lock)."""
+        change = ChangeSet()
+        with self._lock:
+            for key in keys:
+                size = self._index.pop(key, None)
+                if size is not None:
+                    self._bytes -= size
+                    change.remove(key)
+            change.report(self.on_change)
+        return list(change.removed)
 
     def _count_error(self, corrupt: bool) -> None:
         with self._lock:

@@ -7,7 +7,8 @@ host→device copy (`get_blocks` returns pinned views the engine copies with ``n
 Readers wait for a pending event before touching the bytes. On CPU the same code copies synchronously.
 
 What falls out of the budget is handed to `on_evict` (outside the lock) so the offload policy can
-demote it to disk.
+demote it to disk. `on_change` (a `ChangeListener`, called under the lock) hears every key that
+enters or leaves, so KV events can mirror the tier.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.tiers.codec import BlockCodec
-from kvserve.tiers.store import BlockKey, TierStats
+from kvserve.tiers.store import BlockKey, ChangeListener, ChangeSet, TierStats
 
 EvictCallback = Callable[[list[tuple[BlockKey, bytes]]], None]
 
@@ -49,6 +50,7 @@ class HostStore:
         self.capacity_bytes = capacity_bytes
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self.on_evict = on_evict
+        self.on_change: ChangeListener | None = None  # set by whoever mirrors the keys (KV events)
         self._entries: OrderedDict[BlockKey, _Entry] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
@@ -76,11 +78,14 @@ class HostStore:
         self._insert(entries)
 
     def delete(self, keys: Sequence[BlockKey]) -> None:
+        change = ChangeSet()
         with self._lock:
             for key in keys:
                 entry = self._entries.pop(key, None)
                 if entry is not None:
                     self._bytes -= entry.buffer.numel()
+                    change.remove(key)
+            change.report(self.on_change)
 
     def stats(self) -> TierStats:
         with self._lock:
@@ -95,6 +100,7 @@ class HostStore:
             assert self._bytes <= self.capacity_bytes, f"host holds {self._bytes} > budget {self.capacity_bytes}"
 
     def close(self) -> None:
+        """Free the memory; reports no change (the process is going away, and its listener with it)."""
         with self._lock:
             self._entries.clear()
             self._bytes = 0
@@ -163,6 +169,7 @@ class HostStore:
 
     def _insert(self, entries: list[tuple[BlockKey, _Entry]]) -> None:
         evicted: list[tuple[BlockKey, _Entry]] = []
+        change = ChangeSet()
         with self._lock:
             for key, entry in entries:
                 size = entry.buffer.numel()
@@ -171,6 +178,8 @@ class HostStore:
                 old = self._entries.pop(key, None)
                 if old is not None:
                     self._bytes -= old.buffer.numel()
+                else:
+                    change.add(key)  # replacing a present key changes no key set
                 self._entries[key] = entry
                 self._bytes += size
                 self._stats.puts += 1
@@ -179,6 +188,8 @@ class HostStore:
                     self._bytes -= old_entry.buffer.numel()
                     self._stats.evictions += 1
                     evicted.append((old_key, old_entry))
+                    change.remove(old_key)
+            change.report(self.on_change)
         if evicted and self.on_evict is not None:
             payloads = []
             for key, entry in evicted:

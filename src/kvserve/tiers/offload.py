@@ -244,6 +244,27 @@ class OffloadPolicy:
         assert self._disk_writer is not None and self.disk is not None
         self._disk_writer.offer([(k, p) for k, p in items if not self.disk.longest_prefix([k])])
 
+    def clear_local(self) -> int:
+        """Delete this model's blocks from host and disk (`reset_prefix_cache(tiers=True)`); returns how
+        many. Other fingerprints' files in a shared disk directory stay: they are other models' caches.
+        The remote store is shared by every replica and is never cleared from one of them."""
+        digest = self.fingerprint.digest
+        count = 0
+        for store in (self.host, self.disk):
+            if store is None:
+                continue
+            if store is self.disk and self._disk_writer is not None:
+                self._disk_writer.flush()  # host evictions still queued would land after the clear
+            keys = [key for key in store.keys_lru_first() if key.startswith(digest)]
+            store.delete(keys)
+            count += len(keys)
+        return count
+
+    def local_capacity_blocks(self) -> int:
+        """How many blocks host and disk can hold together (a router weighs a worker's lower tiers by it)."""
+        local = [t for t in (self.host, self.disk) if t is not None]
+        return sum(t.capacity_bytes // self.codec.payload_bytes for t in local)
+
     def _count_load(self, source: str, num_blocks: int, seconds: float, failed: int = 0, nbytes: int = 0) -> None:
         with self._counters.lock:
             counters = self._counters.loads[source]

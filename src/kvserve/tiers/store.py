@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -27,6 +27,15 @@ FINGERPRINT_BYTES = 16
 
 BlockKey = bytes
 """fingerprint ‖ chained block hash; build one with `ModelFingerprint.key`."""
+
+ChangeListener = Callable[[list[BlockKey], list[BlockKey]], None]
+"""`(added, removed)`: keys that became present in a store and keys that left it (evicted, deleted,
+found gone): the net change of one store operation (the lists are disjoint, and not both empty).
+
+A store calls it while holding its lock, so calls arrive in the order the changes happened and a
+consumer can mirror the store's key set exactly (KV events for the host and disk tiers,
+`events/engine_hook.attach_tier_events`). Hence it must be cheap (queue, never do I/O), must not raise,
+and must never call back into the store (its lock is held: that would deadlock)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +96,34 @@ def file_digest(path: str | Path, chunk_bytes: int = 1 << 22) -> str:
         while chunk := handle.read(chunk_bytes):
             sha.update(chunk)
     return sha.hexdigest()
+
+
+@dataclass(slots=True)
+class ChangeSet:
+    """The net key changes of one store operation, for its `ChangeListener`: a key added then evicted by
+    the same operation was never visible outside the lock, so it is reported in neither list."""
+
+    added: dict[BlockKey, None] = field(default_factory=dict)  # dicts: ordered sets
+    removed: dict[BlockKey, None] = field(default_factory=dict)
+
+    def add(self, key: BlockKey) -> None:
+        """`key` became present (the caller knows it was absent just before)."""
+        if key in self.removed:  # gone and back within the operation: no change
+            del self.removed[key]
+        else:
+            self.added[key] = None
+
+    def remove(self, key: BlockKey) -> None:
+        """`key`, present just before, is gone."""
+        if key in self.added:  # added and evicted within the operation: never seen
+            del self.added[key]
+        else:
+            self.removed[key] = None
+
+    def report(self, listener: ChangeListener | None) -> None:
+        """Call `listener` with the net change, unless there is none (call it under the store's lock)."""
+        if listener is not None and (self.added or self.removed):
+            listener(list(self.added), list(self.removed))
 
 
 @dataclass(slots=True)

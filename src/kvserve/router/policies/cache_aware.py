@@ -22,8 +22,10 @@ request count alone missed the difference between a busy worker and a busy one w
 chat TTFT p90 was 1.3× one worker's (benchmarks/results/router.md). Step 1 stays SGLang's.
 
 The chosen worker's tree then gets the prompt. A tree holds at most `tree_budget` tokens and never more
-than its worker's KV pool (`num_blocks` × `block_size` from `/load`). Tree keys start with the namespace marker, so a
-tenant's prompt can only ever match what was sent for the same tenant (and cache_salt).
+than its worker can keep: its KV pool and the host RAM and disk tiers below it, from which it loads a
+prompt back instead of computing it (`num_blocks` + `tier_blocks`, × `block_size`, from `/load`). Tree
+keys start with the namespace marker, so a tenant's prompt can only ever match what was sent for the same
+tenant (and cache_salt).
 """
 
 from __future__ import annotations

@@ -27,6 +27,13 @@ better-cached worker), `least_load` (cached nowhere: the least estimated work).
 
 Blocks the router sent a worker moments ago count as cached there until its events report them
 (`PendingBlocks`), so a burst for one hot prefix is not spread before the first prefill finishes.
+
+A worker's lower tiers count too: its events report the blocks its device evicted into host RAM (medium
+"CPU") or disk ("DISK"), which it loads back at admission instead of computing them (`engine/kv_tiers.py`).
+Past the device run, the run goes on through those tiers, each of their tokens counted at
+`tier_fetch_cost` of computing it (default 0.1; 1 counts the device only, as before the tiers published):
+without them a document demoted on its worker looked cached nowhere and went to the least loaded worker,
+which computed it again.
 Without usable tokens (no tokenizer, bad body) or before a worker has said how it hashes, it routes
 by load.
 
@@ -39,11 +46,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from kvserve.events.subscriber import EventStream
 from kvserve.prefix.hashing import block_hashes
-from kvserve.router.config import BALANCE_ABS, BALANCE_REL, MAX_SHARE
+from kvserve.router.config import BALANCE_ABS, BALANCE_REL, MAX_SHARE, TIER_FETCH_COST
 from kvserve.router.index import BlockIndex, PendingBlocks, WorkerEvents
 from kvserve.router.keys import RouteKey
 from kvserve.router.policies.base import (
@@ -62,12 +70,24 @@ logger = logging.getLogger("kvserve.router")
 PENDING_TTL_S = 30.0
 
 
+@dataclass(slots=True)
+class CachedRuns:
+    """A prompt's leading cached tokens per worker (`KvEventsPolicy.cached_tokens`)."""
+
+    held: dict[Worker, int]  # on its device, or just sent there
+    reach: dict[Worker, int]  # held, then on through its host RAM and disk tiers
+    published: dict[Worker, int]  # of reach, the leading tokens it reported stored in any medium
+
+
 class KvEventsPolicy(Policy):
     name = "kv_events"
 
     def __init__(self, cost: EtaCost | None = None, balance_abs: int = BALANCE_ABS,
                  balance_rel: float = BALANCE_REL, max_share: float = MAX_SHARE,
-                 store: SharedStore | None = None) -> None:
+                 store: SharedStore | None = None, tier_fetch_cost: float = TIER_FETCH_COST) -> None:
+        if not 0.0 <= tier_fetch_cost <= 1.0:
+            raise ValueError(f"tier_fetch_cost must be in [0, 1], got {tier_fetch_cost}")
+        self.tier_fetch_cost = tier_fetch_cost
         self.index = BlockIndex()
         self.pending = PendingBlocks(PENDING_TTL_S)
         self._last_hashes: tuple[RouteKey, dict[Worker, list[bytes]]] | None = None
@@ -85,18 +105,21 @@ class KvEventsPolicy(Policy):
 
     def choose(self, key: RouteKey, workers: list[Worker]) -> Decision:
         imbalanced = is_imbalanced(workers, self.balance_abs, self.balance_rel)
-        held, published = self.cached_tokens(key, workers)
-        if not held:
+        cached = self.cached_tokens(key, workers)
+        if cached is None:
             return Decision(self._ties.least_loaded(workers), "imbalance" if imbalanced else "unkeyed")
+        local = {w: cached.held[w] + round((1.0 - self.tier_fetch_cost) * (cached.reach[w] - cached.held[w]))
+                 for w in workers}
         if not self.store.applies(workers):
-            return self._decide(key, workers, held, held, imbalanced)
-        runs = self.store.effective(held, published)
-        return self.store.with_probe_hint(self._decide(key, workers, held, runs, imbalanced), (held, runs))
+            return self._decide(key, workers, local, local, imbalanced)
+        runs = self.store.effective(local, cached.published, cached.reach)
+        return self.store.with_probe_hint(self._decide(key, workers, local, runs, imbalanced), (local, runs))
 
     def _decide(self, key: RouteKey, workers: list[Worker], held: dict[Worker, int], runs: dict[Worker, int],
                 imbalanced: bool) -> Decision:
         """The imbalance guard, the estimate and the share guard over `runs` (what each worker holds or,
-        over a shared store, can load; `held`: what it holds itself)."""
+        over a shared store, can load; `held`: what it holds itself, its lower tiers counted at their fetch
+        cost)."""
         assert key.tokens is not None
         best = max(runs.values())
         if imbalanced:
@@ -114,28 +137,38 @@ class KvEventsPolicy(Policy):
                   else "rebalance" if runs[chosen] < best else "cache_hit")
         return Decision(chosen, reason, runs[chosen])
 
-    def cached_tokens(self, key: RouteKey, workers: list[Worker]) -> tuple[dict[Worker, int], dict[Worker, int]]:
-        """Tokens of the prompt each worker holds (or was just sent) as leading blocks, and of those the
-        leading ones it has reported stored (published: in its store, if it shares one); ({}, {}) when not
-        computable. One pass over the hashes for both."""
+    def cached_tokens(self, key: RouteKey, workers: list[Worker]) -> CachedRuns | None:
+        """Per worker, in tokens of the prompt's leading blocks: what its device holds (or was just sent),
+        what it can reach with its lower tiers after that, and of those the blocks it has reported stored in
+        any medium (published: in its store, if it shares one); None when not computable. One pass."""
         hashes = self._hashes(key, workers)
         if not hashes:
-            return {}, {}
+            return None
         now = time.monotonic()
-        held: dict[Worker, int] = {}
-        published: dict[Worker, int] = {}
+        runs = CachedRuns({}, {}, {})
         for worker in workers:
-            run = reported = 0
-            for block_hash in hashes.get(worker, ()):
-                indexed = self.index.holds(worker.url, block_hash)
-                if not (indexed or self.pending.holds(worker.url, block_hash, now)):
-                    break
-                if indexed and reported == run:  # the leading blocks it reported, not just sent
-                    reported += 1
-                run += 1
+            device, lower, reported = self._walk(worker, hashes.get(worker, ()), now)
             size = worker.load.block_size or 0
-            held[worker], published[worker] = run * size, reported * size
-        return held, published
+            runs.held[worker], runs.reach[worker] = device * size, (device + lower) * size
+            runs.published[worker] = reported * size
+        return runs
+
+    def _walk(self, worker: Worker, hashes: list[bytes], now: float) -> tuple[int, int, int]:
+        """Blocks in the device run (indexed or pending), then in the lower tiers' run after it, and the
+        leading ones of both that the worker reported (not merely sent)."""
+        device = lower = reported = 0
+        for block_hash in hashes:
+            if not lower:
+                indexed = self.index.holds(worker.url, block_hash)
+                if indexed or self.pending.holds(worker.url, block_hash, now):
+                    reported += indexed and reported == device
+                    device += 1
+                    continue
+            if not self.index.holds_lower(worker.url, block_hash):
+                break
+            reported += reported == device + lower
+            lower += 1
+        return device, lower, reported
 
     def _hashes(self, key: RouteKey, workers: list[Worker]) -> dict[Worker, list[bytes]]:
         """The prompt's chained block hashes as each worker computes them (per block size and function)."""

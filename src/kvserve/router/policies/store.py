@@ -46,8 +46,11 @@ class SharedStore:
         """Whether any worker can load from a store (else the held tokens are the whole story)."""
         return self.fetch_cost < 1.0 and any(store_of(worker) is not None for worker in workers)
 
-    def effective(self, held: dict[Worker, int], published: dict[Worker, int]) -> dict[Worker, int]:
-        """Each worker's cached tokens with what it can load from its store counted at (1 − fetch_cost)."""
+    def effective(self, held: dict[Worker, int], published: dict[Worker, int],
+                  reach: dict[Worker, int] | None = None) -> dict[Worker, int]:
+        """Each worker's cached tokens with what it can load from its store counted at (1 − fetch_cost).
+        `reach`: where the worker's own run ends when that is further than `held` says (kv_events counts
+        its host and disk tiers in `held` at their own fetch cost); the store adds only beyond it."""
         result = dict(held)
         for worker, own in held.items():
             store = store_of(worker)
@@ -55,8 +58,9 @@ class SharedStore:
                 continue
             elsewhere = max((published.get(other, 0) for other in held if other is not worker
                              and store_of(other) == store), default=0)
-            if elsewhere > own:
-                result[worker] = own + round((1.0 - self.fetch_cost) * (elsewhere - own))
+            end = own if reach is None else reach[worker]
+            if elsewhere > end:
+                result[worker] = own + round((1.0 - self.fetch_cost) * (elsewhere - end))
         return result
 
     @staticmethod
