@@ -27,6 +27,8 @@ better-cached worker), `least_load` (cached nowhere: the least estimated work).
 
 Blocks the router sent a worker moments ago count as cached there until its events report them
 (`PendingBlocks`), so a burst for one hot prefix is not spread before the first prefill finishes.
+Without usable tokens (no tokenizer, bad body) or before a worker has said how it hashes, it routes
+by load.
 
 A worker's lower tiers count too: its events report the blocks its device evicted into host RAM (medium
 "CPU") or disk ("DISK"), which it loads back at admission instead of computing them (`engine/kv_tiers.py`).
@@ -34,8 +36,6 @@ Past the device run, the run goes on through those tiers, each of their tokens c
 `tier_fetch_cost` of computing it (default 0.1; 1 counts the device only, as before the tiers published):
 without them a document demoted on its worker looked cached nowhere and went to the least loaded worker,
 which computed it again.
-Without usable tokens (no tokenizer, bad body) or before a worker has said how it hashes, it routes
-by load.
 
 The policy owns one event subscription per healthy worker that publishes events (its `/load` names
 the endpoint); a (re)joining worker starts from an empty index entry and a fresh stream.
