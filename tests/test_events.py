@@ -245,3 +245,53 @@ def test_publisher_waits_out_a_port_that_frees_soon():
     second = KVEventPublisher(endpoint, bind_patience_s=5.0)
     closer.join()
     second.close()
+
+
+def test_a_late_subscriber_gets_a_long_history_whole():
+    """5,000 batches published before the router subscribes (a worker's thrashing minutes): one catch-up
+    applies all of them. ZMQ's default send limit (1,000 messages) dropped the end of such a replay, and the
+    index kept blocks whose removals were in the lost part (a router joining then routed to caches that
+    were gone)."""
+    asyncio.run(_long_history())
+
+
+async def _long_history() -> None:
+    pub_endpoint, replay_endpoint, publisher, index, handler, stream = wired()
+    hashes = [i.to_bytes(4, "big") * 8 for i in range(2500)]
+    try:
+        for block_hash in hashes:
+            publisher.publish([BlockStored([block_hash], None, [1, 2, 3, 4], 4)])
+        for block_hash in hashes:
+            publisher.publish([BlockRemoved([block_hash])])
+        await wait_until(lambda: publisher.num_published == 5000)
+        await stream.catch_up()
+        assert stream.stats.last_seq == 4999 and index.num_blocks("w0") == 0
+    finally:
+        publisher.close()
+
+
+def test_a_replay_with_a_hole_is_asked_again_at_once():
+    """A publisher that drops part of a replay (any vLLM-format publisher at its send limit): the batches
+    before the hole are applied and the rest fetched in the same catch-up, not a resync interval later."""
+    asyncio.run(_replay_with_a_hole())
+
+
+async def _replay_with_a_hole() -> None:
+    from kvserve.events.subscriber import Replay
+
+    index = BlockIndex()
+    handler = WorkerEvents(index, "w0")
+    stream = EventStream("tcp://127.0.0.1:1", handler, replay_endpoint="tcp://127.0.0.1:2")
+    batches = [encode_batch(KVEventBatch(ts=0.0, events=[event])) for event in (
+        BlockStored([H[0]], None, [1, 2, 3, 4], 4), BlockStored([H[1]], H[0], [5, 6, 7, 8], 4),
+        BlockRemoved([H[0]]), BlockRemoved([H[1]]))]
+    answers = [{0: batches[0], 1: batches[1], 3: batches[3]}, {2: batches[2], 3: batches[3]}]
+    asked: list[int] = []
+
+    async def fetch(start: int, quiet: bool = False) -> Replay:
+        asked.append(start)
+        return Replay(start, b"e" * 8, answers.pop(0) if answers else {})
+
+    stream._fetch = fetch  # type: ignore[method-assign]
+    await stream.catch_up()
+    assert asked == [0, 2] and stream.stats.last_seq == 3 and index.num_blocks("w0") == 0

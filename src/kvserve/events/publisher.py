@@ -3,7 +3,9 @@
 Each batch goes out as three frames: topic, an 8-byte big-endian sequence number (0, 1, 2, ... per
 process), and the msgpack payload. A bounded buffer of recent batches serves replay requests on an
 optional ROUTER socket: a client sends the first sequence number it is missing (8 bytes) and gets
-every buffered batch from there as (seq, payload), then (-1, epoch) to end. The epoch (8 random bytes
+every buffered batch from there as (seq, payload), then (-1, epoch) to end. The socket's send limit
+is the buffer's length: at ZMQ's default of 1,000 messages a router joining a worker with a few thousand
+batches of history silently lost the later ones and indexed blocks that had long been removed. The epoch (8 random bytes
 per publisher, where vLLM's end marker has an empty payload that its consumers ignore) tells a
 subscriber that the process behind an endpoint changed, which sequence numbers alone cannot: a new
 process's numbers may already have passed the old one's last.
@@ -80,6 +82,8 @@ class KVEventPublisher:
         context = zmq.Context.instance()
         pub = context.socket(zmq.PUB)
         replay = context.socket(zmq.ROUTER) if self.replay_endpoint else None
+        if replay is not None:  # a whole buffer in one answer: ZMQ's default (1,000) dropped the rest
+            replay.setsockopt(zmq.SNDHWM, self._buffer.maxlen + 1)
         try:
             _bind(pub, self.endpoint, self._bind_patience_s)
             if replay is not None:

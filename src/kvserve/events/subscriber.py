@@ -29,6 +29,7 @@ from kvserve.events.format import KVEventBatch, decode_batch
 
 logger = logging.getLogger("kvserve.events")
 REPLAY_TIMEOUT_S = 2.0
+MAX_CATCH_UP_ROUNDS = 8  # replay rounds one catch-up may take to fill holes before leaving it to the next
 RESYNC_INTERVAL_S = 1.0
 
 
@@ -98,14 +99,25 @@ class EventStream:
     async def catch_up(self, periodic: bool = False) -> None:
         """Apply what the publisher still buffers after the last applied batch (on connect: its history;
         after a restart: the new process's history, once the old one's blocks are forgotten). `periodic`:
-        a failed fetch is logged at debug level only (a worker that is down would log every interval)."""
+        a failed fetch is logged at debug level only (a worker that is down would log every interval).
+        An answer with a hole (a publisher that dropped part of a long replay) is applied up to the hole
+        and asked again from there at once: history applied only in part over-claims (the removals that
+        came later are missing), so nothing may route on it."""
+        for _ in range(MAX_CATCH_UP_ROUNDS):
+            if not await self._catch_up_once(periodic):
+                return
+        logger.warning("kv events from %s: the replay still had holes after %d rounds", self.endpoint,
+                       MAX_CATCH_UP_ROUNDS)
+
+    async def _catch_up_once(self, periodic: bool) -> bool:
+        """One replay round of `catch_up`; True when it stopped at a hole with more batches after it."""
         start = 0 if self.stats.last_seq is None else self.stats.last_seq + 1
         replay = await self._fetch_current(start, quiet=periodic)
         if replay is None:
-            return
+            return False
         start, received = replay.start, replay.batches
         if not received:
-            return
+            return False
         first = min(received)
         if first != start:
             if self.stats.last_seq is not None:
@@ -120,6 +132,7 @@ class EventStream:
         # Live copies of an earlier catch-up's batches may still be queued behind these: skip them all.
         low = first if self._replayed is None else min(self._replayed[0], first)
         self._replayed = (low, seq - 1)
+        return seq <= max(received)
 
     async def deliver(self, seq: int, payload: bytes) -> None:
         """Apply batch `seq`, first recovering whatever came before it that was missed."""
@@ -193,6 +206,7 @@ class EventStream:
         if self.replay_endpoint is None:
             return None
         dealer = self._context.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.RCVHWM, 0)  # the answer is bounded by the publisher's buffer: never drop any of it
         dealer.connect(self.replay_endpoint)
         received: dict[int, bytes] = {}
         try:
