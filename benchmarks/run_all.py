@@ -262,8 +262,8 @@ RAG 3.8x / 1.8x, chat 1.2x / 1.0x.
 **Router over the workers' host tiers** (sections "... (router_rag_bounded_host96)" and "...
 (router_rag_bounded_host)", 2026-12-06): the workers' KV events now report their host RAM and disk tiers
 (medium `CPU` / `DISK`, as vLLM's CPU offloading does) and `kv_events` counts them at `--tier-fetch-cost` 0.1:
-with a 128-block pool and a 96 MiB host tier per worker, hit rate 86.6-88.4% against 83.5-83.8% counting the
-device only, median TTFT 15-19% lower, p90 unchanged (first reads), 1.84-1.87x round_robin's (2 repeats); with
+with a 128-block pool and a 96 MiB host tier per worker, hit rate 88.5-89.2% against 85.7-85.9% counting the
+device only, 6-15% less wall time, p90 2-8% lower, 1.79x / 2.02x round_robin's (2 repeats); with
 the default 1 GiB host tier every worker keeps every document and **round_robin has the best p90** (287 ms
 against 374-379 for the cache-aware policies): where pool and tiers hold the working set, routing for the cache
 buys nothing on that workload.
