@@ -264,8 +264,8 @@ RAG 3.8x / 1.8x, chat 1.2x / 1.0x.
 (medium `CPU` / `DISK`, as vLLM's CPU offloading does) and `kv_events` counts them at `--tier-fetch-cost` 0.1:
 with a 128-block pool and a 96 MiB host tier per worker, hit rate 88.5-89.2% against 85.7-85.9% counting the
 device only, 6-15% less wall time, p90 2-8% lower, 1.79x / 2.02x round_robin's (2 repeats); with
-the default 1 GiB host tier every worker keeps every document and **round_robin has the best p90** (287 ms
-against 374-379 for the cache-aware policies): where pool and tiers hold the working set, routing for the cache
+the default 1 GiB host tier every worker keeps every document and **round_robin has the best p90** (252 ms
+against 369-386 for the cache-aware policies): where pool and tiers hold the working set, routing for the cache
 buys nothing on that workload.
 **On a CPU with AMX and native bf16** (section "... (kernels_amx)": Intel Xeon with AVX-512 VNNI/BF16,
 AMX-INT8/BF16, 2 threads, idle, 2026-12-01 23:48 UTC, every runner in one run; llama.cpp built without its
