@@ -10,6 +10,9 @@ from __future__ import annotations
 import time
 
 import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvserve.events.format import MEDIUM_CPU, MEDIUM_DISK, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from kvserve.prefix.hashing import block_hashes
@@ -158,3 +161,53 @@ def test_cache_aware_trees_keep_what_the_tiers_keep():
             policy.on_routed(RouteKey(tokens=tuple(range(start, start + 20)), namespace=ALICE, exact=True), target)
     assert 32 < policy.tree(pool[0]).num_tokens <= 128
     assert policy.tree(pool[1]).num_tokens <= 32
+
+
+MEDIA = ["GPU", MEDIUM_CPU, MEDIUM_DISK]
+
+
+class IndexMachine(RuleBasedStateMachine):
+    """The per-medium index against a model: {(worker, medium): set of hashes}. Any sequence of stored and
+    removed events in any medium, device resets (`AllBlocksCleared`) and whole-worker clears leaves
+    `holds` / `holds_lower` / `num_blocks` exactly as the model says, and the index's invariants hold."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.index = BlockIndex()
+        self.model: dict[tuple[str, str], set[bytes]] = {}
+
+    @rule(worker=st.sampled_from(["a", "b"]), medium=st.sampled_from(MEDIA), blocks=st.lists(st.sampled_from(H)))
+    def stored(self, worker: str, medium: str, blocks: list[bytes]) -> None:
+        self.index.apply(worker, batch(BlockStored(blocks, None, [], 16, medium=medium)))
+        self.model.setdefault((worker, medium), set()).update(blocks)
+
+    @rule(worker=st.sampled_from(["a", "b"]), medium=st.sampled_from(MEDIA), blocks=st.lists(st.sampled_from(H)))
+    def removed(self, worker: str, medium: str, blocks: list[bytes]) -> None:
+        self.index.apply(worker, batch(BlockRemoved(blocks, medium=medium)))
+        self.model.setdefault((worker, medium), set()).difference_update(blocks)
+
+    @rule(worker=st.sampled_from(["a", "b"]))
+    def device_reset(self, worker: str) -> None:
+        self.index.apply(worker, batch(AllBlocksCleared()))
+        self.model[(worker, "GPU")] = set()
+
+    @rule(worker=st.sampled_from(["a", "b"]))
+    def lost_stream(self, worker: str) -> None:
+        self.index.clear(worker)
+        for medium in MEDIA:
+            self.model[(worker, medium)] = set()
+
+    @invariant()
+    def agrees_with_the_model(self) -> None:
+        self.index.check_invariants()
+        for worker in ("a", "b"):
+            device = self.model.get((worker, "GPU"), set())
+            lower = self.model.get((worker, MEDIUM_CPU), set()) | self.model.get((worker, MEDIUM_DISK), set())
+            assert self.index.num_blocks(worker) == len(device)
+            for block_hash in H:
+                assert self.index.holds(worker, block_hash) == (block_hash in device)
+                assert self.index.holds_lower(worker, block_hash) == (block_hash in lower)
+
+
+TestIndexMachine = IndexMachine.TestCase
+TestIndexMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
