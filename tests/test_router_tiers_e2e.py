@@ -22,7 +22,15 @@ from kvserve.router.config import RouterConfig
 from kvserve.router.thread import RouterThread
 from kvserve.server.launcher import launch_server
 from test_router_support import ADMIN as OPS
-from test_router_support import complete, complete_behind, route_of, wait_for, wait_for_streams, write_keys
+from test_router_support import (
+    complete,
+    complete_behind,
+    metric,
+    route_of,
+    wait_for,
+    wait_for_streams,
+    write_keys,
+)
 from test_server_support import chat_model_dir, wait_until_drained  # noqa: F401
 
 
@@ -89,5 +97,6 @@ def demote_then_route(config: RouterConfig, holder_url: str, prompt: list[int], 
         host = policy.index.lower(MEDIUM_CPU)
         wait_for(lambda: all(host.holds(holder_url, h) for h in hashes)
                  and not policy.index.holds(holder_url, hashes[0]))
+        assert metric(thread.url, "kvserve_router_index_blocks", {"worker": holder_url, "medium": "CPU"}) >= 4
         holder = next(w for w in thread.router.pool.workers if w.url == holder_url)
         return complete_behind(thread.url, holder, 40, prompt)  # worth a host load, not a recompute

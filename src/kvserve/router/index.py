@@ -49,6 +49,13 @@ class BlockIndex:
     def num_blocks(self, worker: Hashable) -> int:
         return len(self._by_worker.get(worker, ()))
 
+    def sizes(self) -> list[tuple[Hashable, str, int]]:
+        """(worker, medium, blocks) for every worker with entries, the device's first."""
+        sizes = [(worker, self.medium, len(owned)) for worker, owned in self._by_worker.items()]
+        for index in self._lower.values():
+            sizes += index.sizes()
+        return sizes
+
     def store(self, worker: Hashable, hashes: Sequence[bytes], medium: str = MEDIUM_GPU) -> None:
         if medium != self.medium:
             self.lower(medium).store(worker, hashes, medium)

@@ -16,10 +16,12 @@ FIRST_BYTE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 1
 
 
 class WorkerCollector(Collector):
-    """Per-worker gauges read from the pool at scrape time."""
+    """Per-worker gauges read from the pool (and the policy's index) at scrape time."""
 
-    def __init__(self, workers: Callable[[], list[Worker]]) -> None:
+    def __init__(self, workers: Callable[[], list[Worker]],
+                 index_sizes: Callable[[], list[tuple[str, str, int]]] | None = None) -> None:
         self._workers = workers
+        self._index_sizes = index_sizes
 
     def collect(self) -> Iterator[Metric]:
         families = {
@@ -50,12 +52,20 @@ class WorkerCollector(Collector):
             families["kv_usage"].add_metric(labels, worker.load.kv_usage)
             families["generation"].add_metric(labels, worker.generation)
         yield from families.values()
+        if self._index_sizes is not None:
+            index = GaugeMetricFamily("kvserve_router_index_blocks", "Blocks the exact index (kv_events) says "
+                                      "the worker holds, by medium: GPU (its pool), CPU (host RAM), DISK.",
+                                      labels=["worker", "medium"])
+            for worker, medium, blocks in self._index_sizes():
+                index.add_metric([worker, medium], blocks)
+            yield index
 
 
 class RouterMetrics:
-    def __init__(self, workers: Callable[[], list[Worker]]) -> None:
+    def __init__(self, workers: Callable[[], list[Worker]],
+                 index_sizes: Callable[[], list[tuple[str, str, int]]] | None = None) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(WorkerCollector(workers))
+        self.registry.register(WorkerCollector(workers, index_sizes))
         self.decisions = Counter("kvserve_router_decisions", "Routing decisions.", ["policy", "reason"],
                                  registry=self.registry)
         self.routed = Counter("kvserve_router_requests", "Requests sent to each worker by outcome.",

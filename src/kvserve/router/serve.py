@@ -39,8 +39,9 @@ def build_router(config: RouterConfig) -> FastAPI:
     client = httpx.AsyncClient(timeout=CLIENT_TIMEOUT, limits=CLIENT_LIMITS)
     pool = WorkerPool(config.workers, client, config.poll_interval, poll_headers=_admin_headers(config.api_keys),
                       polled_load=config.polled_load)
-    router = Router(pool=pool, policy=build_policy(config), keyer=RequestKeyer(tokenizer, api_keys), client=client,
-                    metrics=RouterMetrics(lambda: pool.workers), max_attempts=config.max_attempts,
+    policy = build_policy(config)
+    router = Router(pool=pool, policy=policy, keyer=RequestKeyer(tokenizer, api_keys), client=client,
+                    metrics=RouterMetrics(lambda: pool.workers, policy.index_sizes), max_attempts=config.max_attempts,
                     metrics_keys=None if config.open_metrics else api_keys)
     return build_router_app(router)
 

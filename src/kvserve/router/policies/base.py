@@ -48,6 +48,10 @@ class Policy:
     def on_leave(self, worker: Worker) -> None:
         """`worker` left the pool."""
 
+    def index_sizes(self) -> list[tuple[str, str, int]]:
+        """(worker URL, medium, blocks) the policy's exact index holds, for `/metrics` (none by default)."""
+        return []
+
     async def start(self) -> None:
         """Start background work (event subscriptions)."""
 

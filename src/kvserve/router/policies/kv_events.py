@@ -195,6 +195,9 @@ class KvEventsPolicy(Policy):
         if worker in hashes:
             self.pending.add(worker.url, hashes[worker], time.monotonic())
 
+    def index_sizes(self) -> list[tuple[str, str, int]]:
+        return [(str(worker), medium, blocks) for worker, medium, blocks in self.index.sizes()]
+
     def on_join(self, worker: Worker) -> None:
         self._stop_stream(worker)
         self.index.clear(worker.url)
