@@ -23,7 +23,8 @@ ORDER = [
     "router_rag_bounded_store", "router_rag_bounded_host96", "router_rag_bounded_host", "router_rag_bounded",
     "router_rag_bounded_4w",
     "router_rag_bounded192",
-    "router_chat_bounded", "router_chat_bounded_4w", "eviction", "structured", "tiers", "kernels", "kernels_avx2",
+    "router_chat_bounded", "router_chat_bounded_host",
+    "router_chat_bounded_4w", "eviction", "structured", "tiers", "kernels", "kernels_avx2",
     "kernels_avx2_prefill", "kernels_zen1", "kernels_zen1_decode", "configs_zen1", "qgemm_zen1", "membw_zen1",
     "fp_rate_zen1", "load_footprint_zen1", "kernels_zen4", "kernels_zen4_decode", "kernels_zen4_crossover",
     "kernels_zen4_prefetch", "long_decode", "batch_decode", "kernels_zen4_bf16attn_prefill",
@@ -98,6 +99,10 @@ SCRIPTS = {
     "router_chat_bounded": ("router", ["--max-workers", "2", "--worker-counts", "2", "--workloads", "chat",
                                        "--policies", "round_robin", "cache_aware", "kv_events", "--num-blocks", "960",
                                        "--host-cache", "0", "--out", "router_chat_bounded"]),
+    "router_chat_bounded_host": ("router", ["--max-workers", "2", "--worker-counts", "2", "--workloads", "chat",
+                                            "--num-blocks", "640", "--host-cache", "256MiB", "--no-single", "--repeat",
+                                            "2", "--policies", "round_robin", "kv_events",
+                                            "kv_events:tier_fetch_cost=1", "--out", "router_chat_bounded_host"]),
     "router_chat_bounded_4w": ("router", ["--max-workers", "4", "--worker-counts", "4", "--workloads", "chat",
                                           "--policies", "round_robin", "cache_aware", "kv_events", "--num-blocks",
                                           "960", "--host-cache", "0", "--out", "router_chat_bounded_4w"]),
@@ -270,7 +275,9 @@ with a 128-block pool and a 96 MiB host tier per worker, hit rate 88.5-89.2% aga
 device only, 6-15% less wall time, p90 2-8% lower, 1.79x / 2.02x round_robin's (2 repeats); with
 the default 1 GiB host tier every worker keeps every document and **round_robin has the best p90** (252 ms
 against 369-386 for the cache-aware policies): where pool and tiers hold the working set, routing for the cache
-buys nothing on that workload.
+buys nothing on that workload. **In chat** ("... (router_chat_bounded_host)", 640 blocks + 256 MiB host per worker)
+counting the tier does not help: hit rate within a point or two, p90 ~10% worse than device-only, and 61-64% of
+the requests on one worker (conversations stay where their demoted history is).
 **On a CPU with AMX and native bf16** (section "... (kernels_amx)": Intel Xeon with AVX-512 VNNI/BF16,
 AMX-INT8/BF16, 2 threads, idle, 2026-12-01 23:48 UTC, every runner in one run; llama.cpp built without its
 AMX backend, which segfaulted in `ggml_backend_amx_mul_mat` on this model): single-request decode 171 tok/s
