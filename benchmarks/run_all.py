@@ -276,8 +276,8 @@ device only, 6-15% less wall time, p90 2-8% lower, 1.79x / 2.02x round_robin's (
 the default 1 GiB host tier every worker keeps every document and **round_robin has the best p90** (252 ms
 against 369-386 for the cache-aware policies): where pool and tiers hold the working set, routing for the cache
 buys nothing on that workload. **In chat** ("... (router_chat_bounded_host)", 640 blocks + 256 MiB host per worker)
-counting the tier does not help: hit rate within a point or two, p90 ~10% worse than device-only, and 61-64% of
-the requests on one worker (conversations stay where their demoted history is).
+counting the tier neither helps nor clearly hurts: over 5 repeats hit rate 80.6% against 80.0% device-only (medians),
+p90 1,222 against 1,108 ms (within the run-to-run spread), the busiest worker 53% against 54%.
 **On a CPU with AMX and native bf16** (section "... (kernels_amx)": Intel Xeon with AVX-512 VNNI/BF16,
 AMX-INT8/BF16, 2 threads, idle, 2026-12-01 23:48 UTC, every runner in one run; llama.cpp built without its
 AMX backend, which segfaulted in `ggml_backend_amx_mul_mat` on this model): single-request decode 171 tok/s
