@@ -23,12 +23,12 @@ from kvserve.events.format import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, Bl
 
 
 class BlockIndex:
-    """hash → {worker key: medium} for one medium (the device's, unless made by `lower`); worker keys are
+    """hash → the workers holding it, for one medium (the device's, unless made by `lower`); worker keys are
     any hashables (the router uses worker URLs)."""
 
     def __init__(self, medium: str = MEDIUM_GPU) -> None:
         self.medium = medium
-        self._holders: dict[bytes, dict[Hashable, str]] = {}
+        self._holders: dict[bytes, set[Hashable]] = {}
         self._by_worker: dict[Hashable, set[bytes]] = {}
         self._lower: dict[str, BlockIndex] = {}  # the device index's sub-indexes, one per lower medium
 
@@ -62,7 +62,7 @@ class BlockIndex:
             return
         owned = self._by_worker.setdefault(worker, set())
         for block_hash in hashes:
-            self._holders.setdefault(block_hash, {})[worker] = medium
+            self._holders.setdefault(block_hash, set()).add(worker)
             owned.add(block_hash)
 
     def remove(self, worker: Hashable, hashes: Sequence[bytes], medium: str = MEDIUM_GPU) -> None:
@@ -92,7 +92,7 @@ class BlockIndex:
     def _drop(self, block_hash: bytes, worker: Hashable) -> None:
         holders = self._holders.get(block_hash)
         if holders is not None:
-            holders.pop(worker, None)
+            holders.discard(worker)
             if not holders:
                 del self._holders[block_hash]
 
@@ -110,7 +110,7 @@ class BlockIndex:
         runs = dict.fromkeys(workers, 0)
         alive = set(workers)
         for i, block_hash in enumerate(hashes):
-            holders = self._holders.get(block_hash, {})
+            holders = self._holders.get(block_hash, ())
             for worker in [w for w in alive if w not in holders]:
                 runs[worker] = i
                 alive.discard(worker)
@@ -126,7 +126,7 @@ class BlockIndex:
             index.check_invariants()
         for worker, owned in self._by_worker.items():
             for block_hash in owned:
-                assert worker in self._holders.get(block_hash, {}), "worker owns a hash the index lost"
+                assert worker in self._holders.get(block_hash, ()), "worker owns a hash the index lost"
         for block_hash, holders in self._holders.items():
             assert holders, "empty holder set kept"
             for worker in holders:
