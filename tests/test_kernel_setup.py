@@ -40,6 +40,25 @@ def test_large_pool_is_lazy_zeroed_and_writable():
     assert keys.abs().sum() == 0 and values[-1].abs().sum() == 0  # zero pages, never garbage
     keys[3].fill_(2.0)
     assert pool.tensor[1, 0, 3].eq(2.0).all() and pool.tensor[1, 1, 3].eq(0).all()
+    # Private anonymous memory, as the docstring says (Python's mmap defaults to MAP_SHARED: shmem pages).
+    assert "sh" not in _vm_flags(pool.tensor.data_ptr())
+
+
+def _vm_flags(address: int) -> list[str]:
+    """The VmFlags of the /proc/self/smaps mapping that holds `address` ("sh": shared)."""
+    entry: list[str] | None = None
+    for line in open("/proc/self/smaps").read().splitlines():
+        head = line.split()
+        if "-" in head[0] and ":" not in head[0]:
+            low, high = (int(part, 16) for part in head[0].split("-"))
+            if entry is not None:
+                break
+            if low <= address < high:
+                entry = []
+        elif entry is not None and head[0] == "VmFlags:":
+            entry = head[1:]
+    assert entry, f"no mapping holds {address:#x}"
+    return entry
 
 
 @pytest.mark.model

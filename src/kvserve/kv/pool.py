@@ -50,7 +50,9 @@ class KVPool:
         nbytes = shape.bytes_per_block(dtype) * shape.num_blocks
         self._mapping: mmap.mmap | None = None
         if torch.device(device).type == "cpu" and nbytes >= LAZY_POOL_BYTES:
-            self._mapping = mmap.mmap(-1, nbytes)  # anonymous, private: zero-filled pages on first touch
+            # Anonymous and private (Python's default is MAP_SHARED: shmem pages, swappable only as shmem and
+            # shared with any forked child): zero-filled pages on first touch.
+            self._mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             self.tensor = torch.frombuffer(self._mapping, dtype=dtype, count=nbytes // dtype.itemsize).view(dims)
         else:
             self.tensor = torch.zeros(dims, dtype=dtype, device=device)
