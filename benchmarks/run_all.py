@@ -27,7 +27,8 @@ ORDER = [
     "router_chat_bounded_4w", "eviction", "structured", "tiers", "kernels", "kernels_avx2",
     "kernels_avx2_prefill", "kernels_zen1", "kernels_zen1_decode", "configs_zen1", "qgemm_zen1", "membw_zen1",
     "fp_rate_zen1", "load_footprint_zen1", "kernels_zen4", "kernels_zen4_decode", "kernels_zen4_crossover",
-    "kernels_zen4_prefetch", "long_decode", "batch_decode", "kernels_zen4_bf16attn_prefill",
+    "kernels_zen4_prefetch", "kernels_zen4_decode_today_decode", "long_decode", "batch_decode",
+    "kernels_zen4_bf16attn_prefill",
     "kernels_zen4_avx2_decode", "kernels_zen4_avx2", "isa_pairing", "kernels_amx_bf16attn",
     "kernels_amx_bf16attn_prefill", "kernels_amx_bf16attn_final_prefill", "batch_decode_amx_fresh",
     "batch_decode_amx_pair", "kernels_amx_bf16prefill_prefill", "kernels_amx_bf16prefill_pair_prefill",
@@ -131,6 +132,8 @@ SCRIPTS = {
     "kernels_avx2": ("native_kernels", ["--quick", "--skip-hf-bf16", "--out", "kernels_avx2"]),  # on an AVX2-only CPU
     "kernels_zen4": ("native_kernels", ["--quick", "--out", "kernels_zen4"]),  # on a Zen 4: AVX-512 + BF16, no AMX
     "kernels_zen4_decode": ("native_kernels", ["--decode-only", "5", "--out", "kernels_zen4"]),  # on a Zen 4
+    "kernels_zen4_decode_today_decode": ("native_kernels", ["--decode-only", "5",
+                                                            "--out", "kernels_zen4_decode_today"]),
     # on a Zen 4, kvserve and llama.cpp both on AVX2 (the peer built with KVSERVE_ISA=avx2 llama_cpp_tools.py --build)
     "kernels_zen4_avx2_decode": ("native_kernels", ["--decode-only", "5", "--before", "08e9558",
                                              "--out", "kernels_zen4_avx2"]),
@@ -265,8 +268,11 @@ transformers alone (2.28-2.44x by round), 1.8x in a six-runner run whose kvserve
 Rerun on a Zen 4 VM on 2026-12-06 with every batch in a fresh namespace (section "... (batch_decode_zen4_fp8)"):
 batch 32 int8 with an **fp8 KV cache 3.25x transformers bf16** by the medians (810 against 249 tok/s; 2.78-3.25x
 by round, three rounds of five at 3x), with a bf16 KV cache 2.93x (2.68-3.06x); 1,000 tok/s not reached there.
-The seed's chat turn on that Zen 4 (section "... (short_prefill_zen4)"): **2.88x its 100 tokens alone** (130
-against 45 ms), where the AMX Xeon's tiles gave 1.70-1.79x.
+Single-request decode on that Zen 4 (section "... (kernels_zen4_decode_today)"): **167.8 tok/s exact, 234.7 int8,
+1.59x / 2.23x llama-cpp-python** (105.5; llama-batched-bench not rebuilt that day).
+The seed's chat turn on that Zen 4 (section "... (short_prefill_zen4)"): **1.93-2.88x its 100 tokens alone** in two
+runs (the turn 122-130 ms, the 100 tokens alone 45-64 ms; llama-cpp-python 1.71x, 587 ms), where the AMX Xeon's
+tiles gave 1.70-1.79x.
 **Router where a replica's cache is the limit** (section "... (router_rag_bounded)"): hit rate
 85-90% against round_robin's 63-69%, median TTFT 2.8-5.5x lower, p90 only 1.4-1.6x (2.0-2.1x at 160 blocks)
 over 2 workers; over 4, hit rate 94% against 66.5% and **p90 9.1x / 8.8x** (section "... (router_rag_bounded_4w)");
