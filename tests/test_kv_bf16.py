@@ -159,8 +159,8 @@ def attention_reads_widened(kernels, block_size: int, kv_heads: int, group: int,
 
 def bit_for_bit(native, queries, keys, values, keys32, values32, tables, lens, block_size, width_blocks):
     # Against the torch twin: within summation order, whose error scales with the values summed (the fp8 pool
-    # reaches 7.5), not with an output that cancels to near zero (1.02e-5 off at 0.008 on a Zen 4, whose torch
-    # sums in another order than an Intel CPU's: a fixed 1e-5 failed there).
+    # reaches 7.5), not with an output that cancels to near zero: a fixed 1e-5 failed on a Zen 4 (1.02e-5 off at
+    # 0.008, the cascade of the forced AVX2 path; it passed on the Intel CPUs).
     atol = 1e-5 * max(1.0, float(values32.abs().max()))
     decode = native.paged_attention(queries, keys, values, tables, lens, 0.3)
     assert torch.equal(decode, native.paged_attention(queries, keys32, values32, tables, lens, 0.3))
