@@ -271,8 +271,8 @@ by round, three rounds of five at 3x), with a bf16 KV cache 2.93x (2.68-3.06x); 
 Single-request decode on that Zen 4 (section "... (kernels_zen4_decode_today)"): **167.8 tok/s exact, 234.7 int8,
 1.59x / 2.23x llama-cpp-python** (105.5; llama-batched-bench not rebuilt that day).
 The seed's chat turn on that Zen 4 (section "... (short_prefill_zen4)"): **1.93-2.88x its 100 tokens alone** in two
-runs (the turn 122-130 ms, the 100 tokens alone 45-64 ms; llama-cpp-python 1.71x, 587 ms), where the AMX Xeon's
-tiles gave 1.70-1.79x.
+runs (the turn 122-130 ms, the 100 tokens alone 45-64 ms; llama-cpp-python 1.71x, 587 ms) and 2.24x taken apart in
+one process (97.5 against 43.5 ms; the attention kernel 41-43 ms of it), where the AMX Xeon's tiles gave 1.70-1.79x.
 **Router where a replica's cache is the limit** (section "... (router_rag_bounded)"): hit rate
 85-90% against round_robin's 63-69%, median TTFT 2.8-5.5x lower, p90 only 1.4-1.6x (2.0-2.1x at 160 blocks)
 over 2 workers; over 4, hit rate 94% against 66.5% and **p90 9.1x / 8.8x** (section "... (router_rag_bounded_4w)");
