@@ -10,8 +10,10 @@
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
+import httpx
 import pytest
 
 from conftest import assert_pool_drained
@@ -20,7 +22,8 @@ from kvserve.engine.engine import LLMEngine
 from kvserve.engine.params import BeamSearchParams, SamplingParams
 from kvserve.engine.pool_share import order_by_pool_share
 from kvserve.engine.scheduler import unserved_groups_first
-from test_server_support import make_chat_model_dir
+from kvserve.server.launcher import launch_server
+from test_server_support import chat_model_dir, make_chat_model_dir  # noqa: F401
 
 SHORT = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 LONG_PROMPT = [7 + i % 300 for i in range(8191)]
@@ -189,3 +192,27 @@ def test_members_of_running_groups_queue_behind_newcomers():
 def test_invalid_fairness_settings_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         EngineConfig(**{field: value})
+
+
+def test_long_prefill_always_chunks_alone(long_model_dir):
+    """`long_prefill_always` (what a server sets): a prompt alone is chunked at the threshold too."""
+    engine = make_engine(long_model_dir, num_blocks=640, long_prefill_token_threshold=64, long_prefill_always=True)
+    engine.add_request(LONG_PROMPT, SamplingParams(max_tokens=1), request_id="long")
+    assert engine.scheduler.schedule().num_tokens == 64
+    engine.abort_request("long")
+    assert_pool_drained(engine)
+
+
+def test_server_chunks_a_long_prompt_alone(chat_model_dir, tmp_path):  # noqa: F811
+    """A server cannot know whether a request arrives during a step, so its steps never take more than the
+    threshold of one prompt: every step of a lone 600-token prompt prefills at most 64 tokens."""
+    trace = tmp_path / "steps.jsonl"
+    prompt = [7 + i % 300 for i in range(600)]
+    with launch_server(["--model", str(chat_model_dir), "--num-blocks", "256", "--long-prefill-token-threshold",
+                        "64"], env={"KVSERVE_STEP_TRACE": str(trace)}, startup_timeout=120) as server:
+        response = httpx.post(f"{server.url}/v1/completions", timeout=60,
+                              json={"model": "tiny-chat", "prompt": prompt, "max_tokens": 1})
+        assert response.status_code == 200, response.text
+    steps = [json.loads(line) for line in trace.read_text().splitlines()]
+    prefills = [step["prefill"] for step in steps if step["k"] == "step" and step["prefill"]]
+    assert sum(prefills) == 600 and max(prefills) == 64, prefills

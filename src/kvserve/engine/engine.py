@@ -93,6 +93,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.schedule_policy,
             self.long_prefill_token_threshold, config.max_step_rows or 0, config.max_group_rows,
+            config.long_prefill_always,
         )
         self.auto_row_cap = make_auto_row_cap(config.max_step_rows, config.device, self.scheduler.rotation,
                                               config.max_num_seqs)

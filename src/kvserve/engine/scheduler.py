@@ -98,13 +98,14 @@ class Scheduler:
     def __init__(
         self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
         policy: str = "fcfs", long_prefill_token_threshold: int = 0, max_step_rows: int = 0,
-        max_group_rows: int = 0,
+        max_group_rows: int = 0, long_prefill_always: bool = False,
     ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.policy = policy
         self.long_prefill_token_threshold = long_prefill_token_threshold  # 0: a chunk takes the budget
+        self.long_prefill_always = long_prefill_always  # the threshold applies alone too (`_chunk`)
         self.rotation = RowRotation(max_step_rows)  # 0: every running sequence computes every step
         self.max_group_rows = max_group_rows  # 0: a group's sequences all compute every step
         self.num_steps = 0
@@ -272,10 +273,14 @@ class Scheduler:
         """Tokens to compute for a request this step: what remains, within the budget; while other
         requests wait or run beside it, a prefill chunk of at most `long_prefill_token_threshold` (vLLM's
         knob), so a long prompt never takes a whole step from the others: a newcomer's first step costs
-        little more than it would alone. Alone, a request takes the whole budget as before."""
+        little more than it would alone. Alone, a request takes the whole budget -- offline, where every
+        request is queued before the step. A server sets `long_prefill_always` (vLLM's rule): a request
+        arriving during a step waits for it, and on a CPU a step of 2,048 prompt tokens takes seconds (a
+        1,072-token first read ~3 s on one thread: round_robin's RAG p90 over 2 such workers halved)."""
         num_new = min(num_remaining, budget)
         threshold = self.long_prefill_token_threshold
-        return threshold if self._contended and 0 < threshold < num_new else num_new
+        capped = self._contended or self.long_prefill_always
+        return threshold if capped and 0 < threshold < num_new else num_new
 
     def _adopt_cached_continuation(self, request: Request) -> None:
         adopted = self.block_manager.adopt_cached_continuation(request)
