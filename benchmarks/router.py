@@ -393,7 +393,9 @@ def worker_argv(args: argparse.Namespace, threads: int, store: str | None = None
     otherwise), the shared store when given, the torch threads."""
     host = ["--host-cache", args.host_cache] if args.host_cache is not None else []
     remote = ["--remote-cache", store] if store else []
-    return ["--model", args.model, "--num-blocks", str(args.num_blocks), *host, *remote, "--num-threads", str(threads)]
+    chunked = ["--long-prefill-always"] if args.long_prefill_always else []
+    return ["--model", args.model, "--num-blocks", str(args.num_blocks), *host, *remote, *chunked,
+            "--num-threads", str(threads)]
 
 
 def sizes_note(args: argparse.Namespace) -> str:
@@ -522,6 +524,8 @@ def main() -> None:
                         help="KV blocks per worker (16 tokens each: room for every conversation, no eviction, "
                              "with private system prompts too)")
     parser.add_argument("--host-cache", help="each worker's host RAM tier (e.g. 0: off); default: the server's")
+    parser.add_argument("--long-prefill-always", action="store_true",
+                        help="workers chunk a lone long prompt at the threshold too (serve --long-prefill-always)")
     parser.add_argument("--single-threads", type=int, default=2,
                         help="torch threads of the single worker (the cluster's workers have 1 each)")
     parser.add_argument("--users", type=int, default=16)

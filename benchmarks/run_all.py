@@ -19,7 +19,7 @@ ORDER = [
     "throughput", "memory_efficiency", "prefix_cache", "prefix_lookup", "parallel_memory", "server_load",
     "server_steps", "serve_sweep", "side_channel", "dashboard", "soak", "soak_paced", "soak_amx_fast", "router",
     "router_2w", "router_2w_amx", "router_2w_zen4", "router_2w_replayfix", "router_zen4_rag",
-    "router_zen4_chat", "router_shared_store",
+    "router_zen4_chat", "router_zen4_chunked", "router_shared_store",
     "router_shared_store_4w",
     "router_rag_bounded_store", "router_rag_bounded_host96", "router_rag_bounded_host", "router_rag_bounded",
     "router_rag_bounded_4w",
@@ -65,6 +65,9 @@ SCRIPTS = {
     "router_zen4_chat": ("router", ["--max-workers", "2", "--worker-counts", "2", "--workloads", "chat", "--no-single",
                                     "--policies", "round_robin", "cache_aware", "kv_events", "--repeat", "2",
                                     "--out", "router_zen4_chat"]),
+    "router_zen4_chunked": ("router", ["--max-workers", "2", "--worker-counts", "2", "--workloads", "chat", "rag",
+                                       "--no-single", "--policies", "round_robin", "cache_aware", "kv_events",
+                                       "--repeat", "2", "--long-prefill-always", "--out", "router_zen4_chunked"]),
     "router_2w_replayfix": ("router", ["--max-workers", "2", "--worker-counts", "2", "--workloads", "chat", "rag",
                                        "--no-single", "--repeat", "2", "--policies", "round_robin", "cache_aware",
                                        "kv_events", "--out", "router_2w_replayfix"]),  # after the replay fix

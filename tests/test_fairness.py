@@ -204,12 +204,12 @@ def test_long_prefill_always_chunks_alone(long_model_dir):
 
 
 def test_server_chunks_a_long_prompt_alone(chat_model_dir, tmp_path):  # noqa: F811
-    """A server cannot know whether a request arrives during a step, so its steps never take more than the
-    threshold of one prompt: every step of a lone 600-token prompt prefills at most 64 tokens."""
+    """`serve --long-prefill-always`: every step of a lone 600-token prompt prefills at most the threshold."""
     trace = tmp_path / "steps.jsonl"
     prompt = [7 + i % 300 for i in range(600)]
-    with launch_server(["--model", str(chat_model_dir), "--num-blocks", "256", "--long-prefill-token-threshold",
-                        "64"], env={"KVSERVE_STEP_TRACE": str(trace)}, startup_timeout=120) as server:
+    args = ["--model", str(chat_model_dir), "--num-blocks", "256", "--long-prefill-token-threshold", "64",
+            "--long-prefill-always"]
+    with launch_server(args, env={"KVSERVE_STEP_TRACE": str(trace)}, startup_timeout=120) as server:
         response = httpx.post(f"{server.url}/v1/completions", timeout=60,
                               json={"model": "tiny-chat", "prompt": prompt, "max_tokens": 1})
         assert response.status_code == 200, response.text

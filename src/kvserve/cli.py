@@ -61,6 +61,10 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--long-prefill-token-threshold", type=int, default=None,
                        help="most prompt tokens one request computes per step, so newcomers are not held "
                        "behind a long prompt; 0: off (default: max(64, 4%% of max_model_len))")
+    group.add_argument("--long-prefill-always", action="store_true",
+                       help="apply --long-prefill-token-threshold to a prompt alone too (vLLM's rule): a request "
+                       "that arrives during a step waits at most one chunk, at some cost to a lone long prompt "
+                       "and, measured, to cache-aware chat tails (default: only while others wait or run)")
     group.add_argument("--max-step-rows", type=parse_step_rows, default=0, metavar="N|auto",
                        help="most running sequences computing in one step, taking turns (longest-waiting "
                        "first), so every step stays short while newcomers arrive; 0: off (default); auto (CPU "

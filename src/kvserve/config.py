@@ -76,7 +76,7 @@ class EngineConfig:
     schedule_policy: str = "fcfs"
     max_blocks_per_request: int | None = None  # None: max(half the pool, one max_model_len sequence)
     long_prefill_token_threshold: int | None = None  # None: max(64, 4% of max_model_len); 0: off
-    long_prefill_always: bool = False  # chunk at the threshold even alone (a server: requests arrive mid-step)
+    long_prefill_always: bool = False  # chunk at the threshold even alone (vLLM's rule; Scheduler._chunk)
     max_step_rows: int | None = 0  # running sequences computing per step, in turn; None: auto (CPU); 0: off
     max_group_rows: int = 0  # most sequences of one request's group computing per step while others run; 0: off
     num_threads: int | None = None

@@ -273,10 +273,12 @@ class Scheduler:
         """Tokens to compute for a request this step: what remains, within the budget; while other
         requests wait or run beside it, a prefill chunk of at most `long_prefill_token_threshold` (vLLM's
         knob), so a long prompt never takes a whole step from the others: a newcomer's first step costs
-        little more than it would alone. Alone, a request takes the whole budget -- offline, where every
-        request is queued before the step. A server sets `long_prefill_always` (vLLM's rule): a request
-        arriving during a step waits for it, and on a CPU a step of 2,048 prompt tokens takes seconds (a
-        1,072-token first read ~3 s on one thread: round_robin's RAG p90 over 2 such workers halved)."""
+        little more than it would alone. Alone, a request takes the whole budget, unless
+        `long_prefill_always` (vLLM's rule): a request arriving during a step waits for it, and on a CPU a
+        step of 1,072 prompt tokens takes ~3 s on one thread. Measured over 2 one-thread servers
+        (BENCHMARKS.md, router_zen4_chunked): round_robin's RAG p90 halved, but cache-aware chat's p90 grew
+        15-45% (cold turns interleaved with warm ones) and a lone 2,048-token prompt took up to 11% longer:
+        opt-in."""
         num_new = min(num_remaining, budget)
         threshold = self.long_prefill_token_threshold
         capped = self._contended or self.long_prefill_always

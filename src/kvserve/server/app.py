@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import os
 import signal
@@ -153,8 +152,7 @@ def run_server(
     tier_blocks: list[int] = []  # how many blocks its host and disk tiers hold at most (`/load`)
 
     def build() -> LLMEngine:  # on the engine's thread, which then steps it (AsyncEngine.spawn says why)
-        # Requests arrive during steps here: long prefills are chunked alone too (Scheduler._chunk says why).
-        llm_engine = LLMEngine(dataclasses.replace(config, long_prefill_always=True))
+        llm_engine = LLMEngine(config)
         policy = getattr(getattr(llm_engine, "tiers", None), "policy", None)
         if publisher is not None:
             publisher.publish([AllBlocksCleared()])
