@@ -283,6 +283,10 @@ Single-request decode on that Zen 4 (section "... (kernels_zen4_decode_today)"):
 The seed's chat turn on that Zen 4 (section "... (short_prefill_zen4)"): **1.93-2.88x its 100 tokens alone** in two
 runs (the turn 122-130 ms, the 100 tokens alone 45-64 ms; llama-cpp-python 1.71x, 587 ms) and 2.24x taken apart in
 one process (97.5 against 43.5 ms; the attention kernel 41-43 ms of it), where the AMX Xeon's tiles gave 1.70-1.79x.
+**`--long-prefill-always`** (vLLM's rule, opt-in: a prompt alone is chunked at the threshold too, so a request
+arriving during its prefill waits one chunk, not the whole prompt; section "... (router_zen4_chunked)", 2 one-thread
+workers on the Zen 4): RAG p90 round_robin 2.4-2.7 -> 1.1 s, the cache-aware policies ~9% lower; chat p90 of the
+cache-aware policies 15-45% higher; a lone 2,048-token prompt 0-11% slower. Off by default.
 **Router where a replica's cache is the limit** (section "... (router_rag_bounded)"): hit rate
 85-90% against round_robin's 63-69%, median TTFT 2.8-5.5x lower, p90 only 1.4-1.6x (2.0-2.1x at 160 blocks)
 over 2 workers; over 4, hit rate 94% against 66.5% and **p90 9.1x / 8.8x** (section "... (router_rag_bounded_4w)");
