@@ -153,7 +153,7 @@ def run_server(
 
     def build() -> LLMEngine:  # on the engine's thread, which then steps it (AsyncEngine.spawn says why)
         llm_engine = LLMEngine(config)
-        policy = getattr(getattr(llm_engine, "tiers", None), "policy", None)
+        policy = llm_engine.tiers.policy if llm_engine.tiers is not None else None
         if publisher is not None:
             publisher.publish([AllBlocksCleared()])
             attach_kv_events(llm_engine.block_manager, publisher)

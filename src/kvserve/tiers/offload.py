@@ -248,13 +248,10 @@ class OffloadPolicy:
         """Delete this model's blocks from host and disk (`reset_prefix_cache(tiers=True)`); returns how
         many. Other fingerprints' files in a shared disk directory stay: they are other models' caches.
         The remote store is shared by every replica and is never cleared from one of them."""
-        digest = self.fingerprint.digest
-        count = 0
-        for store in (self.host, self.disk):
-            if store is None:
-                continue
-            if store is self.disk and self._disk_writer is not None:
-                self._disk_writer.flush()  # host evictions still queued would land after the clear
+        if self._disk_writer is not None:
+            self._disk_writer.flush()  # host evictions still queued for disk would land after the clear
+        digest, count = self.fingerprint.digest, 0
+        for store in (s for s in (self.host, self.disk) if s is not None):
             keys = [key for key in store.keys_lru_first() if key.startswith(digest)]
             store.delete(keys)
             count += len(keys)
