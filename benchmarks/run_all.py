@@ -29,7 +29,7 @@ ORDER = [
     "kernels_avx2_prefill", "kernels_zen1", "kernels_zen1_decode", "configs_zen1", "qgemm_zen1", "membw_zen1",
     "fp_rate_zen1", "load_footprint_zen1", "kernels_zen4", "kernels_zen4_decode", "kernels_zen4_crossover",
     "kernels_zen4_prefetch", "kernels_zen4_decode_today_decode", "long_decode", "batch_decode",
-    "kernels_zen4_bf16attn_prefill",
+    "kernels_zen4_bf16attn_prefill", "kernels_zen4_today",
     "kernels_zen4_avx2_decode", "kernels_zen4_avx2", "isa_pairing", "kernels_amx_bf16attn",
     "kernels_amx_bf16attn_prefill", "kernels_amx_bf16attn_final_prefill", "batch_decode_amx_fresh",
     "batch_decode_amx_pair", "kernels_amx_bf16prefill_prefill", "kernels_amx_bf16prefill_pair_prefill",
@@ -153,6 +153,7 @@ SCRIPTS = {
     "amx_exact": ("amx", ["--exact"]),  # on a CPU with AMX-BF16
     "kernels_amx_prefill": ("native_kernels", ["--prefill-only", "--out", "kernels_amx"]),  # on a CPU with AMX
     # bf16 attention products and the bf16 KV cache (on a Zen 4, then on a CPU with AMX)
+    "kernels_zen4_today": ("native_kernels", ["--quick", "--out", "kernels_zen4_today"]),  # with llama.cpp tools
     "kernels_zen4_bf16attn_prefill": ("native_kernels",
                                       ["--prefill-only", "--rounds", "3", "--out", "kernels_zen4_bf16attn"]),
     "kernels_amx_bf16attn": ("native_kernels", ["--quick", "--out", "kernels_amx_bf16attn"]),
