@@ -18,8 +18,7 @@ ROOT = HERE.parent
 ORDER = [
     "throughput", "memory_efficiency", "prefix_cache", "prefix_lookup", "parallel_memory", "server_load",
     "server_steps", "serve_sweep", "side_channel", "dashboard", "soak", "soak_zen4", "soak_paced", "soak_amx_fast",
-    "router",
-    "router_2w", "router_2w_amx", "router_2w_zen4", "router_2w_replayfix", "router_zen4_rag",
+    "router", "router_2w", "router_2w_amx", "router_2w_zen4", "router_2w_replayfix", "router_zen4_rag",
     "router_zen4_chat", "router_zen4_chunked", "router_shared_store",
     "router_shared_store_4w",
     "router_rag_bounded_store", "router_rag_bounded_host96", "router_rag_bounded_host", "router_rag_bounded",

@@ -195,7 +195,7 @@ def test_invalid_fairness_settings_name_the_field(field, value):
 
 
 def test_long_prefill_always_chunks_alone(long_model_dir):
-    """`long_prefill_always` (what a server sets): a prompt alone is chunked at the threshold too."""
+    """`long_prefill_always` (`serve --long-prefill-always`): a prompt alone is chunked at the threshold too."""
     engine = make_engine(long_model_dir, num_blocks=640, long_prefill_token_threshold=64, long_prefill_always=True)
     engine.add_request(LONG_PROMPT, SamplingParams(max_tokens=1), request_id="long")
     assert engine.scheduler.schedule().num_tokens == 64

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -46,19 +47,15 @@ def test_large_pool_is_lazy_zeroed_and_writable():
 
 def _vm_flags(address: int) -> list[str]:
     """The VmFlags of the /proc/self/smaps mapping that holds `address` ("sh": shared)."""
-    entry: list[str] | None = None
-    for line in open("/proc/self/smaps").read().splitlines():
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
         head = line.split()
-        if "-" in head[0] and ":" not in head[0]:
+        if "-" in head[0] and ":" not in head[0]:  # a mapping's header: its address range
             low, high = (int(part, 16) for part in head[0].split("-"))
-            if entry is not None:
-                break
-            if low <= address < high:
-                entry = []
-        elif entry is not None and head[0] == "VmFlags:":
-            entry = head[1:]
-    assert entry, f"no mapping holds {address:#x}"
-    return entry
+            inside = low <= address < high
+        elif inside and head[0] == "VmFlags:":
+            return head[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
 
 
 @pytest.mark.model
