@@ -27,7 +27,8 @@ ORDER = [
     "router_chat_bounded", "router_chat_bounded_host",
     "router_chat_bounded_4w", "eviction", "structured", "tiers", "kernels", "kernels_avx2",
     "kernels_avx2_prefill", "kernels_zen1", "kernels_zen1_decode", "configs_zen1", "qgemm_zen1", "membw_zen1",
-    "fp_rate_zen1", "load_footprint_zen1", "kernels_zen4", "kernels_zen4_decode", "kernels_zen4_crossover",
+    "fp_rate_zen1", "fp_rate_zen4", "load_footprint_zen1", "kernels_zen4", "kernels_zen4_decode",
+    "kernels_zen4_crossover",
     "kernels_zen4_prefetch", "kernels_zen4_decode_today_decode", "long_decode", "batch_decode",
     "kernels_zen4_bf16attn_prefill", "kernels_zen4_today", "batch_decode_zen4_bf16attn",
     "kernels_zen4_avx2_decode", "kernels_zen4_avx2", "isa_pairing", "kernels_amx_bf16attn",
@@ -35,7 +36,7 @@ ORDER = [
     "batch_decode_amx_pair", "kernels_amx_bf16prefill_prefill", "kernels_amx_bf16prefill_pair_prefill",
     "kernels_amx_softmax_prefill", "kernels_amx_deferred_prefill", "batch_decode_amx_bf16prefill",
     "batch_decode_amx_fp8", "batch_decode_zen4_fp8", "short_prefill",
-    "short_prefill_configs", "short_prefill_zen4",
+    "short_prefill_configs", "short_prefill_zen4", "turn_bound_zen4",
     "perplexity",
     "kernels_amx", "configs", "configs_amx", "configs_amx_kv", "amx",
     "amx_exact", "kernels_prefill", "kernels_amx_prefill", "membw", "kernels_decode", "decode_step",
@@ -139,6 +140,8 @@ SCRIPTS = {
     "qgemm_zen1": ("qgemm", ["--rows", "8,16,32,48,64,128,512", "--rounds", "3", "--out", "qgemm_zen1"]),
     "membw_zen1": ("membw", ["--out", "membw_zen1"]),
     "fp_rate_zen1": ("fp_rate", ["--out", "fp_rate_zen1"]),
+    "fp_rate_zen4": ("fp_rate", ["--out", "fp_rate_zen4", "--passes", "5"]),
+    "turn_bound_zen4": ("turn_bound", ["--out", "turn_bound_zen4"]),
     "load_footprint_zen1": ("load_footprint", ["--out", "load_footprint_zen1"]),
     "kernels_avx2": ("native_kernels", ["--quick", "--skip-hf-bf16", "--out", "kernels_avx2"]),  # on an AVX2-only CPU
     "kernels_zen4": ("native_kernels", ["--quick", "--out", "kernels_zen4"]),  # on a Zen 4: AVX-512 + BF16, no AMX
