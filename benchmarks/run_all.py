@@ -292,6 +292,10 @@ Single-request decode on that Zen 4 (section "... (kernels_zen4_decode_today)"):
 The seed's chat turn on that Zen 4 (section "... (short_prefill_zen4)"): **1.93-2.88x its 100 tokens alone** in two
 runs (the turn 122-130 ms, the 100 tokens alone 45-64 ms; llama-cpp-python 1.71x, 587 ms) and 2.24x taken apart in
 one process (97.5 against 43.5 ms; the attention kernel 41-43 ms of it), where the AMX Xeon's tiles gave 1.70-1.79x.
+Against that Zen 4's own arithmetic (sections "... (fp_rate_zen4)" and "... (turn_bound_zen4)", 2026-12-06): even
+if the turn's 6.74 G attention multiply-adds ran at the CPU's measured peak (115 G/s of 512-bit FMAs, 231 G/s of
+bf16 pair products, 2 threads) and cost nothing else, it would take **1.43x (exact) / 1.66x (bf16 attention)**
+its 100 tokens alone (measured 1.73x / 2.29x): the 1.2x is out of this CPU's reach.
 **`--long-prefill-always`** (vLLM's rule, opt-in: a prompt alone is chunked at the threshold too, so a request
 arriving during its prefill waits one chunk, not the whole prompt; section "... (router_zen4_chunked)", 2 one-thread
 workers on the Zen 4): RAG p90 round_robin 2.4-2.7 -> 1.1 s, the cache-aware policies ~9% lower; chat p90 of the
