@@ -17,7 +17,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 ORDER = [
     "throughput", "memory_efficiency", "prefix_cache", "prefix_lookup", "parallel_memory", "server_load",
-    "server_steps", "serve_sweep", "side_channel", "dashboard", "soak", "soak_zen4", "soak_paced", "soak_amx_fast",
+    "server_steps", "serve_sweep", "side_channel", "dashboard", "soak", "soak_zen4", "soak_bound_zen4",
+    "soak_paced", "soak_amx_fast",
     "router", "router_2w", "router_2w_amx", "router_2w_zen4", "router_2w_replayfix", "router_zen4_rag",
     "router_zen4_chat", "router_zen4_chunked", "router_shared_store",
     "router_shared_store_4w",
@@ -119,6 +120,7 @@ SCRIPTS = {
                                           "--policies", "round_robin", "cache_aware", "kv_events", "--num-blocks",
                                           "960", "--host-cache", "0", "--out", "router_chat_bounded_4w"]),
     "soak_zen4": ("soak", ["--trace", "/tmp/soakz", "--out", "soak_zen4"]),  # on a Zen 4
+    "soak_bound_zen4": ("soak_bound", ["--trace", "/tmp/soakz", "--out", "soak_bound_zen4"]),  # soak_zen4's trace
     "soak_paced": ("soak", ["--think", "5", "--out", "soak_paced"]),  # the soak at a person's pace
     # the soak with the server in the fastest configuration (on a CPU with AMX-BF16)
     "soak_amx_fast": ("soak", ["--server-arg=--activation-quant=int8", "--server-arg=--kv-cache-dtype=bfloat16",
