@@ -394,6 +394,8 @@ def worker_argv(args: argparse.Namespace, threads: int, store: str | None = None
     host = ["--host-cache", args.host_cache] if args.host_cache is not None else []
     remote = ["--remote-cache", store] if store else []
     chunked = ["--long-prefill-always"] if args.long_prefill_always else []
+    if args.long_prefill_token_threshold is not None:
+        chunked += ["--long-prefill-token-threshold", str(args.long_prefill_token_threshold)]
     return ["--model", args.model, "--num-blocks", str(args.num_blocks), *host, *remote, *chunked,
             "--num-threads", str(threads)]
 
@@ -526,6 +528,8 @@ def main() -> None:
     parser.add_argument("--host-cache", help="each worker's host RAM tier (e.g. 0: off); default: the server's")
     parser.add_argument("--long-prefill-always", action="store_true",
                         help="workers chunk a lone long prompt at the threshold too (serve --long-prefill-always)")
+    parser.add_argument("--long-prefill-token-threshold", type=int, default=None,
+                        help="workers' prefill chunk bound (serve --long-prefill-token-threshold)")
     parser.add_argument("--single-threads", type=int, default=2,
                         help="torch threads of the single worker (the cluster's workers have 1 each)")
     parser.add_argument("--users", type=int, default=16)

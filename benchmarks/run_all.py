@@ -20,7 +20,7 @@ ORDER = [
     "server_steps", "serve_sweep", "side_channel", "dashboard", "soak", "soak_zen4", "soak_bound_zen4",
     "soak_paced", "soak_amx_fast",
     "router", "router_2w", "router_2w_amx", "router_2w_zen4", "router_2w_replayfix", "router_zen4_rag",
-    "router_zen4_chat", "router_zen4_chunked", "router_shared_store",
+    "router_zen4_chat", "router_zen4_chunked", "router_rag_chunked96", "router_chat_chunked96", "router_shared_store",
     "router_shared_store_4w",
     "router_rag_bounded_store", "router_rag_bounded_host96", "router_rag_bounded_host", "router_rag_bounded",
     "router_rag_bounded_4w",
@@ -55,6 +55,14 @@ WRITE_UPS = {"avx2_exact_gemm", "perplexity_earlier", "decode_step_batch_split",
              "kernels_amx_deferred_prefill"}  # the last two: paired against a checkout
 # Sections written by another script's mode: (script, its arguments).
 SCRIPTS = {
+    "router_rag_chunked96": ("router", ["--max-workers", "2", "--worker-counts", "2", "--workloads", "rag",
+                                        "--no-single", "--policies", "round_robin", "cache_aware", "kv_events",
+                                        "--long-prefill-always", "--long-prefill-token-threshold", "96",
+                                        "--repeat", "3", "--out", "router_rag_chunked96"]),
+    "router_chat_chunked96": ("router", ["--max-workers", "2", "--worker-counts", "2", "--workloads", "chat",
+                                         "--no-single", "--policies", "round_robin", "cache_aware", "kv_events",
+                                         "--long-prefill-always", "--long-prefill-token-threshold", "96",
+                                         "--repeat", "2", "--out", "router_chat_chunked96"]),
     "router_2w": ("router", ["--max-workers", "2", "--worker-counts", "2", "--workloads", "rag", "chat",
                              "--no-single", "--policies", "round_robin", "cache_aware", "kv_events",
                              "--out", "router_2w"]),
