@@ -405,8 +405,8 @@ def test_share_guard_sends_past_the_share_to_a_less_busy_worker():
     assert guard.shed(pool[0], pool) is None
     pool[1].in_flight, pool[1].starts = 0, pending([])
     assert guard.shed(pool[1], pool) is None  # w1 is within its share
-    policy = CacheAwarePolicy(CacheAwareSettings(max_share=0.6))
-    tokens = list(range(100, 400))
+    policy = CacheAwarePolicy(CacheAwareSettings(max_share=0.6, warm_copy=False))  # moved (warm copies:
+    tokens = list(range(100, 400))  # tests/test_router_warm_copy.py)
     for _ in range(40):
         policy.on_routed(key(tokens), pool[0])
     decision = policy.choose(key(tokens), pool)

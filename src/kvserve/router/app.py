@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from kvserve.router.affinity import CacheKeyAffinity, ResponseAffinity
-from kvserve.router.handoff import FallbackLog, run_prefill
+from kvserve.router.handoff import FallbackLog, prefill_body, run_prefill
 from kvserve.router.keys import CHAT_PATH, COMPLETIONS_PATH, RESPONSES_PATH, RequestKeyer, RouteKey
 from kvserve.router.metrics import RouterMetrics
 from kvserve.router.policies.base import Decision, Policy
@@ -45,6 +46,7 @@ from kvserve.router.workers import Worker, WorkerPool
 from kvserve.server.auth import ApiKeys, AuthError, authenticate, require_admin
 from kvserve.server.roles import STORE_PROBE_HEADER
 
+logger = logging.getLogger("kvserve.router")
 MAX_BODY_BYTES = 16 * 1024 * 1024  # the workers' own limit
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -63,6 +65,7 @@ class Router:
     affinity: ResponseAffinity = field(default_factory=ResponseAffinity)
     cache_keys: CacheKeyAffinity = field(default_factory=CacheKeyAffinity)
     fallbacks: FallbackLog = field(init=False)
+    copies: set[asyncio.Task] = field(default_factory=set)  # warm copies in flight (held: tasks are weak)
 
     def __post_init__(self) -> None:
         self.fallbacks = FallbackLog(self.metrics)
@@ -104,6 +107,8 @@ class Router:
                 decision = self._decide(key, candidates, started if attempt == 0 else None)
                 worker, prefill = decision.worker, decision.uncached(key)
                 route = route_header(decision, key, candidates)
+                if decision.copy_to is not None and isinstance(parsed, dict):
+                    self._warm_copy(decision.copy_to, path, parsed, forward_headers(request), key)
                 if decision.store_probe is not None:  # over a shared store (policies/store.py)
                     headers[STORE_PROBE_HEADER] = "1" if decision.store_probe else "0"
             tried.add(worker)
@@ -127,6 +132,27 @@ class Router:
         self.metrics.failures.labels("no_worker").inc()
         detail = "; ".join(errors) if errors else "no worker is in the pool"
         return error_response(503, f"no worker could take the request: {detail}", "no_worker_available")
+
+    def _warm_copy(self, worker: Worker, path: str, parsed: dict, headers: dict[str, str], key: RouteKey) -> None:
+        """The share guard's warm copy (`Decision.copy_to`): the request as a one-token prefill
+        (`handoff.prefill_body`: same tenant, salt and prompt) to `worker`, in its load like any request
+        while it runs, its answer dropped. The policy indexes the prompt there as sent."""
+        self.policy.on_copied(key, worker)
+        prefill = len(key.tokens) if key.tokens is not None else 0  # an upper bound: what it lacks is unknown here
+        upstream = Upstream(self.client, worker, path, prefill_body(parsed), headers, self.metrics, prefill,
+                            on_prefilled=lambda: self.policy.on_prefilled(key, worker))
+        task = asyncio.create_task(self._run_copy(upstream))
+        self.copies.add(task)
+        task.add_done_callback(self.copies.discard)
+
+    async def _run_copy(self, upstream: Upstream) -> None:
+        try:
+            status = await upstream.detached()
+        except httpx.TransportError as err:  # the health poll deals with the worker; nobody waits on this
+            logger.info("router: warm copy to %s failed: %s", upstream.worker.url, err)
+            self.metrics.warm_copies.labels(upstream.worker.url, "failed").inc()
+            return
+        self.metrics.warm_copies.labels(upstream.worker.url, "ok" if status == 200 else str(status)).inc()
 
     async def _prefill_first(
         self, request: Request, path: str, parsed: object, key: RouteKey, started: float
@@ -208,6 +234,8 @@ def build_router_app(router: Router) -> FastAPI:
             yield
         finally:
             poller.cancel()
+            for copy in list(router.copies):
+                copy.cancel()
             await router.policy.stop()
             await router.client.aclose()
 
@@ -261,7 +289,8 @@ def route_header(decision: Decision, key: RouteKey, candidates: list[Worker]) ->
     prompt = len(key.tokens) if key.tokens is not None else 0
     return (f"worker={worker.url}; reason={decision.reason}; prompt={prompt}; matched={decision.matched_tokens}; "
             f"ahead_requests={worker.in_flight}; ahead_tokens={worker.pending_prefill}; "
-            f"others_min_requests={min(others, default=0)}")
+            f"others_min_requests={min(others, default=0)}"
+            + (f"; copy={decision.copy_to.url}" if decision.copy_to is not None else ""))
 
 
 async def _read_body(request: Request) -> bytes | None:

@@ -39,6 +39,7 @@ class RouterConfig:
     request_overhead: float = REQUEST_OVERHEAD
     load_estimate: str = "eta"
     max_share: float = MAX_SHARE
+    warm_copy: bool = True  # the share guard copies a prefix with a duplicate request nobody waits for
     queue_model: str = "fcfs"  # eta's queue: "shared" is the earlier processor-sharing estimate
     pd_min_prompt: int = PD_MIN_PROMPT
     store_fetch_cost: float = STORE_FETCH_COST  # kv_events over workers sharing a store (policies/store.py)

@@ -75,6 +75,9 @@ class RouterMetrics:
         self.matched_tokens = Counter(
             "kvserve_router_matched_tokens", "Prompt tokens the policy expected cached on the chosen worker "
             "(matched / prompt = the worker's match rate).", ["worker"], registry=self.registry)
+        self.warm_copies = Counter("kvserve_router_warm_copies", "Share-guard warm copies: duplicates sent to "
+                                   "compute a prompt on a less served worker, by outcome.", ["worker", "outcome"],
+                                   registry=self.registry)
         self.retries = Counter("kvserve_router_retries", "Requests re-sent to another worker before streaming.",
                                registry=self.registry)
         self.failures = Counter("kvserve_router_failed", "Requests that failed after no worker could take them "

@@ -33,7 +33,7 @@ CLIENT_CLOSED_REQUEST = 499
 # What the router decided for a request, for whoever studies its tail (benchmarks/router.py):
 # `worker=URL; reason=R; prompt=N; matched=N; ahead_requests=N; ahead_tokens=N; others_min_requests=N`:
 # the chosen worker's requests in flight and their pending prefill tokens at the moment of the decision,
-# and the fewest requests in flight on any other candidate.
+# and the fewest requests in flight on any other candidate; `; copy=URL` when a warm copy went there.
 ROUTE_HEADER = "x-kvserve-route"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # Hop-by-hop and framing headers are the proxy's own business; everything else passes unchanged.
@@ -121,6 +121,19 @@ class Upstream:
             self.on_answer(answer.content)
         return Response(answer.content, status_code=answer.status_code,
                         headers=_response_headers(answer) | self._own_headers())
+
+    async def detached(self) -> int:
+        """Send with no caller to answer (a warm copy): counted in the worker's load like any attempt, its
+        answer dropped; returns its status. Raises httpx.TransportError."""
+        self._begin()
+        try:
+            answer = await self.client.post(self.worker.url + self.path, content=self.body, headers=self.headers,
+                                            timeout=None)
+        finally:
+            self._end()
+        if answer.status_code == 200 and self.on_prefilled is not None:
+            self.on_prefilled()
+        return answer.status_code
 
     async def stream(self, request: Request) -> Response:
         """Open the stream and wait for its first chunk (retryable until then), then relay the rest."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections import deque
 from collections.abc import Callable
@@ -21,6 +22,7 @@ class Decision:
     reason: str
     matched_tokens: int = 0
     store_probe: bool | None = None  # over a shared store: should the worker ask it (None: no opinion)
+    copy_to: Worker | None = None  # the share guard's warm copy: send a duplicate there too, answered to nobody
 
     def uncached(self, key: RouteKey) -> int:
         """The prompt tokens the worker must compute (its pending prefill while the request waits)."""
@@ -41,6 +43,10 @@ class Policy:
     def on_prefilled(self, key: RouteKey, worker: Worker) -> None:
         """`worker` answered the request keyed `key` (its first token or its whole answer): the prompt's
         blocks are computed there, and written through to its store if it shares one."""
+
+    def on_copied(self, key: RouteKey, worker: Worker) -> None:
+        """A duplicate of the request keyed `key` went to `worker` to compute its prompt there (a warm copy,
+        `Decision.copy_to`): index it as sent there, without counting it as a request routed."""
 
     def on_join(self, worker: Worker) -> None:
         """`worker` (re)joined the pool: whatever was indexed for it is stale."""
@@ -147,10 +153,18 @@ class ShareGuard:
     that worker waits for it (2-3 copies per RAG run here, each one read-long wait or more in the tail).
 
     Only the busiest worker of 2 can pass a share above 1/2, so the default (0.58) acts on 2 workers
-    and, over more, only on one worker taking well over its fair share."""
+    and, over more, only on one worker taking well over its fair share.
 
-    def __init__(self, max_share: float, window: int = SHARE_WINDOW) -> None:
+    With `warm_copy` (`apply`) nobody waits for that copy: when the lighter worker lacks part of the prompt
+    the chosen one holds, the request stays where it was going and a duplicate of it (one token, answered
+    to nobody) computes the prompt on the lighter worker beside its own traffic; once that is done, the
+    estimate splits the prefix's requests by load. Moving the request made it wait for the copy: in the RAG
+    benchmark over 2 workers those one or two copies per run were the requests slower than 1 s after the
+    start-up (benchmarks/results/router_rag_chunked96.md)."""
+
+    def __init__(self, max_share: float, window: int = SHARE_WINDOW, warm_copy: bool = False) -> None:
         self.max_share = max_share
+        self.warm_copy = warm_copy
         self.recent: deque[Worker] = deque(maxlen=window)
 
     def add(self, worker: Worker) -> None:
@@ -170,3 +184,14 @@ class ShareGuard:
         if not lighter:
             return None
         return min(lighter, key=lambda worker: (self.share(worker), worker.load_score))
+
+    def apply(self, decision: Decision, workers: list[Worker], matches: dict[Worker, int]) -> Decision:
+        """The guard over a policy's decision (`matches`: the prompt tokens each worker holds): unchanged;
+        moved to a lighter worker (reason `share`) when that one holds as much of the prompt, or always
+        without `warm_copy`; else kept, with the lighter worker as its warm copy's target (`copy_to`)."""
+        lighter = self.shed(decision.worker, workers)
+        if lighter is None:
+            return decision
+        if not self.warm_copy or matches[lighter] >= matches[decision.worker]:
+            return Decision(lighter, "share", matches[lighter])
+        return dataclasses.replace(decision, copy_to=lighter)

@@ -14,9 +14,11 @@ requests this router has in flight there) instead of its request count: a hit go
 unless the work queued there outweighs computing the prompt on another worker (reason `rebalance`);
 a miss goes to the worker whose queue finishes first (the smallest tree among equals); then
 `ShareGuard` may send it to a less busy worker when the chosen one has served more than `max_share` of
-the recent requests. (By estimate alone and without the share guard, a simulated RAG run once put 3 of 4
-documents on one worker and 60% of the requests with them; the smallest tree within half a prompt of
-the cheapest, the rule in between, started first reads behind another worker's queue.) The
+the recent requests (with `warm_copy`, when that worker lacks the prefix: keep it, and copy the prefix
+there with a duplicate nobody waits for). (By estimate alone and without the share guard, a simulated
+RAG run once put 3 of 4 documents on one worker and 60% of the requests with them; the smallest tree
+within half a prompt of the cheapest, the rule in between, started first reads behind another worker's
+queue.) The
 request count alone missed the difference between a busy worker and a busy one with an idle twin: over
 2 workers, a conversation's turn waited behind two others on its worker while the other idled, and
 chat TTFT p90 was 1.3× one worker's (benchmarks/results/router.md). Step 1 stays SGLang's.
@@ -30,6 +32,7 @@ tenant (and cache_salt).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from kvserve.router.config import BALANCE_ABS, BALANCE_REL, CACHE_THRESHOLD, LOAD_ESTIMATES, MAX_SHARE, TREE_BUDGET
@@ -57,6 +60,7 @@ class CacheAwareSettings:
     load_estimate: str = "eta"  # "requests": SGLang's rule as is
     cost: EtaCost = EtaCost()
     max_share: float = MAX_SHARE  # with eta: ShareGuard (1.0: off)
+    warm_copy: bool = True  # ShareGuard copies a prefix with a duplicate nobody waits for, not by moving a request
     store: SharedStore = SharedStore()  # workers sharing a KV store load what another one computed
 
     def __post_init__(self) -> None:
@@ -86,7 +90,7 @@ class CacheAwarePolicy(Policy):
         self._answered: dict[Worker, TokenTree] = {}  # prompts each worker has answered: computed, in its store
         self._ties = LoadTieBreaker()
         self.hot = HotPrefixes()
-        self.shares = ShareGuard(self.settings.max_share)
+        self.shares = ShareGuard(self.settings.max_share, warm_copy=self.settings.warm_copy)
 
     def tree(self, worker: Worker, trees: dict[Worker, TokenTree] | None = None) -> TokenTree:
         """The worker's tree (of `trees`, default what was sent there), bounded by what the worker can hold:
@@ -116,7 +120,7 @@ class CacheAwarePolicy(Policy):
         decision = self._choose(key, workers, matches, imbalanced)
         if matches[decision.worker] > held[decision.worker] and decision.reason in (
                 "cache_hit", "rebalance", "smallest_tree"):
-            decision = Decision(decision.worker, "shared_store", decision.matched_tokens)
+            decision = dataclasses.replace(decision, reason="shared_store")
         return decision  # no probe hint: these trees forget what the store still holds (see SharedStore)
 
     def _choose(self, key: RouteKey, workers: list[Worker], matches: dict[Worker, int], imbalanced: bool) -> Decision:
@@ -132,9 +136,7 @@ class CacheAwarePolicy(Policy):
             if target > s.cache_threshold * len(key.tokens) or self.hot.worth_copying(key, matches, target):
                 return Decision(chosen, "imbalance", target)
         if s.load_estimate == "eta":
-            decision = self._by_eta(key, workers, matches, hit)
-            lighter = self.shares.shed(decision.worker, workers)
-            return decision if lighter is None else Decision(lighter, "share", matches[lighter])
+            return self.shares.apply(self._by_eta(key, workers, matches, hit), workers, matches)
         if hit:
             holders = [worker for worker in workers if matches[worker] == best]
             return Decision(self._ties.least_loaded(holders), "cache_hit", best)
@@ -165,6 +167,10 @@ class CacheAwarePolicy(Policy):
     def on_routed(self, key: RouteKey, worker: Worker) -> None:
         self.hot.add(key)
         self.shares.add(worker)
+        if key.usable:
+            self.tree(worker).insert(tree_key(key))
+
+    def on_copied(self, key: RouteKey, worker: Worker) -> None:
         if key.usable:
             self.tree(worker).insert(tree_key(key))
 

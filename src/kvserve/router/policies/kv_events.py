@@ -21,7 +21,8 @@ hot document or a shared system prompt from a busy worker to an idle one (then b
 splits it). One of 4 equally asked documents on 4 workers is not copied when its requests bunch up for
 a moment: the copy would cost a full prefill to save one wait. Over a window, `ShareGuard` sends a
 request away from a worker that served more than `max_share` of the recent ones while another has
-fewer requests and no more prefill in flight (reason `share`): affinity splits requests as the
+fewer requests and no more prefill in flight (reason `share`; with `warm_copy`, a worker lacking the
+prefix gets a duplicate that computes it while the request stays): affinity splits requests as the
 prefixes' popularity does. Reasons: `cache_hit` (the chosen worker holds the most), `rebalance` (the queue outweighed a
 better-cached worker), `least_load` (cached nowhere: the least estimated work).
 
@@ -84,7 +85,8 @@ class KvEventsPolicy(Policy):
 
     def __init__(self, cost: EtaCost | None = None, balance_abs: int = BALANCE_ABS,
                  balance_rel: float = BALANCE_REL, max_share: float = MAX_SHARE,
-                 store: SharedStore | None = None, tier_fetch_cost: float = TIER_FETCH_COST) -> None:
+                 store: SharedStore | None = None, tier_fetch_cost: float = TIER_FETCH_COST,
+                 warm_copy: bool = True) -> None:
         if not 0.0 <= tier_fetch_cost <= 1.0:
             raise ValueError(f"tier_fetch_cost must be in [0, 1], got {tier_fetch_cost}")
         self.tier_fetch_cost = tier_fetch_cost
@@ -97,7 +99,7 @@ class KvEventsPolicy(Policy):
         self.balance_rel = balance_rel
         self._ties = LoadTieBreaker()
         self.hot = HotPrefixes()
-        self.shares = ShareGuard(max_share)
+        self.shares = ShareGuard(max_share, warm_copy=warm_copy)
         self.streams: dict[Worker, EventStream] = {}
         self._tasks: dict[Worker, asyncio.Task] = {}
         self.handlers: dict[Worker, WorkerEvents] = {}
@@ -130,12 +132,9 @@ class KvEventsPolicy(Policy):
                 return Decision(chosen, "imbalance", target)
         costs = self.cost.costs(len(key.tokens), runs)
         chosen = self._ties.least_loaded(EtaCost.cheapest(costs))
-        lighter = self.shares.shed(chosen, workers)
-        if lighter is not None:
-            return Decision(lighter, "share", runs[lighter])
         reason = ("least_load" if best == 0 else "shared_store" if runs[chosen] > held[chosen]
                   else "rebalance" if runs[chosen] < best else "cache_hit")
-        return Decision(chosen, reason, runs[chosen])
+        return self.shares.apply(Decision(chosen, reason, runs[chosen]), workers, runs)
 
     def cached_tokens(self, key: RouteKey, workers: list[Worker]) -> CachedRuns | None:
         """Per worker, in tokens of the prompt's leading blocks: what its device holds (or was just sent),
@@ -191,6 +190,9 @@ class KvEventsPolicy(Policy):
     def on_routed(self, key: RouteKey, worker: Worker) -> None:
         self.hot.add(key)
         self.shares.add(worker)
+        self.on_copied(key, worker)
+
+    def on_copied(self, key: RouteKey, worker: Worker) -> None:
         hashes = self._hashes(key, [worker])  # the ones choose() computed, for the same key
         if worker in hashes:
             self.pending.add(worker.url, hashes[worker], time.monotonic())

@@ -1,0 +1,151 @@
+"""The share guard's warm copy (`--warm-copy`): when the guard would move a request to a worker lacking its
+prefix, the request stays where the policy sent it and a duplicate (one token, no stream, same tenant and
+body) computes the prompt on the less served worker; nobody waits for it, it counts in that worker's load
+while it runs, and the policy indexes the prompt there."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+from starlette.requests import Request
+
+from kvserve.router.app import Router, route_header
+from kvserve.router.keys import RequestKeyer, RouteKey, namespace_marker
+from kvserve.router.metrics import RouterMetrics
+from kvserve.router.policies.base import Decision, Policy, ShareGuard
+from kvserve.router.policies.cache_aware import CacheAwarePolicy, CacheAwareSettings
+from kvserve.router.workers import Worker, WorkerLoad, WorkerPool
+
+PATH = "/v1/completions"
+
+
+def workers(count: int) -> list[Worker]:
+    return [Worker(url=f"http://w{i}", healthy=True, load=WorkerLoad(block_size=4, prefix_hash="sha256"))
+            for i in range(count)]
+
+
+def key(tokens: list[int]) -> RouteKey:
+    return RouteKey(tokens=tuple(tokens), namespace=("alice", ""), exact=True)
+
+
+def full_guard(pool: list[Worker], warm_copy: bool) -> ShareGuard:
+    guard = ShareGuard(0.6, window=10, warm_copy=warm_copy)
+    for _ in range(10):
+        guard.add(pool[0])
+    pool[0].in_flight = 2  # w0 served every recent request and is busier: the guard acts
+    return guard
+
+
+def test_the_guard_keeps_the_request_and_copies_where_the_lighter_worker_lacks_the_prefix():
+    pool = workers(2)
+    chosen = Decision(pool[0], "cache_hit", 300)
+    copied = full_guard(pool, warm_copy=True).apply(chosen, pool, {pool[0]: 300, pool[1]: 0})
+    assert copied.worker is pool[0] and copied.reason == "cache_hit" and copied.copy_to is pool[1]
+    moved = full_guard(pool, warm_copy=True).apply(chosen, pool, {pool[0]: 300, pool[1]: 300})
+    assert moved.worker is pool[1] and moved.reason == "share" and moved.copy_to is None  # it holds it: no copy
+    old = full_guard(pool, warm_copy=False).apply(chosen, pool, {pool[0]: 300, pool[1]: 0})
+    assert old.worker is pool[1] and old.reason == "share" and old.copy_to is None  # without warm copies: moved
+    assert ShareGuard(0.6, window=10, warm_copy=True).apply(chosen, pool, {pool[0]: 300, pool[1]: 0}) is chosen
+
+
+def test_cache_aware_indexes_the_copy_without_counting_it_as_routed():
+    pool = workers(2)
+    policy = CacheAwarePolicy(CacheAwareSettings(max_share=0.6, warm_copy=True))
+    tokens = list(range(100, 400))
+    for _ in range(40):
+        policy.on_routed(key(tokens), pool[0])
+    pool[0].in_flight = 2
+    decision = policy.choose(key(tokens), pool)
+    assert decision.worker is pool[0] and decision.copy_to is pool[1]
+    assert "copy=http://w1" in route_header(decision, key(tokens), pool)
+    shares_before = policy.shares.share(pool[1])
+    policy.on_copied(key(tokens), pool[1])
+    marker = namespace_marker(("alice", ""))
+    assert policy.tree(pool[1]).match([marker, *tokens]) == len(tokens) + 1  # indexed there
+    assert policy.shares.share(pool[1]) == shares_before  # not counted as a request routed there
+    after = policy.choose(key(tokens), pool)  # both hold it now: the idle one takes it, no copy
+    assert after.worker is pool[1] and after.copy_to is None
+
+
+class Copying(Policy):
+    """Sends everything to w0 with a warm copy to w1; records the copies it was told of."""
+
+    name = "copying"
+
+    def __init__(self, pool: WorkerPool) -> None:
+        self.pool = pool
+        self.copied: list[str] = []
+        self.prefilled: list[str] = []
+
+    def choose(self, key: RouteKey, workers: list[Worker]) -> Decision:
+        return Decision(self.pool.workers[0], "cache_hit", 0, copy_to=self.pool.workers[1])
+
+    def on_copied(self, key: RouteKey, worker: Worker) -> None:
+        self.copied.append(worker.url)
+
+    def on_prefilled(self, key: RouteKey, worker: Worker) -> None:
+        self.prefilled.append(worker.url)
+
+
+def caller(body: dict) -> Request:
+    sent = False
+
+    async def receive() -> dict:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}
+        await asyncio.Event().wait()
+        return {"type": "http.disconnect"}
+
+    headers = [(b"content-type", b"application/json"), (b"authorization", b"Bearer tenant-key")]
+    return Request({"type": "http", "method": "POST", "path": PATH, "headers": headers, "query_string": b""}, receive)
+
+
+@pytest.mark.parametrize("copy_fails", [False, True])
+def test_the_copy_is_a_one_token_duplicate_counted_while_it_runs_and_answered_to_nobody(copy_fails):
+    async def run() -> None:
+        seen: list[tuple[str, dict, str | None, int]] = []
+        release = asyncio.Event()
+
+        async def fake(request: httpx.Request) -> httpx.Response:
+            url = f"http://{request.url.host}"
+            worker = next(w for w in pool.workers if w.url == url)
+            seen.append((url, json.loads(request.content), request.headers.get("authorization"), worker.in_flight))
+            if url == "http://w1":
+                await release.wait()
+                if copy_fails:
+                    raise httpx.ConnectError("refused", request=request)
+                return httpx.Response(200, json={"choices": [{"text": "copy"}]})
+            return httpx.Response(200, json={"choices": [{"text": "answer"}]})
+
+        client = httpx.AsyncClient(transport=httpx.MockTransport(fake))
+        pool = WorkerPool(["http://w0", "http://w1"], client)
+        for worker in pool.workers:
+            worker.healthy = True
+        policy = Copying(pool)
+        router = Router(pool=pool, policy=policy, keyer=RequestKeyer(None, None), client=client,
+                        metrics=RouterMetrics(lambda: pool.workers))
+        body = {"prompt": [5, 6, 7, 8], "max_tokens": 50, "best_of": 2, "cache_salt": "s"}
+        response = await router.route(caller(body), PATH)
+        assert b"answer" in response.body and b"copy" not in response.body  # the chosen worker's answer
+        await asyncio.sleep(0)
+        assert policy.copied == ["http://w1"] and len(router.copies) == 1
+        assert pool.workers[1].in_flight == 1 and pool.workers[1].pending_prefill == 4  # in w1's load meanwhile
+        release.set()
+        await asyncio.gather(*router.copies)
+        await asyncio.sleep(0)
+        assert not router.copies and pool.workers[1].in_flight == 0 and pool.workers[1].starts == []
+        copy = next(entry for entry in seen if entry[0] == "http://w1")
+        assert copy[1] == {"prompt": [5, 6, 7, 8], "max_tokens": 1, "stream": False, "n": 1, "cache_salt": "s"}
+        assert copy[2] == "Bearer tenant-key" and copy[3] == 1  # the tenant's key; counted as it arrived
+        outcome = "failed" if copy_fails else "ok"
+        sample = router.metrics.registry.get_sample_value("kvserve_router_warm_copies_total",
+                                                          {"worker": "http://w1", "outcome": outcome})
+        assert sample == 1
+        assert policy.prefilled == ["http://w0"] + ([] if copy_fails else ["http://w1"])  # the answer, the copy
+
+    asyncio.run(run())
