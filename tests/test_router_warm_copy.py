@@ -149,3 +149,26 @@ def test_the_copy_is_a_one_token_duplicate_counted_while_it_runs_and_answered_to
         assert policy.prefilled == ["http://w0"] + ([] if copy_fails else ["http://w1"])  # the answer, the copy
 
     asyncio.run(run())
+
+
+def test_a_responses_request_gets_no_copy():
+    """A duplicate of a /v1/responses request would store a response nobody asked for."""
+    async def run() -> None:
+        urls: list[str] = []
+
+        async def fake(request: httpx.Request) -> httpx.Response:
+            urls.append(f"http://{request.url.host}")
+            return httpx.Response(200, json={"id": "resp_1", "output": []})
+
+        client = httpx.AsyncClient(transport=httpx.MockTransport(fake))
+        pool = WorkerPool(["http://w0", "http://w1"], client)
+        for worker in pool.workers:
+            worker.healthy = True
+        policy = Copying(pool)
+        router = Router(pool=pool, policy=policy, keyer=RequestKeyer(None, None), client=client,
+                        metrics=RouterMetrics(lambda: pool.workers))
+        response = await router.route(caller({"input": "hi"}), "/v1/responses")
+        await asyncio.sleep(0)
+        assert response.status_code == 200 and urls == ["http://w0"] and not router.copies and policy.copied == []
+
+    asyncio.run(run())

@@ -107,7 +107,7 @@ class Router:
                 decision = self._decide(key, candidates, started if attempt == 0 else None)
                 worker, prefill = decision.worker, decision.uncached(key)
                 route = route_header(decision, key, candidates)
-                if decision.copy_to is not None and isinstance(parsed, dict):
+                if decision.copy_to is not None and isinstance(parsed, dict) and path != RESPONSES_PATH:
                     self._warm_copy(decision.copy_to, path, parsed, forward_headers(request), key)
                 if decision.store_probe is not None:  # over a shared store (policies/store.py)
                     headers[STORE_PROBE_HEADER] = "1" if decision.store_probe else "0"
@@ -136,7 +136,8 @@ class Router:
     def _warm_copy(self, worker: Worker, path: str, parsed: dict, headers: dict[str, str], key: RouteKey) -> None:
         """The share guard's warm copy (`Decision.copy_to`): the request as a one-token prefill
         (`handoff.prefill_body`: same tenant, salt and prompt) to `worker`, in its load like any request
-        while it runs, its answer dropped. The policy indexes the prompt there as sent."""
+        while it runs, its answer dropped. The policy indexes the prompt there as sent. Not for
+        /v1/responses, whose duplicate would store a response nobody asked for."""
         self.policy.on_copied(key, worker)
         prefill = len(key.tokens) if key.tokens is not None else 0  # an upper bound: what it lacks is unknown here
         upstream = Upstream(self.client, worker, path, prefill_body(parsed), headers, self.metrics, prefill,

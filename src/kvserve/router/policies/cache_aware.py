@@ -167,8 +167,7 @@ class CacheAwarePolicy(Policy):
     def on_routed(self, key: RouteKey, worker: Worker) -> None:
         self.hot.add(key)
         self.shares.add(worker)
-        if key.usable:
-            self.tree(worker).insert(tree_key(key))
+        self.on_copied(key, worker)
 
     def on_copied(self, key: RouteKey, worker: Worker) -> None:
         if key.usable:
