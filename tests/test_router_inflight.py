@@ -77,8 +77,9 @@ def setup(behaviour: dict[str, str]) -> tuple[Router, Fake]:
     return router, fake
 
 
-def request(body: dict, gone: asyncio.Event | None = None) -> Request:
-    """A caller's request; it disconnects when `gone` is set (never, without one)."""
+def request(body: dict, gone: asyncio.Event | None = None, headers: tuple[tuple[bytes, bytes], ...] = ()) -> Request:
+    """A caller's request (with `headers` besides its content type); it disconnects when `gone` is set (never,
+    without one)."""
     sent = False
 
     async def receive() -> dict:
@@ -89,8 +90,8 @@ def request(body: dict, gone: asyncio.Event | None = None) -> Request:
         await (gone or asyncio.Event()).wait()
         return {"type": "http.disconnect"}
 
-    scope = {"type": "http", "method": "POST", "path": PATH, "headers": [(b"content-type", b"application/json")],
-             "query_string": b""}
+    scope = {"type": "http", "method": "POST", "path": PATH,
+             "headers": [(b"content-type", b"application/json"), *headers], "query_string": b""}
     return Request(scope, receive)
 
 

@@ -18,6 +18,7 @@ from kvserve.router.metrics import RouterMetrics
 from kvserve.router.policies.base import Decision, Policy, ShareGuard
 from kvserve.router.policies.cache_aware import CacheAwarePolicy, CacheAwareSettings
 from kvserve.router.workers import Worker, WorkerLoad, WorkerPool
+from test_router_inflight import request
 
 PATH = "/v1/completions"
 
@@ -91,18 +92,18 @@ class Copying(Policy):
 
 
 def caller(body: dict) -> Request:
-    sent = False
+    return request(body, headers=((b"authorization", b"Bearer tenant-key"),))
 
-    async def receive() -> dict:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}
-        await asyncio.Event().wait()
-        return {"type": "http.disconnect"}
 
-    headers = [(b"content-type", b"application/json"), (b"authorization", b"Bearer tenant-key")]
-    return Request({"type": "http", "method": "POST", "path": PATH, "headers": headers, "query_string": b""}, receive)
+def copying_router(fake) -> tuple[Router, WorkerPool, Copying]:
+    client = httpx.AsyncClient(transport=httpx.MockTransport(fake))
+    pool = WorkerPool(["http://w0", "http://w1"], client)
+    for worker in pool.workers:
+        worker.healthy = True
+    policy = Copying(pool)
+    router = Router(pool=pool, policy=policy, keyer=RequestKeyer(None, None), client=client,
+                    metrics=RouterMetrics(lambda: pool.workers))
+    return router, pool, policy
 
 
 @pytest.mark.parametrize("copy_fails", [False, True])
@@ -122,13 +123,7 @@ def test_the_copy_is_a_one_token_duplicate_counted_while_it_runs_and_answered_to
                 return httpx.Response(200, json={"choices": [{"text": "copy"}]})
             return httpx.Response(200, json={"choices": [{"text": "answer"}]})
 
-        client = httpx.AsyncClient(transport=httpx.MockTransport(fake))
-        pool = WorkerPool(["http://w0", "http://w1"], client)
-        for worker in pool.workers:
-            worker.healthy = True
-        policy = Copying(pool)
-        router = Router(pool=pool, policy=policy, keyer=RequestKeyer(None, None), client=client,
-                        metrics=RouterMetrics(lambda: pool.workers))
+        router, pool, policy = copying_router(fake)
         body = {"prompt": [5, 6, 7, 8], "max_tokens": 50, "best_of": 2, "cache_salt": "s"}
         response = await router.route(caller(body), PATH)
         assert b"answer" in response.body and b"copy" not in response.body  # the chosen worker's answer
@@ -160,13 +155,7 @@ def test_a_responses_request_gets_no_copy():
             urls.append(f"http://{request.url.host}")
             return httpx.Response(200, json={"id": "resp_1", "output": []})
 
-        client = httpx.AsyncClient(transport=httpx.MockTransport(fake))
-        pool = WorkerPool(["http://w0", "http://w1"], client)
-        for worker in pool.workers:
-            worker.healthy = True
-        policy = Copying(pool)
-        router = Router(pool=pool, policy=policy, keyer=RequestKeyer(None, None), client=client,
-                        metrics=RouterMetrics(lambda: pool.workers))
+        router, pool, policy = copying_router(fake)
         response = await router.route(caller({"input": "hi"}), "/v1/responses")
         await asyncio.sleep(0)
         assert response.status_code == 200 and urls == ["http://w0"] and not router.copies and policy.copied == []
