@@ -62,6 +62,10 @@ class StepCost:
     def of(self, decode: int, prefill: int, new: int) -> float:
         return self.a + self.per_decode * decode + self.per_prefill * prefill + self.per_new * new
 
+    def step(self, rows: list[Running], new: list[Request]) -> float:
+        """A step of these decode rows and these newcomers' prompts."""
+        return self.of(len(rows), sum(r.prefill for r in new), len(new))
+
     @classmethod
     def fit(cls, steps: list[dict]) -> StepCost:
         """The median step (least absolute deviations) over busy steps: those another decode step followed
@@ -112,35 +116,37 @@ class Outcome:
 
 
 ENGINE = "every row (the engine's)"
-Policy = Callable[[list[Request], list[Running], int], tuple[list[Request], list[Running]]]
+# Every policy admits every newcomer (waiting) in the step; it picks the decode rows that compute beside them.
+Policy = Callable[[list[Request], list[Running], int], list[Running]]
 
 
-def every_row(waiting: list[Request], running: list[Running], _: int) -> tuple[list[Request], list[Running]]:
-    return list(waiting), list(running)
+def every_row(waiting: list[Request], running: list[Running], _: int) -> list[Running]:
+    return list(running)
 
 
 def row_cap(cap: int) -> Policy:
-    def policy(waiting: list[Request], running: list[Running], _: int) -> tuple[list[Request], list[Running]]:
-        return list(waiting), sorted(running, key=lambda r: r.last)[:cap]
+    def policy(waiting: list[Request], running: list[Running], _: int) -> list[Running]:
+        return sorted(running, key=lambda r: r.last)[:cap]
     return policy
 
 
 def step_budget(seconds: float, cost: StepCost) -> Policy:
-    def policy(waiting: list[Request], running: list[Running], _: int) -> tuple[list[Request], list[Running]]:
-        base = cost.of(0, sum(r.prefill for r in waiting), len(waiting))
-        room = max(int((seconds - base) / cost.per_decode), 0) if cost.per_decode > 0 else len(running)
-        return list(waiting), sorted(running, key=lambda r: r.last)[:room]
+    def policy(waiting: list[Request], running: list[Running], _: int) -> list[Running]:
+        if cost.per_decode <= 0:
+            return list(running)
+        room = max(int((seconds - cost.step([], waiting)) / cost.per_decode), 0)
+        return sorted(running, key=lambda r: r.last)[:room]
     return policy
 
 
 def newcomers_alone() -> Policy:
     last_alone = [-2]
 
-    def policy(waiting: list[Request], running: list[Running], step: int) -> tuple[list[Request], list[Running]]:
+    def policy(waiting: list[Request], running: list[Running], step: int) -> list[Running]:
         if waiting and running and last_alone[0] != step - 1:
             last_alone[0] = step
-            return list(waiting), []
-        return list(waiting), list(running)
+            return []
+        return list(running)
     return policy
 
 
@@ -183,6 +189,12 @@ class Engine:
             elif request.short:
                 self.e2e.append(self.now + self.over.back - request.send)
 
+    def newcomers_step(self) -> None:
+        """Every waiting request's prompt, alone in a step."""
+        new, self.waiting = self.waiting, []
+        self.now += self.cost.step([], new)
+        self.first_tokens(new)
+
     def decoded(self, rows: list[Running], step: int) -> None:
         for row in rows:
             row.left -= 1
@@ -202,10 +214,9 @@ def simulate(requests: list[Request], cost: StepCost, over: Overheads, policy: P
         engine.arrive()
         if engine.idle():
             continue
-        new, rows = policy(engine.waiting, engine.running, step)
-        admitted = {id(r) for r in new}
-        engine.waiting = [r for r in engine.waiting if id(r) not in admitted]
-        engine.now += cost.of(len(rows), sum(r.prefill for r in new), len(new))
+        rows = policy(engine.waiting, engine.running, step)
+        new, engine.waiting = engine.waiting, []
+        engine.now += cost.step(rows, new)
         step += 1
         engine.first_tokens(new)
         engine.decoded(rows, step)
@@ -220,20 +231,16 @@ def simulate_interrupted(requests: list[Request], cost: StepCost, over: Overhead
         if engine.idle():
             continue
         if engine.waiting:  # newcomers: a step of their own
-            new, engine.waiting = engine.waiting, []
-            engine.now += cost.of(0, sum(r.prefill for r in new), len(new))
-            engine.first_tokens(new)
+            engine.newcomers_step()
             continue
         rows = list(engine.running)
-        part = cost.of(len(rows), 0, 0) / points
+        part = cost.step(rows, []) / points
         for point in range(points):
             engine.now += part
             if point < points - 1:
                 engine.arrive()
                 if engine.waiting:
-                    new, engine.waiting = engine.waiting, []
-                    engine.now += cost.of(0, sum(r.prefill for r in new), len(new))
-                    engine.first_tokens(new)
+                    engine.newcomers_step()
         step += 1
         engine.decoded(rows, step)
     return engine.outcome()

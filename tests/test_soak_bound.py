@@ -66,9 +66,9 @@ def test_every_request_finishes_and_a_row_cap_holds():
     capped = sb.row_cap(5)
 
     def recording(waiting, running, step):
-        new, rows = capped(waiting, running, step)
+        rows = capped(waiting, running, step)
         seen.append(len(rows))
-        return new, rows
+        return rows
 
     out = sb.simulate(requests, COST, OVER, recording)
     shorts = sum(r.short for r in requests)
