@@ -22,6 +22,13 @@ per turn), scaled down so the default run takes about 20 minutes on an idle 2-co
 
 Offered load is bounded: at most --concurrency requests are in flight at once in either workload, so a
 policy that makes the workers do more prefill work shows up as longer TTFTs, not as an ever-growing queue.
+That closed loop runs the cluster flat out (16 users thinking 1 s offer several times what 2 workers on 2 cores
+serve): every TTFT is then about the requests in flight over the throughput, and a policy's p90 can beat
+round_robin's by little more than the prefill work it saves (~1.5x over 2 workers, where round_robin
+still hits ~70%). --rate R paces the requests instead, open loop: R a second on average (Poisson, one
+seeded schedule for every policy), no bound on requests in flight, TTFT from the send -- the form of
+vLLM's `benchmark_serving --request-rate` and production-stack's multi-round QA, where a loaded but not
+saturated cluster queues by how much work each policy makes (results/router_paced_zen4.md).
 
 Reported per run: prefix-cache hit rate (cached / prompt tokens, as the workers report them), TTFT p50
 and p90 (client side, streaming), and the requests each worker served; then which of the issue's targets
@@ -42,6 +49,8 @@ requests direct vs. through the router.
         # the workers on one Redis (their remote tier): store-aware policies against store-blind ones
     python benchmarks/router.py --max-workers 2 --worker-counts 2 --workloads rag --no-single --out x \
         --policies round_robin kv_events kv_events:queue_model=shared:max_share=1 --dump samples.json
+    python benchmarks/router.py --max-workers 2 --worker-counts 2 --workloads chat --no-single \
+        --policies round_robin cache_aware kv_events --rate 1.0 --out x     # paced: 1 request a second
 
 A policy may carry router settings (`NAME:field=value:...`, any `RouterConfig` field) to compare variants
 side by side in one run. `--out NAME` writes only the policy table (and its tails) to results/NAME.md,
@@ -187,13 +196,18 @@ async def chat_workload(url: str, model: str, args: argparse.Namespace, private:
               [random_ids(rng, args.reply) for _ in range(args.turns)],
               [rng.uniform(0, args.ramp)] + [rng.expovariate(1 / args.think) for _ in range(args.turns - 1)])
              for _ in range(args.users)]
-    gate = asyncio.Semaphore(args.concurrency)
+    gate = in_flight_gate(args)
+    if args.rate:  # Poisson in all; each round of `users` sends is every user's next turn, in a shuffled order
+        dues, order = paced_dues(args.rate, args.users * args.turns, args.rate_seed), random.Random(args.rate_seed + 1)
+        slots = [order.sample(range(args.users), args.users) for _ in range(args.turns)]
+        users = [(*u[:3], [dues[turn * args.users + slots[turn][i]] for turn in range(args.turns)])
+                 for i, u in enumerate(users)]
 
     async def user(client: httpx.AsyncClient, system: list[int], questions: list[list[int]],
                    replies: list[list[int]], pauses: list[float]) -> None:
-        history = list(system)
+        history, began = list(system), time.perf_counter()
         for question, reply, pause in zip(questions, replies, pauses, strict=True):
-            await asyncio.sleep(pause)
+            await asyncio.sleep(max(0.0, began + pause - time.perf_counter()) if args.rate else pause)
             prompt = history + question
             async with gate:
                 await one_request(client, url, model, prompt, args.max_tokens, stats)
@@ -204,18 +218,37 @@ async def chat_workload(url: str, model: str, args: argparse.Namespace, private:
     return stats
 
 
+def in_flight_gate(args: argparse.Namespace) -> asyncio.Semaphore:
+    """The client's bound on requests in flight: --concurrency, none when requests are paced by --rate (a user
+    sends when due, and the TTFT counts every wait after that)."""
+    return asyncio.Semaphore(10**9 if args.rate else args.concurrency)
+
+
+def paced_dues(rate: float, count: int, seed: int = 3) -> list[float]:
+    """When each of the run's `count` sends is due, in seconds from its start: a Poisson stream of `rate` a
+    second (seeded: every policy gets the same schedule). A chat turn is sent when due or on the user's
+    previous answer, whichever comes later."""
+    rng, due, dues = random.Random(seed), 0.0, []
+    for _ in range(count):
+        due += rng.expovariate(rate)
+        dues.append(due)
+    return dues
+
+
 async def rag_workload(url: str, model: str, args: argparse.Namespace) -> RunStats:
     stats, rng = RunStats(), random.Random(2)
     docs = [random_ids(rng, args.doc_len) for _ in range(args.docs)]
     prompts = [docs[rng.randrange(args.docs)] + random_ids(rng, args.user) for _ in range(args.queries)]
-    gate = asyncio.Semaphore(args.concurrency)
+    gate = in_flight_gate(args)
+    dues = paced_dues(args.rate, len(prompts), args.rate_seed) if args.rate else [0.0] * len(prompts)
 
-    async def ask(client: httpx.AsyncClient, prompt: list[int]) -> None:
+    async def ask(client: httpx.AsyncClient, prompt: list[int], due: float) -> None:
+        await asyncio.sleep(due)
         async with gate:
             await one_request(client, url, model, prompt, args.max_tokens, stats)
 
     async with httpx.AsyncClient(timeout=600) as client:
-        await asyncio.gather(*(ask(client, prompt) for prompt in prompts))
+        await asyncio.gather(*(ask(client, prompt, due) for prompt, due in zip(prompts, dues, strict=True)))
     return stats
 
 
@@ -400,14 +433,28 @@ def worker_argv(args: argparse.Namespace, threads: int, store: str | None = None
             "--num-threads", str(threads)]
 
 
+def pacing_note(args: argparse.Namespace) -> str:
+    if args.rate:
+        return ("the run's sends in rounds of one turn per user, the users in a new random order each round, a "
+                "turn never before that user's previous answer")
+    return f"users start within {args.ramp:g} s and think {args.think:g} s on average between turns"
+
+
+def flight_note(args: argparse.Namespace) -> str:
+    if args.rate:
+        return (f"**requests paced at {args.rate:g} a second** in all (Poisson, seed {args.rate_seed}), no bound on "
+                "requests in flight, TTFT from the send")
+    return f"at most {args.concurrency} requests in flight"
+
+
 def sizes_note(args: argparse.Namespace) -> str:
     return (
         f"Sizes: chat {args.users} users × {args.turns} turns (chat: one system prompt shared by all users; "
         f"chat-private: a private one per user; system prompts of {args.system} tokens, "
-        f"questions of {args.user}, replies of {args.reply} carried into the history; users start within "
-        f"{args.ramp:g} s and think {args.think:g} s on average between turns); RAG {args.queries} questions of "
-        f"{args.user} tokens over {args.docs} shared documents of {args.doc_len} tokens; at most {args.concurrency} "
-        f"requests in flight; {args.max_tokens} output tokens per request; {args.num_blocks} KV blocks"
+        f"questions of {args.user}, replies of {args.reply} carried into the history; "
+        f"{pacing_note(args)}); RAG {args.queries} questions of "
+        f"{args.user} tokens over {args.docs} shared documents of {args.doc_len} tokens; {flight_note(args)}; "
+        f"{args.max_tokens} output tokens per request; {args.num_blocks} KV blocks"
         f"{host_note(args)} and 1 torch "
         f"thread per cluster worker, {args.single_threads} threads for the single worker; model {args.model}. All "
         "workers share the same 2 cores, so more workers add no compute here: TTFT differences come from cache "
@@ -550,6 +597,15 @@ def main() -> None:
                              "so TTFT p90 compares routing, not cold starts (at 32, 4 first reads were 12.5%%: "
                              "the p90 of every policy was a first read)")
     parser.add_argument("--concurrency", type=int, default=4, help="requests in flight at most (both workloads)")
+    parser.add_argument("--rate", type=float, default=None,
+                        help="pace the requests instead: this many a second on average over the run (Poisson; "
+                             "chat: rounds of one turn per user in a random order, never before the user's "
+                             "previous answer), "
+                             "no bound on requests "
+                             "in flight, TTFT from the send -- the open-loop form of production-stack's "
+                             "multi-round QA; --think and --concurrency are then unused")
+    parser.add_argument("--rate-seed", type=int, default=3,
+                        help="seed of --rate's schedule (the same for every policy)")
     parser.add_argument("--max-tokens", type=int, default=2)
     parser.add_argument("--tree-tokens", type=int, default=100_000)
     parser.add_argument("--overhead-requests", type=int, default=40)

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from kvserve.events.format import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from kvserve.prefix.hashing import block_hashes
+from kvserve.router.config import RouterConfig
 from kvserve.router.index import BlockIndex
 from kvserve.router.keys import RequestKeyer, RouteKey
 from kvserve.router.policies import (
@@ -393,12 +394,17 @@ def test_share_guard_sends_past_the_share_to_a_less_busy_worker():
     """ShareGuard: over its window, a worker past max_share gives the next request to the least served
     worker with fewer requests in flight; none such, or a short history, or within the share: kept."""
     pool = workers(2)
-    guard = ShareGuard(0.6, window=10)
+    guard = ShareGuard(0.6, window=10, min_seen=10)
     for index in range(9):
         guard.add(pool[0] if index < 7 else pool[1])
-    assert guard.shed(pool[0], pool) is None  # 9 seen: the window is not full yet
+    pool[0].in_flight = 2
+    assert guard.shed(pool[0], pool) is None  # 9 seen, min_seen 10: not yet
+    pool[0].in_flight = 0
     guard.add(pool[0])  # 8 of 10 on w0
-    assert guard.shed(pool[0], pool) is None  # w1 is no less busy (0 and 0 in flight)
+    pool[0].in_flight = pool[1].in_flight = 1
+    assert guard.shed(pool[0], pool) is None  # w1 is no less busy (1 and 1 in flight)
+    pool[0].in_flight = pool[1].in_flight = 0
+    assert guard.shed(pool[0], pool) is pool[1]  # both idle: w1's core is as free, and it served less
     pool[0].in_flight = 2
     assert guard.shed(pool[0], pool) is pool[1]
     pool[1].in_flight, pool[1].starts = 1, pending([1072])  # w1 is still computing a copy: not onto it
@@ -414,6 +420,22 @@ def test_share_guard_sends_past_the_share_to_a_less_busy_worker():
     assert CacheAwarePolicy(CacheAwareSettings(max_share=1.0)).choose(key(tokens), pool).reason != "share"
     with pytest.raises(ValueError, match="max_share"):
         CacheAwareSettings(max_share=0.0)
+
+
+def test_share_guard_acts_from_min_seen_over_the_requests_so_far():
+    """Before its window fills, the guard judges the requests seen so far once there are `min_seen` of them:
+    a paced chat's first conversations all landed on the worker holding the system prompt."""
+    pool = workers(2)
+    guard = ShareGuard(0.6, window=32, min_seen=4)
+    pool[0].in_flight = 1
+    for _ in range(3):
+        guard.add(pool[0])
+    assert guard.shed(pool[0], pool) is None  # 3 seen
+    guard.add(pool[0])
+    assert guard.shed(pool[0], pool) is pool[1]  # 4 of 4 on w0, w1 idle
+    assert ShareGuard(0.6, window=3, min_seen=8).min_seen == 3  # never more than the window
+    with pytest.raises(ValueError, match="share_min_seen"):
+        RouterConfig(share_min_seen=0)
 
 
 def test_eta_cost_is_checked_and_counts_work_ahead():

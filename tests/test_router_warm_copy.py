@@ -36,7 +36,7 @@ def full_guard(pool: list[Worker], warm_copy: bool) -> ShareGuard:
     guard = ShareGuard(0.6, window=10, warm_copy=warm_copy)
     for _ in range(10):
         guard.add(pool[0])
-    pool[0].in_flight = 2  # w0 served every recent request and is busier: the guard acts
+    pool[0].in_flight, pool[1].in_flight = 3, 1  # w0 served every recent request and is busier: the guard acts
     return guard
 
 
@@ -52,13 +52,38 @@ def test_the_guard_keeps_the_request_and_copies_where_the_lighter_worker_lacks_t
     assert ShareGuard(0.6, window=10, warm_copy=True).apply(chosen, pool, {pool[0]: 300, pool[1]: 0}) is chosen
 
 
+def test_with_both_workers_idle_the_guard_only_does_what_delays_nobody():
+    """Onto an idle worker: a move when it holds as much of the prompt, or a warm copy short enough to be
+    done before its next request (its prefill speed × the tokens it lacks within 2 × the mean gap between
+    the router's requests); a long copy, or one with no speed known yet, is not made."""
+    pool = workers(2)
+    guard = ShareGuard(0.6, window=10, warm_copy=True, min_seen=4)
+    for second in range(4):
+        guard.add(pool[0], now=float(second))  # w0 served all 4, one a second; both idle now
+    chosen = Decision(pool[0], "cache_hit", 512)
+    moved = guard.apply(chosen, pool, {pool[0]: 512, pool[1]: 512}, 560)
+    assert moved.worker is pool[1] and moved.reason == "share"
+    assert guard.apply(chosen, pool, {pool[0]: 512, pool[1]: 0}, 560) is chosen  # no speed known yet
+    pool[1].seconds_per_token = 0.003
+    copied = guard.apply(chosen, pool, {pool[0]: 512, pool[1]: 0}, 560)  # 1.7 s within 2 x 1 s
+    assert copied.worker is pool[0] and copied.copy_to is pool[1]
+    long_prompt = guard.apply(Decision(pool[0], "cache_hit", 1520), pool, {pool[0]: 1520, pool[1]: 512}, 1760)
+    assert long_prompt.copy_to is None and long_prompt.worker is pool[0]  # 1,248 tokens: 3.7 s, too long
+    pool[0].in_flight = 1  # w0 busy, w1 idle: still no longer than w1's next request is likely away
+    assert guard.apply(Decision(pool[0], "cache_hit", 1520), pool, {pool[0]: 1520, pool[1]: 512},
+                       1760).copy_to is None
+    pool[0].in_flight, pool[1].in_flight = 3, 1  # both busy, w1 less: the copy is made whatever its length
+    assert guard.apply(Decision(pool[0], "cache_hit", 1520), pool, {pool[0]: 1520, pool[1]: 512},
+                       1760).copy_to is pool[1]
+
+
 def test_cache_aware_indexes_the_copy_without_counting_it_as_routed():
     pool = workers(2)
     policy = CacheAwarePolicy(CacheAwareSettings(max_share=0.6, warm_copy=True))
     tokens = list(range(100, 400))
     for _ in range(40):
         policy.on_routed(key(tokens), pool[0])
-    pool[0].in_flight = 2
+    pool[0].in_flight, pool[1].in_flight = 3, 1
     decision = policy.choose(key(tokens), pool)
     assert decision.worker is pool[0] and decision.copy_to is pool[1]
     assert "copy=http://w1" in route_header(decision, key(tokens), pool)
@@ -67,7 +92,7 @@ def test_cache_aware_indexes_the_copy_without_counting_it_as_routed():
     marker = namespace_marker(("alice", ""))
     assert policy.tree(pool[1]).match([marker, *tokens]) == len(tokens) + 1  # indexed there
     assert policy.shares.share(pool[1]) == shares_before  # not counted as a request routed there
-    after = policy.choose(key(tokens), pool)  # both hold it now: the idle one takes it, no copy
+    after = policy.choose(key(tokens), pool)  # both hold it now: the less busy one takes it, no copy
     assert after.worker is pool[1] and after.copy_to is None
 
 

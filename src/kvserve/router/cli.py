@@ -75,6 +75,9 @@ def _add_common_flags(parser: argparse.ArgumentParser, port: int) -> None:
                        help="cache_aware (eta) and kv_events: a worker past this share of the router's last "
                             f"{defaults.SHARE_WINDOW} requests sends the next to a worker with fewer in flight "
                             "(1: off)")
+    group.add_argument("--share-min-seen", type=int, default=defaults.SHARE_MIN_SEEN,
+                       help="--max-share acts once the router has routed this many requests (over those so far "
+                            "until the window fills): from the start, before one worker holds every conversation")
     group.add_argument("--warm-copy", action=argparse.BooleanOptionalAction, default=True,
                        help="when --max-share would move a request to a worker lacking its prefix, keep it where it "
                             "was going and compute the prefix there with a duplicate nobody waits for (--no-warm-copy: "
@@ -96,7 +99,8 @@ def router_config(args: argparse.Namespace, workers: list[str]) -> RouterConfig:
         balance_abs=args.balance_abs, balance_rel=args.balance_rel, cache_threshold=args.cache_threshold,
         tree_budget=args.tree_budget, load_weight=args.load_weight, request_overhead=args.request_overhead,
         load_estimate=args.load_estimate, max_share=args.max_share, warm_copy=args.warm_copy,
-        pd_min_prompt=args.pd_min_prompt, open_metrics=args.open_metrics, store_fetch_cost=args.store_fetch_cost,
+        share_min_seen=args.share_min_seen, pd_min_prompt=args.pd_min_prompt, open_metrics=args.open_metrics,
+        store_fetch_cost=args.store_fetch_cost,
         tier_fetch_cost=args.tier_fetch_cost,
     )
 

@@ -12,7 +12,8 @@ TREE_BUDGET = 1_000_000  # tokens per worker tree
 LOAD_WEIGHT = 2 / 3  # eta = uncached tokens + LOAD_WEIGHT × work beside it (policies/eta.py)
 REQUEST_OVERHEAD = 32.0  # tokens of prefill one request in flight costs besides its prompt (policies/eta.py)
 MAX_SHARE = 0.58  # a worker past this share of the recent requests sheds them to a less busy one ...
-SHARE_WINDOW = 32  # ... the recent requests counted (policies/base.py ShareGuard)
+SHARE_WINDOW = 32  # ... the recent requests counted (policies/base.py ShareGuard) ...
+SHARE_MIN_SEEN = 8  # ... once it has seen this many (a shorter window until then)
 LOAD_ESTIMATES = ("eta", "requests")  # cache_aware: how it picks among cache holders and new workers
 QUEUE_MODELS = ("fcfs", "shared")  # eta: a request waits for all prefill queued ahead | Σ min(p, its own)
 STORE_FETCH_COST = 0.2  # kv_events: loading a token from a shared store costs this much of computing it
@@ -39,6 +40,7 @@ class RouterConfig:
     request_overhead: float = REQUEST_OVERHEAD
     load_estimate: str = "eta"
     max_share: float = MAX_SHARE
+    share_min_seen: int = SHARE_MIN_SEEN
     warm_copy: bool = True  # the share guard copies a prefix with a duplicate request nobody waits for
     queue_model: str = "fcfs"  # eta's queue: "shared" is the earlier processor-sharing estimate
     pd_min_prompt: int = PD_MIN_PROMPT
@@ -63,6 +65,8 @@ class RouterConfig:
             raise ValueError(f"queue_model must be one of {QUEUE_MODELS}, got {self.queue_model!r}")
         if not 0.0 < self.max_share <= 1.0:
             raise ValueError(f"max_share must be in (0, 1], got {self.max_share}")
+        if self.share_min_seen < 1:
+            raise ValueError(f"share_min_seen must be >= 1, got {self.share_min_seen}")
         if not 0.0 <= self.store_fetch_cost <= 1.0:
             raise ValueError(f"store_fetch_cost must be in [0, 1], got {self.store_fetch_cost}")
         if not 0.0 <= self.tier_fetch_cost <= 1.0:

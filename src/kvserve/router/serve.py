@@ -54,10 +54,11 @@ def build_policy(config: RouterConfig) -> Policy:
     cost = EtaCost(config.load_weight, config.request_overhead, config.queue_model)
     if config.policy == "kv_events":
         return KvEventsPolicy(cost, config.balance_abs, config.balance_rel, config.max_share,
-                              SharedStore(config.store_fetch_cost), config.tier_fetch_cost, config.warm_copy)
+                              SharedStore(config.store_fetch_cost), config.tier_fetch_cost, config.warm_copy,
+                              config.share_min_seen)
     settings = CacheAwareSettings(config.balance_abs, config.balance_rel, config.cache_threshold, config.tree_budget,
                                   config.load_estimate, cost, config.max_share, config.warm_copy,
-                                  SharedStore(config.store_fetch_cost))
+                                  SharedStore(config.store_fetch_cost), config.share_min_seen)
     if config.policy == "pd":  # plans by request counts (PdPolicy)
         return PdPolicy(settings, config.pd_min_prompt)
     return CacheAwarePolicy(settings)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvserve.router.config import SHARE_WINDOW
+from kvserve.router.config import SHARE_MIN_SEEN, SHARE_WINDOW
 from kvserve.router.keys import RouteKey
 from kvserve.router.workers import Worker
 
@@ -146,14 +147,17 @@ class ShareGuard:
     asked 32 / 27 / 20 / 17 times over 2 workers split 59 / 37 if the two most asked landed together,
     and the instantaneous guard (`is_imbalanced`, 2 requests apart) never fires at 4 requests in
     flight. So: when the worker a policy chose has served more than `max_share` of this router's last
-    `window` requests and another worker has fewer requests and no more prefill in flight now (not one
-    still computing an earlier copy), the request goes to the least served of those instead (reason
+    `window` requests and another worker has fewer requests (or both none) and no more prefill in flight
+    now (not one still computing an earlier copy), the request goes to the least served of those instead (reason
     `share`). Its prefix is computed there once (a copy); from then on both hold it and the estimate
     splits its requests by load. A copy costs: under first-come-first-served, every request queued on
     that worker waits for it (2-3 copies per RAG run here, each one read-long wait or more in the tail).
 
     Only the busiest worker of 2 can pass a share above 1/2, so the default (0.58) acts on 2 workers
-    and, over more, only on one worker taking well over its fair share.
+    and, over more, only on one worker taking well over its fair share. It acts from the `min_seen`-th
+    request on, over the requests seen so far until the window fills: waiting for a full window let one
+    worker take every conversation of a paced chat (a shared system prompt held there alone made it the
+    cheapest for each new user; 77 of 96 requests, benchmarks/results/router_paced_zen4.md).
 
     With `warm_copy` (`apply`) nobody waits for that copy: when the lighter worker lacks part of the prompt
     the chosen one holds, the request stays where it was going and a duplicate of it (one token, answered
@@ -162,13 +166,17 @@ class ShareGuard:
     benchmark over 2 workers those one or two copies per run were the requests slower than 1 s after the
     start-up (benchmarks/results/router_rag_chunked96.md)."""
 
-    def __init__(self, max_share: float, window: int = SHARE_WINDOW, warm_copy: bool = False) -> None:
+    def __init__(self, max_share: float, window: int = SHARE_WINDOW, warm_copy: bool = False,
+                 min_seen: int = SHARE_MIN_SEEN) -> None:
         self.max_share = max_share
         self.warm_copy = warm_copy
         self.recent: deque[Worker] = deque(maxlen=window)
+        self.times: deque[float] = deque(maxlen=window)
+        self.min_seen = min(min_seen, window)
 
-    def add(self, worker: Worker) -> None:
+    def add(self, worker: Worker, now: float | None = None) -> None:
         self.recent.append(worker)
+        self.times.append(time.monotonic() if now is None else now)
 
     def share(self, worker: Worker) -> float:
         return sum(1 for seen in self.recent if seen is worker) / max(len(self.recent), 1)
@@ -176,22 +184,44 @@ class ShareGuard:
     def shed(self, chosen: Worker, workers: list[Worker]) -> Worker | None:
         """The worker to send to instead of `chosen`, or None to keep it. The counts compared are exact:
         this router's own requests in flight and prefill not yet answered (plus polled traffic from
-        elsewhere), not a poll that still shows requests finished since."""
-        if len(self.recent) < (self.recent.maxlen or 0) or self.share(chosen) <= self.max_share:
+        elsewhere), not a poll that still shows requests finished since. With `chosen` idle, the others
+        idle too are candidates (`apply` then lets only what delays nobody through)."""
+        if len(self.recent) < self.min_seen or self.share(chosen) <= self.max_share:
             return None
-        lighter = [worker for worker in workers if worker is not chosen and worker.load_score < chosen.load_score
+        lighter = [worker for worker in workers if worker is not chosen
+                   and worker.load_score < max(chosen.load_score, 1)
                    and worker.pending_prefill <= chosen.pending_prefill]  # not onto a copy still running
         if not lighter:
             return None
         return min(lighter, key=lambda worker: (self.share(worker), worker.load_score))
 
-    def apply(self, decision: Decision, workers: list[Worker], matches: dict[Worker, int]) -> Decision:
+    def apply(self, decision: Decision, workers: list[Worker], matches: dict[Worker, int],
+              prompt_len: int | None = None) -> Decision:
         """The guard over a policy's decision (`matches`: the prompt tokens each worker holds): unchanged;
-        moved to a lighter worker (reason `share`) when that one holds as much of the prompt, or always
-        without `warm_copy`; else kept, with the lighter worker as its warm copy's target (`copy_to`)."""
+        moved to a lighter worker (reason `share`) when that one holds as much of the prompt, or, without
+        `warm_copy`, when the chosen one is busy; else kept, with the lighter worker as its warm copy's
+        target (`copy_to`) -- onto an idle worker only a copy that `fits_gap`: its next request would wait
+        behind the copy (a 1,760-token conversation copied onto an idle worker just before a burst made
+        the requests there wait 5-7 s, benchmarks/results/router_paced_zen4.md)."""
         lighter = self.shed(decision.worker, workers)
         if lighter is None:
             return decision
-        if not self.warm_copy or matches[lighter] >= matches[decision.worker]:
+        if matches[lighter] >= matches[decision.worker] or (not self.warm_copy and decision.worker.load_score):
             return Decision(lighter, "share", matches[lighter])
+        if not self.warm_copy:  # the chosen one is idle: moving would only make the request wait for a prefill
+            return decision
+        lacks = None if prompt_len is None else prompt_len - matches[lighter]
+        if lighter.load_score == 0 and (lacks is None or not self.fits_gap(lighter, decision.worker, lacks,
+                                                                           len(workers))):
+            return decision
         return dataclasses.replace(decision, copy_to=lighter)
+
+    def fits_gap(self, target: Worker, chosen: Worker, tokens: int, num_workers: int) -> bool:
+        """Whether `tokens` of prefill on `target` (at its prefill speed as seen here, else `chosen`'s) is
+        likely done before its next request: within `num_workers` times the mean gap between the
+        router's recent requests. No speed known yet: no."""
+        speed = target.seconds_per_token or chosen.seconds_per_token
+        if speed is None or len(self.times) < 2:
+            return False
+        gap = (self.times[-1] - self.times[0]) / (len(self.times) - 1)
+        return tokens * speed <= gap * num_workers

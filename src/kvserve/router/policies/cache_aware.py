@@ -35,7 +35,15 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from kvserve.router.config import BALANCE_ABS, BALANCE_REL, CACHE_THRESHOLD, LOAD_ESTIMATES, MAX_SHARE, TREE_BUDGET
+from kvserve.router.config import (
+    BALANCE_ABS,
+    BALANCE_REL,
+    CACHE_THRESHOLD,
+    LOAD_ESTIMATES,
+    MAX_SHARE,
+    SHARE_MIN_SEEN,
+    TREE_BUDGET,
+)
 from kvserve.router.keys import RouteKey, namespace_marker
 from kvserve.router.policies.base import (
     Decision,
@@ -62,6 +70,7 @@ class CacheAwareSettings:
     max_share: float = MAX_SHARE  # with eta: ShareGuard (1.0: off)
     warm_copy: bool = True  # ShareGuard copies a prefix with a duplicate nobody waits for, not by moving a request
     store: SharedStore = SharedStore()  # workers sharing a KV store load what another one computed
+    share_min_seen: int = SHARE_MIN_SEEN  # ShareGuard acts from this many routed requests on
 
     def __post_init__(self) -> None:
         if self.load_estimate not in LOAD_ESTIMATES:
@@ -90,7 +99,8 @@ class CacheAwarePolicy(Policy):
         self._answered: dict[Worker, TokenTree] = {}  # prompts each worker has answered: computed, in its store
         self._ties = LoadTieBreaker()
         self.hot = HotPrefixes()
-        self.shares = ShareGuard(self.settings.max_share, warm_copy=self.settings.warm_copy)
+        self.shares = ShareGuard(self.settings.max_share, warm_copy=self.settings.warm_copy,
+                                 min_seen=self.settings.share_min_seen)
 
     def tree(self, worker: Worker, trees: dict[Worker, TokenTree] | None = None) -> TokenTree:
         """The worker's tree (of `trees`, default what was sent there), bounded by what the worker can hold:
@@ -136,7 +146,7 @@ class CacheAwarePolicy(Policy):
             if target > s.cache_threshold * len(key.tokens) or self.hot.worth_copying(key, matches, target):
                 return Decision(chosen, "imbalance", target)
         if s.load_estimate == "eta":
-            return self.shares.apply(self._by_eta(key, workers, matches, hit), workers, matches)
+            return self.shares.apply(self._by_eta(key, workers, matches, hit), workers, matches, len(key.tokens))
         if hit:
             holders = [worker for worker in workers if matches[worker] == best]
             return Decision(self._ties.least_loaded(holders), "cache_hit", best)

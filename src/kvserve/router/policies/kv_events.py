@@ -52,7 +52,7 @@ from urllib.parse import urlsplit
 
 from kvserve.events.subscriber import EventStream
 from kvserve.prefix.hashing import block_hashes
-from kvserve.router.config import BALANCE_ABS, BALANCE_REL, MAX_SHARE, TIER_FETCH_COST
+from kvserve.router.config import BALANCE_ABS, BALANCE_REL, MAX_SHARE, SHARE_MIN_SEEN, TIER_FETCH_COST
 from kvserve.router.index import BlockIndex, PendingBlocks, WorkerEvents
 from kvserve.router.keys import RouteKey
 from kvserve.router.policies.base import (
@@ -86,7 +86,7 @@ class KvEventsPolicy(Policy):
     def __init__(self, cost: EtaCost | None = None, balance_abs: int = BALANCE_ABS,
                  balance_rel: float = BALANCE_REL, max_share: float = MAX_SHARE,
                  store: SharedStore | None = None, tier_fetch_cost: float = TIER_FETCH_COST,
-                 warm_copy: bool = True) -> None:
+                 warm_copy: bool = True, share_min_seen: int = SHARE_MIN_SEEN) -> None:
         if not 0.0 <= tier_fetch_cost <= 1.0:
             raise ValueError(f"tier_fetch_cost must be in [0, 1], got {tier_fetch_cost}")
         self.tier_fetch_cost = tier_fetch_cost
@@ -99,7 +99,7 @@ class KvEventsPolicy(Policy):
         self.balance_rel = balance_rel
         self._ties = LoadTieBreaker()
         self.hot = HotPrefixes()
-        self.shares = ShareGuard(max_share, warm_copy=warm_copy)
+        self.shares = ShareGuard(max_share, warm_copy=warm_copy, min_seen=share_min_seen)
         self.streams: dict[Worker, EventStream] = {}
         self._tasks: dict[Worker, asyncio.Task] = {}
         self.handlers: dict[Worker, WorkerEvents] = {}
@@ -134,7 +134,7 @@ class KvEventsPolicy(Policy):
         chosen = self._ties.least_loaded(EtaCost.cheapest(costs))
         reason = ("least_load" if best == 0 else "shared_store" if runs[chosen] > held[chosen]
                   else "rebalance" if runs[chosen] < best else "cache_hit")
-        return self.shares.apply(Decision(chosen, reason, runs[chosen]), workers, runs)
+        return self.shares.apply(Decision(chosen, reason, runs[chosen]), workers, runs, len(key.tokens))
 
     def cached_tokens(self, key: RouteKey, workers: list[Worker]) -> CachedRuns | None:
         """Per worker, in tokens of the prompt's leading blocks: what its device holds (or was just sent),
