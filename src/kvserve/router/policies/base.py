@@ -157,7 +157,7 @@ class ShareGuard:
     and, over more, only on one worker taking well over its fair share. It acts from the `min_seen`-th
     request on, over the requests seen so far until the window fills: waiting for a full window let one
     worker take every conversation of a paced chat (a shared system prompt held there alone made it the
-    cheapest for each new user; 77 of 96 requests, benchmarks/results/router_paced_zen4.md).
+    cheapest for each new user; 85-88 of 96 requests at 1 a second, benchmarks/results/router_paced_zen4.md).
 
     With `warm_copy` (`apply`) nobody waits for that copy: when the lighter worker lacks part of the prompt
     the chosen one holds, the request stays where it was going and a duplicate of it (one token, answered
