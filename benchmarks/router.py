@@ -429,6 +429,8 @@ def worker_argv(args: argparse.Namespace, threads: int, store: str | None = None
     chunked = ["--long-prefill-always"] if args.long_prefill_always else []
     if args.long_prefill_token_threshold is not None:
         chunked += ["--long-prefill-token-threshold", str(args.long_prefill_token_threshold)]
+    if args.max_num_batched_tokens is not None:
+        chunked += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     return ["--model", args.model, "--num-blocks", str(args.num_blocks), *host, *remote, *chunked,
             "--num-threads", str(threads)]
 
@@ -577,6 +579,8 @@ def main() -> None:
                         help="workers chunk a lone long prompt at the threshold too (serve --long-prefill-always)")
     parser.add_argument("--long-prefill-token-threshold", type=int, default=None,
                         help="workers' prefill chunk bound (serve --long-prefill-token-threshold)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="workers' token budget per step (serve --max-num-batched-tokens)")
     parser.add_argument("--single-threads", type=int, default=2,
                         help="torch threads of the single worker (the cluster's workers have 1 each)")
     parser.add_argument("--users", type=int, default=16)
