@@ -604,9 +604,8 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=None,
                         help="pace the requests instead: this many a second on average over the run (Poisson; "
                              "chat: rounds of one turn per user in a random order, never before the user's "
-                             "previous answer), "
-                             "no bound on requests "
-                             "in flight, TTFT from the send -- the open-loop form of production-stack's "
+                             "previous answer), no bound on requests in flight, TTFT from the send -- the "
+                             "open-loop form of production-stack's "
                              "multi-round QA; --think and --concurrency are then unused")
     parser.add_argument("--rate-seed", type=int, default=3,
                         help="seed of --rate's schedule (the same for every policy)")
@@ -635,6 +634,8 @@ def main() -> None:
                              "multi-machine form: a block one worker computed, another loads instead of "
                              "recomputing); emptied before each run. The single worker has none")
     args = parser.parse_args()
+    if args.rate is not None and args.rate <= 0:
+        parser.error(f"--rate must be > 0 requests a second, got {args.rate}")
     TOKEN_RANGE[:] = args.token_range
     with LocalRedis() if args.shared_store else contextlib.nullcontext() as store:
         args.store_url = store.url if store is not None else None
