@@ -218,10 +218,10 @@ async def chat_workload(url: str, model: str, args: argparse.Namespace, private:
     return stats
 
 
-def in_flight_gate(args: argparse.Namespace) -> asyncio.Semaphore:
+def in_flight_gate(args: argparse.Namespace) -> contextlib.AbstractAsyncContextManager:
     """The client's bound on requests in flight: --concurrency, none when requests are paced by --rate (a user
     sends when due, and the TTFT counts every wait after that)."""
-    return asyncio.Semaphore(10**9 if args.rate else args.concurrency)
+    return contextlib.nullcontext() if args.rate else asyncio.Semaphore(args.concurrency)
 
 
 def paced_dues(rate: float, count: int, seed: int = 3) -> list[float]:

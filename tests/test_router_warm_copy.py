@@ -43,13 +43,13 @@ def full_guard(pool: list[Worker], warm_copy: bool) -> ShareGuard:
 def test_the_guard_keeps_the_request_and_copies_where_the_lighter_worker_lacks_the_prefix():
     pool = workers(2)
     chosen = Decision(pool[0], "cache_hit", 300)
-    copied = full_guard(pool, warm_copy=True).apply(chosen, pool, {pool[0]: 300, pool[1]: 0})
+    copied = full_guard(pool, warm_copy=True).apply(chosen, pool, {pool[0]: 300, pool[1]: 0}, 300)
     assert copied.worker is pool[0] and copied.reason == "cache_hit" and copied.copy_to is pool[1]
-    moved = full_guard(pool, warm_copy=True).apply(chosen, pool, {pool[0]: 300, pool[1]: 300})
+    moved = full_guard(pool, warm_copy=True).apply(chosen, pool, {pool[0]: 300, pool[1]: 300}, 300)
     assert moved.worker is pool[1] and moved.reason == "share" and moved.copy_to is None  # it holds it: no copy
-    old = full_guard(pool, warm_copy=False).apply(chosen, pool, {pool[0]: 300, pool[1]: 0})
+    old = full_guard(pool, warm_copy=False).apply(chosen, pool, {pool[0]: 300, pool[1]: 0}, 300)
     assert old.worker is pool[1] and old.reason == "share" and old.copy_to is None  # without warm copies: moved
-    assert ShareGuard(0.6, window=10, warm_copy=True).apply(chosen, pool, {pool[0]: 300, pool[1]: 0}) is chosen
+    assert ShareGuard(0.6, window=10, warm_copy=True).apply(chosen, pool, {pool[0]: 300, pool[1]: 0}, 300) is chosen
 
 
 def test_with_both_workers_idle_the_guard_only_does_what_delays_nobody():

@@ -170,16 +170,14 @@ class ShareGuard:
                  min_seen: int = SHARE_MIN_SEEN) -> None:
         self.max_share = max_share
         self.warm_copy = warm_copy
-        self.recent: deque[Worker] = deque(maxlen=window)
-        self.times: deque[float] = deque(maxlen=window)
+        self.recent: deque[tuple[Worker, float]] = deque(maxlen=window)  # (routed to, when)
         self.min_seen = min(min_seen, window)
 
     def add(self, worker: Worker, now: float | None = None) -> None:
-        self.recent.append(worker)
-        self.times.append(time.monotonic() if now is None else now)
+        self.recent.append((worker, time.monotonic() if now is None else now))
 
     def share(self, worker: Worker) -> float:
-        return sum(1 for seen in self.recent if seen is worker) / max(len(self.recent), 1)
+        return sum(1 for seen, _ in self.recent if seen is worker) / max(len(self.recent), 1)
 
     def shed(self, chosen: Worker, workers: list[Worker]) -> Worker | None:
         """The worker to send to instead of `chosen`, or None to keep it. The counts compared are exact:
@@ -196,7 +194,7 @@ class ShareGuard:
         return min(lighter, key=lambda worker: (self.share(worker), worker.load_score))
 
     def apply(self, decision: Decision, workers: list[Worker], matches: dict[Worker, int],
-              prompt_len: int | None = None) -> Decision:
+              prompt_len: int) -> Decision:
         """The guard over a policy's decision (`matches`: the prompt tokens each worker holds): unchanged;
         moved to a lighter worker (reason `share`) when that one holds as much of the prompt, or, without
         `warm_copy`, when the chosen one is busy; else kept, with the lighter worker as its warm copy's
@@ -206,13 +204,13 @@ class ShareGuard:
         lighter = self.shed(decision.worker, workers)
         if lighter is None:
             return decision
-        if matches[lighter] >= matches[decision.worker] or (not self.warm_copy and decision.worker.load_score):
-            return Decision(lighter, "share", matches[lighter])
-        if not self.warm_copy:  # the chosen one is idle: moving would only make the request wait for a prefill
-            return decision
-        lacks = None if prompt_len is None else prompt_len - matches[lighter]
-        if lighter.load_score == 0 and (lacks is None or not self.fits_gap(lighter, decision.worker, lacks,
-                                                                           len(workers))):
+        moved = Decision(lighter, "share", matches[lighter])
+        if matches[lighter] >= matches[decision.worker]:
+            return moved
+        if not self.warm_copy:  # chosen idle: moving would only make the request wait for a prefill
+            return moved if decision.worker.load_score else decision
+        lacks = prompt_len - matches[lighter]
+        if lighter.load_score == 0 and not self.fits_gap(lighter, decision.worker, lacks, len(workers)):
             return decision
         return dataclasses.replace(decision, copy_to=lighter)
 
@@ -221,7 +219,7 @@ class ShareGuard:
         likely done before its next request: within `num_workers` times the mean gap between the
         router's recent requests. No speed known yet: no."""
         speed = target.seconds_per_token or chosen.seconds_per_token
-        if speed is None or len(self.times) < 2:
+        if speed is None or len(self.recent) < 2:
             return False
-        gap = (self.times[-1] - self.times[0]) / (len(self.times) - 1)
+        gap = (self.recent[-1][1] - self.recent[0][1]) / (len(self.recent) - 1)
         return tokens * speed <= gap * num_workers
