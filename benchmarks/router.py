@@ -431,6 +431,8 @@ def worker_argv(args: argparse.Namespace, threads: int, store: str | None = None
         chunked += ["--long-prefill-token-threshold", str(args.long_prefill_token_threshold)]
     if args.max_num_batched_tokens is not None:
         chunked += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    if args.max_admitted_prefill_tokens is not None:
+        chunked += ["--max-admitted-prefill-tokens", str(args.max_admitted_prefill_tokens)]
     return ["--model", args.model, "--num-blocks", str(args.num_blocks), *host, *remote, *chunked,
             "--num-threads", str(threads)]
 
@@ -581,6 +583,9 @@ def main() -> None:
                         help="workers' prefill chunk bound (serve --long-prefill-token-threshold)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
                         help="workers' token budget per step (serve --max-num-batched-tokens)")
+    parser.add_argument("--max-admitted-prefill-tokens", type=int, default=None,
+                        help="workers' prompt tokens admitted per step while others wait or run "
+                             "(serve --max-admitted-prefill-tokens; 0: off)")
     parser.add_argument("--single-threads", type=int, default=2,
                         help="torch threads of the single worker (the cluster's workers have 1 each)")
     parser.add_argument("--users", type=int, default=16)

@@ -216,3 +216,51 @@ def test_server_chunks_a_long_prompt_alone(chat_model_dir, tmp_path):  # noqa: F
     steps = [json.loads(line) for line in trace.read_text().splitlines()]
     prefills = [step["prefill"] for step in steps if step["k"] == "step" and step["prefill"]]
     assert sum(prefills) == 600 and max(prefills) == 64, prefills
+
+
+def first_token_steps(model_dir, prompts: list[list[int]], **kwargs) -> tuple[dict[str, int], dict[str, list[int]]]:
+    """The step at which each of `prompts` (all sent at once) got its first token, and their greedy outputs."""
+    engine = make_engine(model_dir, num_blocks=640, long_prefill_token_threshold=128, **kwargs)
+    for index, prompt in enumerate(prompts):
+        engine.add_request(prompt, SHORT, request_id=f"r{index}")
+    first: dict[str, int] = {}
+    outputs: dict[str, list[int]] = {}
+    step = 0
+    while engine.has_unfinished_requests():
+        step += 1
+        for output in engine.step():
+            if output.token_ids:
+                first.setdefault(output.request_id, step)
+            if output.finished:
+                outputs[output.request_id] = list(output.token_ids)
+    assert_pool_drained(engine)
+    return first, outputs
+
+
+def test_prompts_queued_together_are_answered_one_after_another(long_model_dir):
+    """`max_admitted_prefill_tokens` (default on a CPU: the long-prefill threshold, 128 here): three 100-token
+    prompts sent together are admitted one per step, so the first answers after its own prefill, not after
+    all three; prompts of at most 64 tokens (`SHORT_ADMISSION_TOKENS`) still share a step, past the cap too;
+    greedy outputs are the same either way."""
+    prompts = [[11 + i, *((50 + j + 100 * i) % 380 for j in range(99))] for i in range(3)]  # vocabulary: 384
+    capped, capped_out = first_token_steps(long_model_dir, prompts)
+    assert [capped[f"r{i}"] for i in range(3)] == [1, 2, 3]
+    together, together_out = first_token_steps(long_model_dir, prompts, max_admitted_prefill_tokens=0)
+    assert [together[f"r{i}"] for i in range(3)] == [1, 1, 1]  # the check can fail: off, one step takes all
+    assert capped_out == together_out
+    short, _ = first_token_steps(long_model_dir, [p[:60] for p in prompts])  # 180 tokens, each one short
+    assert set(short.values()) == {1}
+
+
+def test_the_admission_cap_defaults_on_a_cpu_only():
+    """Default: the long-prefill threshold on a CPU; off on a GPU (prompts batch nearly free there) and
+    offline (`LLM`: the batch's end is what counts); an explicit value wins."""
+    from kvserve.engine.setup import resolve_admitted_prefill_cap
+    from kvserve.engine_args import engine_config
+
+    assert resolve_admitted_prefill_cap(EngineConfig(), 327) == 327
+    assert resolve_admitted_prefill_cap(EngineConfig(device="cuda"), 327) == 0
+    assert resolve_admitted_prefill_cap(EngineConfig(max_admitted_prefill_tokens=500, device="cuda"), 327) == 500
+    assert engine_config("smollm2-135m", {}).max_admitted_prefill_tokens == 0
+    with pytest.raises(ValueError, match="max_admitted_prefill_tokens"):
+        EngineConfig(max_admitted_prefill_tokens=-1)

@@ -77,6 +77,48 @@ def test_with_both_workers_idle_the_guard_only_does_what_delays_nobody():
                        1760).copy_to is pool[1]
 
 
+def test_the_guard_copies_only_a_prefix_later_requests_will_use():
+    """`popularity(n)`: the share of recent requests beginning with the prompt's first n tokens; the copy
+    carries what the chosen worker holds. One user's conversation (1 of 64 recent requests) is not copied,
+    a shared system prompt or a document (a quarter of them and more) is."""
+    pool = workers(2)
+    chosen = Decision(pool[0], "cache_hit", 1040)
+    matches = {pool[0]: 1040, pool[1]: 512}
+    asked: list[int] = []
+
+    def share_of(fraction: float):
+        def popularity(length: int) -> float:
+            asked.append(length)
+            return fraction
+        return popularity
+
+    assert full_guard(pool, warm_copy=True).apply(chosen, pool, matches, 1280, share_of(1 / 64)) is chosen
+    assert asked == [1040]  # what the chosen worker holds: the copy would carry that
+    copied = full_guard(pool, warm_copy=True).apply(chosen, pool, matches, 1280, share_of(0.25))
+    assert copied.worker is pool[0] and copied.copy_to is pool[1]
+    moved = full_guard(pool, warm_copy=True).apply(chosen, pool, {pool[0]: 1040, pool[1]: 1040}, 1280,
+                                                    share_of(1 / 64))
+    assert moved.worker is pool[1] and moved.reason == "share"  # a move copies nothing: not asked
+    assert len(asked) == 2
+
+
+def test_cache_aware_copies_the_shared_prefix_not_a_conversation():
+    """Through the policy: 40 requests on w0, each a different conversation after one shared prefix. A new
+    conversation's first turn (w1 lacks the shared prefix) gets a copy; a later turn of one conversation,
+    which w1 lacks past the shared prefix, does not."""
+    pool = workers(2)
+    policy = CacheAwarePolicy(CacheAwareSettings(max_share=0.6, warm_copy=True))
+    shared = list(range(100, 200))
+    for user in range(40):
+        policy.on_routed(key([*shared, *range(1000 + 1000 * user, 1100 + 1000 * user)]), pool[0])
+    pool[0].in_flight, pool[1].in_flight = 3, 1
+    first_turn = policy.choose(key([*shared, *range(700000, 700040)]), pool)
+    assert first_turn.worker is pool[0] and first_turn.copy_to is pool[1]
+    policy.on_copied(key(shared), pool[1])  # w1 holds the shared prefix now
+    later_turn = policy.choose(key([*shared, *range(1000, 1100), *range(90000, 90040)]), pool)
+    assert later_turn.worker is pool[0] and later_turn.copy_to is None
+
+
 def test_cache_aware_indexes_the_copy_without_counting_it_as_routed():
     pool = workers(2)
     policy = CacheAwarePolicy(CacheAwareSettings(max_share=0.6, warm_copy=True))

@@ -65,6 +65,11 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                        help="apply --long-prefill-token-threshold to a prompt alone too (vLLM's rule): a request "
                        "that arrives during a step waits at most one chunk, at some cost to a lone long prompt "
                        "and, measured, to cache-aware chat tails (default: only while others wait or run)")
+    group.add_argument("--max-admitted-prefill-tokens", type=int, default=None, metavar="N",
+                       help="most prompt tokens one step admits from the queue while others wait or run (the "
+                       "first request always gets its chunk), so prompts queued together are answered one "
+                       "after another, not all after the last; 0: off (default: the long-prefill threshold on "
+                       "a CPU, off on a GPU)")
     group.add_argument("--max-step-rows", type=parse_step_rows, default=0, metavar="N|auto",
                        help="most running sequences computing in one step, taking turns (longest-waiting "
                        "first), so every step stays short while newcomers arrive; 0: off (default); auto (CPU "

@@ -77,6 +77,7 @@ class EngineConfig:
     max_blocks_per_request: int | None = None  # None: max(half the pool, one max_model_len sequence)
     long_prefill_token_threshold: int | None = None  # None: max(64, 4% of max_model_len); 0: off
     long_prefill_always: bool = False  # chunk at the threshold even alone (vLLM's rule; Scheduler._chunk)
+    max_admitted_prefill_tokens: int | None = None  # None: the long-prefill threshold on a CPU, 0 (off) elsewhere
     max_step_rows: int | None = 0  # running sequences computing per step, in turn; None: auto (CPU); 0: off
     max_group_rows: int = 0  # most sequences of one request's group computing per step while others run; 0: off
     num_threads: int | None = None
@@ -146,6 +147,9 @@ class EngineConfig:
         if self.max_blocks_per_request is not None:
             _require(self.max_blocks_per_request >= 1,
                      f"max_blocks_per_request must be >= 1, got {self.max_blocks_per_request}")
+        if self.max_admitted_prefill_tokens is not None:
+            _require(self.max_admitted_prefill_tokens >= 0,
+                     f"max_admitted_prefill_tokens must be >= 0 (0: off), got {self.max_admitted_prefill_tokens}")
         if self.long_prefill_token_threshold is not None:
             _require(self.long_prefill_token_threshold >= 0,
                      f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")

@@ -23,6 +23,9 @@ DTYPE_ALIASES = {"auto": "float32", "float": "float32", "half": "float16", "bf16
 # Offline (`LLM`), the row cap is off unless asked for: a batch given at once wants throughput, and no
 # newcomer's time to first token waits on its steps (vLLM's defaults differ by usage context likewise).
 OFFLINE_MAX_STEP_ROWS = 0
+# Likewise the admission cap (`Scheduler._schedule_waiting`): prompts given together are admitted while the
+# step's budget lasts; who of them answers first does not matter when the batch's end is what is awaited.
+OFFLINE_MAX_ADMITTED_PREFILL_TOKENS = 0
 # vLLM names accepted at these values only (they select what kvserve always does).
 FIXED = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "trust_remote_code": (True, False),
          "enforce_eager": (True, False), "disable_log_stats": (True, False)}
@@ -48,4 +51,5 @@ def engine_config(model: str, args: dict[str, Any]) -> EngineConfig:
     if "dtype" in fields:
         fields["dtype"] = DTYPE_ALIASES.get(fields["dtype"], fields["dtype"])
     fields.setdefault("max_step_rows", OFFLINE_MAX_STEP_ROWS)
+    fields.setdefault("max_admitted_prefill_tokens", OFFLINE_MAX_ADMITTED_PREFILL_TOKENS)
     return EngineConfig(model=model, **fields)

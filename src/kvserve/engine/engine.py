@@ -39,6 +39,7 @@ from kvserve.engine.setup import (
     eos_token_ids,
     make_kv_pool,
     model_weights,
+    resolve_admitted_prefill_cap,
     resolve_long_prefill_threshold,
     resolve_max_model_len,
 )
@@ -93,7 +94,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.schedule_policy,
             self.long_prefill_token_threshold, config.max_step_rows or 0, config.max_group_rows,
-            config.long_prefill_always,
+            config.long_prefill_always, resolve_admitted_prefill_cap(config, self.long_prefill_token_threshold),
         )
         self.auto_row_cap = make_auto_row_cap(config.max_step_rows, config.device, self.scheduler.rotation,
                                               config.max_num_seqs)

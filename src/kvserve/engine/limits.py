@@ -4,7 +4,7 @@
 n / best_of samples or beams) would need more blocks than the cap, so one client cannot take the pool
 hostage; by default a request may need half the pool, or one full-length sequence if that is more.
 `long_prefill_token_threshold` bounds the prompt tokens one request computes per step
-(`Scheduler._chunk`).
+(`Scheduler._chunk`), and `max_admitted_prefill_tokens` those a step admits from the queue (`joins_step`).
 """
 
 from __future__ import annotations
@@ -14,6 +14,21 @@ from kvserve.engine.params import BeamSearchParams, SamplingParams
 
 LONG_PREFILL_MIN_TOKENS = 64
 LONG_PREFILL_PERCENT = 4  # vLLM's default when it splits long prefills (4% of max_model_len)
+
+
+SHORT_ADMISSION_TOKENS = 64  # a prompt this short joins a step past the admission cap (`joins_step`)
+
+
+def joins_step(cap: int, admitted: int, num_new: int) -> bool:
+    """Whether a waiting prompt computing `num_new` tokens joins a step that has admitted `admitted` prompt
+    tokens so far, under the admission cap (`max_admitted_prefill_tokens`, applied while others wait or
+    run; 0: off). The first newcomer always joins; later ones while the step's admitted tokens stay within
+    the cap, so prompts that queued together answer one after another: without it two 240-token chat turns
+    that arrived during a third's prefill were computed in one step and the first answered only after the
+    second's prefill too. A prompt of at most `SHORT_ADMISSION_TOKENS` joins regardless: its compute is about
+    a step's fixed cost, and holding short prompts for the next step cost a saturated server 19% of its
+    capacity (`benchmarks/soak.py --quick`, benchmarks/results/router_admission_zen4.md)."""
+    return not cap or not admitted or admitted + num_new <= cap or num_new <= SHORT_ADMISSION_TOKENS
 
 
 def default_long_prefill_threshold(max_model_len: int) -> int:

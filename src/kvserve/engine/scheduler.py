@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvserve.engine.block_manager import BlockManager
+from kvserve.engine.limits import joins_step
 from kvserve.engine.pool_share import PoolShare
 from kvserve.engine.prefix_admission import PrefixHold
 from kvserve.engine.request import Request, RequestStatus
@@ -98,7 +99,7 @@ class Scheduler:
     def __init__(
         self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
         policy: str = "fcfs", long_prefill_token_threshold: int = 0, max_step_rows: int = 0,
-        max_group_rows: int = 0, long_prefill_always: bool = False,
+        max_group_rows: int = 0, long_prefill_always: bool = False, max_admitted_prefill_tokens: int = 0,
     ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
@@ -106,6 +107,7 @@ class Scheduler:
         self.policy = policy
         self.long_prefill_token_threshold = long_prefill_token_threshold  # 0: a chunk takes the budget
         self.long_prefill_always = long_prefill_always  # the threshold applies alone too (`_chunk`)
+        self.max_admitted_prefill_tokens = max_admitted_prefill_tokens  # 0: admit while the budget lasts
         self.rotation = RowRotation(max_step_rows)  # 0: every running sequence computes every step
         self.max_group_rows = max_group_rows  # 0: a group's sequences all compute every step
         self.num_steps = 0
@@ -207,6 +209,7 @@ class Scheduler:
         return bool(self.waiting) or any(r.group_id != self.running[0].group_id for r in self.running)
 
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
+        """Admit from the queue while the budget, `max_num_seqs`, the pool and `limits.joins_step` allow."""
         if self.policy == "lpm":
             self._order_waiting_by_longest_prefix()
         self.waiting = unserved_groups_first(self.waiting, self.running)
@@ -216,6 +219,7 @@ class Scheduler:
         hold, held = self.prefix_hold, []  # held: waiting for a running request's prefix blocks
         if hold is not None:
             hold.begin_step(self.num_steps, self.running, self.waiting)
+        cap, admitted = (self.max_admitted_prefill_tokens if self._contended else 0), 0
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             matched = self.block_manager.match_prefix(request)
@@ -229,6 +233,8 @@ class Scheduler:
                     continue
             num_computed = len(matched) * self.block_manager.block_size
             num_new = self._chunk(request.num_tokens - num_computed, budget)
+            if not joins_step(cap, admitted, num_new):
+                break  # the next step's: prompts that queued together are answered one after another
             if not self.block_manager.can_admit(request, matched, num_new):
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
@@ -241,7 +247,7 @@ class Scheduler:
                 request.metrics.first_scheduled_time = time.monotonic()
             self.running.append(request)
             output.scheduled.append(ScheduledRequest(request, num_new))
-            budget -= num_new
+            budget, admitted = budget - num_new, admitted + num_new
             if hold is not None:
                 hold.add_leader(request)
         self.waiting.extendleft(reversed(held))

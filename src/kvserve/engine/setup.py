@@ -77,6 +77,15 @@ def resolve_long_prefill_threshold(config: EngineConfig, max_model_len: int) -> 
     return default_long_prefill_threshold(max_model_len)
 
 
+def resolve_admitted_prefill_cap(config: EngineConfig, long_prefill_threshold: int) -> int:
+    """Prompt tokens one step admits from the queue while others wait or run (`Scheduler._schedule_waiting`):
+    by default the long-prefill threshold on a CPU, where a step's time grows with its tokens from the first
+    one, and off on a GPU, where batching several prompts into one step is nearly free."""
+    if config.max_admitted_prefill_tokens is not None:
+        return config.max_admitted_prefill_tokens
+    return long_prefill_threshold if str(config.device).startswith("cpu") else 0
+
+
 def kv_cache_dtype(config: EngineConfig, model_dtype: torch.dtype) -> torch.dtype:
     """What the KV pool stores: `kv_cache_dtype`, or the model's dtype for auto. A bfloat16 pool under float32
     arithmetic holds each key and value rounded to nearest even (half the bytes per token); every attention

@@ -13,7 +13,8 @@ LOAD_WEIGHT = 2 / 3  # eta = uncached tokens + LOAD_WEIGHT × work beside it (po
 REQUEST_OVERHEAD = 32.0  # tokens of prefill one request in flight costs besides its prompt (policies/eta.py)
 MAX_SHARE = 0.58  # a worker past this share of the recent requests sheds them to a less busy one ...
 SHARE_WINDOW = 32  # ... the recent requests counted (policies/base.py ShareGuard) ...
-SHARE_MIN_SEEN = 8  # ... once it has seen this many (a shorter window until then)
+SHARE_MIN_SEEN = 4  # ... once it has seen this many (a shorter window until then)
+SHARE_COPY_MIN = 0.125  # ... and warm-copies only a prefix at least this share of recent requests begin with
 LOAD_ESTIMATES = ("eta", "requests")  # cache_aware: how it picks among cache holders and new workers
 QUEUE_MODELS = ("fcfs", "shared")  # eta: a request waits for all prefill queued ahead | Σ min(p, its own)
 STORE_FETCH_COST = 0.2  # kv_events: loading a token from a shared store costs this much of computing it

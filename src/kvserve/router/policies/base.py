@@ -9,7 +9,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvserve.router.config import SHARE_MIN_SEEN, SHARE_WINDOW
+from kvserve.router.config import SHARE_COPY_MIN, SHARE_MIN_SEEN, SHARE_WINDOW
 from kvserve.router.keys import RouteKey
 from kvserve.router.workers import Worker
 
@@ -167,9 +167,10 @@ class ShareGuard:
     start-up (benchmarks/results/router_rag_chunked96.md)."""
 
     def __init__(self, max_share: float, window: int = SHARE_WINDOW, warm_copy: bool = False,
-                 min_seen: int = SHARE_MIN_SEEN) -> None:
+                 min_seen: int = SHARE_MIN_SEEN, copy_min: float = SHARE_COPY_MIN) -> None:
         self.max_share = max_share
         self.warm_copy = warm_copy
+        self.copy_min = copy_min
         self.recent: deque[tuple[Worker, float]] = deque(maxlen=window)  # (routed to, when)
         self.min_seen = min(min_seen, window)
 
@@ -194,13 +195,21 @@ class ShareGuard:
         return min(lighter, key=lambda worker: (self.share(worker), worker.load_score))
 
     def apply(self, decision: Decision, workers: list[Worker], matches: dict[Worker, int],
-              prompt_len: int) -> Decision:
+              prompt_len: int, popularity: Callable[[int], float] | None = None) -> Decision:
         """The guard over a policy's decision (`matches`: the prompt tokens each worker holds): unchanged;
         moved to a lighter worker (reason `share`) when that one holds as much of the prompt, or, without
         `warm_copy`, when the chosen one is busy; else kept, with the lighter worker as its warm copy's
         target (`copy_to`) -- onto an idle worker only a copy that `fits_gap`: its next request would wait
         behind the copy (a 1,760-token conversation copied onto an idle worker just before a burst made
-        the requests there wait 5-7 s, benchmarks/results/router_paced_zen4.md)."""
+        the requests there wait 5-7 s, benchmarks/results/router_paced_zen4.md).
+
+        And only a copy of a prefix that later requests will use: `popularity(n)` is the fraction of recent
+        requests that begin with the prompt's first n tokens, and the copy carries what the chosen worker
+        holds; below `copy_min` it is not made. A shared system prompt or a document is (every request, a
+        quarter of them); one user's conversation is not (one request in a window of 64), and its copy, a
+        1,000-1,500-token prefill for the few turns left, held every request queued behind it on the
+        lighter worker, which the estimate then saw as busy and moved other turns off, recomputing their
+        histories (chat at 1 request a second: the four slowest requests, 4.9-6.0 s)."""
         lighter = self.shed(decision.worker, workers)
         if lighter is None:
             return decision
@@ -209,6 +218,8 @@ class ShareGuard:
             return moved
         if not self.warm_copy:  # chosen idle: moving would only make the request wait for a prefill
             return moved if decision.worker.load_score else decision
+        if popularity is not None and popularity(matches[decision.worker]) < self.copy_min:
+            return decision
         lacks = prompt_len - matches[lighter]
         if lighter.load_score == 0 and not self.fits_gap(lighter, decision.worker, lacks, len(workers)):
             return decision

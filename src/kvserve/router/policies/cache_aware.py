@@ -146,7 +146,8 @@ class CacheAwarePolicy(Policy):
             if target > s.cache_threshold * len(key.tokens) or self.hot.worth_copying(key, matches, target):
                 return Decision(chosen, "imbalance", target)
         if s.load_estimate == "eta":
-            return self.shares.apply(self._by_eta(key, workers, matches, hit), workers, matches, len(key.tokens))
+            return self.shares.apply(self._by_eta(key, workers, matches, hit), workers, matches, len(key.tokens),
+                                     lambda length: self.hot.share(key, length))
         if hit:
             holders = [worker for worker in workers if matches[worker] == best]
             return Decision(self._ties.least_loaded(holders), "cache_hit", best)

@@ -134,7 +134,8 @@ class KvEventsPolicy(Policy):
         chosen = self._ties.least_loaded(EtaCost.cheapest(costs))
         reason = ("least_load" if best == 0 else "shared_store" if runs[chosen] > held[chosen]
                   else "rebalance" if runs[chosen] < best else "cache_hit")
-        return self.shares.apply(Decision(chosen, reason, runs[chosen]), workers, runs, len(key.tokens))
+        return self.shares.apply(Decision(chosen, reason, runs[chosen]), workers, runs, len(key.tokens),
+                                 lambda length: self.hot.share(key, length))
 
     def cached_tokens(self, key: RouteKey, workers: list[Worker]) -> CachedRuns | None:
         """Per worker, in tokens of the prompt's leading blocks: what its device holds (or was just sent),
