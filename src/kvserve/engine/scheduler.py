@@ -3,8 +3,8 @@
 Every step, running requests go first (one decode token each, or their next prefill chunk: at most
 `long_prefill_token_threshold` tokens while others wait or run; at most `max_step_rows` of them, in
 turn, `step_rows.RowRotation`; at most `max_group_rows` of one group while other groups run or wait,
-`step_rows.group_sit_outs`), then waiting ones are admitted while the token budget, `max_num_seqs`
-and the pool allow. When a running request cannot get a block, the
+`step_rows.group_sit_outs`), then waiting ones are admitted while the token budget, `max_num_seqs`,
+the pool and the admission cap (`limits.joins_step`) allow. When a running request cannot get a block, the
 running sequence of the group holding the largest share of the pool (blocks x steps held,
 `pool_share.PoolShare`; never the oldest sequence, so something always finishes) is preempted: its
 blocks are released (full ones stay in the prefix cache) and it goes back to the front of the queue,
