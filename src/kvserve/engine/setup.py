@@ -83,7 +83,7 @@ def resolve_admitted_prefill_cap(config: EngineConfig, long_prefill_threshold: i
     one, and off on a GPU, where batching several prompts into one step is nearly free."""
     if config.max_admitted_prefill_tokens is not None:
         return config.max_admitted_prefill_tokens
-    return long_prefill_threshold if str(config.device).startswith("cpu") else 0
+    return long_prefill_threshold if torch.device(config.device).type == "cpu" else 0
 
 
 def kv_cache_dtype(config: EngineConfig, model_dtype: torch.dtype) -> torch.dtype:
