@@ -173,6 +173,26 @@ def test_tenant_b_is_not_steered_by_tenant_as_warm_replica(router):
     assert metric(router.url, "kvserve_router_matched_tokens_total") == matched_before
 
 
+def test_an_idle_worker_copies_what_the_other_answered_for_the_same_tenant_only(router, workers):
+    """Idle copies (router/idle_copy.py): once one worker answers a long prompt, the idle one computes it in the
+    background, in the caller's namespace: A's same prompt sent there directly is a hit, B's is not, and the
+    outputs equal the uncopied worker's."""
+    prompt = [300 + i % 500 for i in range(200)]
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 6, **GREEDY}
+    copies = metric(router.url, "kvserve_router_idle_copies_total", {"outcome": "ok"}, OPS)
+    first = httpx.post(router.url + "/v1/completions", json=body, headers=ALICE, timeout=120)
+    assert first.status_code == 200
+    wait_for(lambda: metric(router.url, "kvserve_router_idle_copies_total", {"outcome": "ok"}, OPS) == copies + 1)
+    answered = dict(item.strip().split("=", 1) for item in first.headers["x-kvserve-route"].split(";"))["worker"]
+    other = next(w.url for w in workers[0] if w.url != answered)
+    direct = post(other, "/v1/completions", body, ALICE)
+    assert direct["usage"]["prompt_tokens_details"]["cached_tokens"] >= 192  # the copy's blocks, for A
+    assert direct["choices"] == first.json()["choices"]
+    assert post(other, "/v1/completions", body, BOB)["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    for url in (answered, other):
+        wait_until_drained(url, OPS)
+
+
 def test_client_disconnect_aborts_the_workers_request(router, workers):
     urls = [w.url for w in workers[0]]
     before = sum(_aborts(url) for url in urls)

@@ -558,7 +558,7 @@ def test_router_and_cluster_commands_parse():
     from kvserve.router.cli import router_config
     from kvserve.router.cluster import engine_argv
     from kvserve.router.config import RouterConfig
-    from kvserve.router.serve import build_policy
+    from kvserve.router.serve import build_policy, build_router
 
     args = build_parser().parse_args(["router", "--worker", "http://a:1", "--worker", "http://b:2", "--policy",
                                       "kv_events", "--cache-threshold", "0.7", "--max-share", "0.7"])
@@ -566,6 +566,11 @@ def test_router_and_cluster_commands_parse():
     assert config.workers == ["http://a:1", "http://b:2"] and config.policy == "kv_events"
     assert config.cache_threshold == 0.7 and config.max_share == 0.7
     assert build_policy(config).shares.max_share == 0.7
+    assert config.idle_copy and build_router(config).state.router.idle is not None  # idle copies: on by default
+    off = build_parser().parse_args(["router", "--worker", "http://a:1", "--no-idle-copy"])
+    assert build_router(router_config(off, off.workers)).state.router.idle is None
+    plain = build_parser().parse_args(["router", "--worker", "http://a:1", "--policy", "round_robin"])
+    assert build_router(router_config(plain, plain.workers)).state.router.idle is None  # knows no cache: none
     with pytest.raises(ValueError, match="max_share"):
         RouterConfig(max_share=1.5)
     with pytest.raises(ValueError, match="queue_model"):

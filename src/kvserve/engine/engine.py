@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from kvserve.config import EngineConfig
+from kvserve.engine.background import BACKGROUND_DROPPED
 from kvserve.engine.block_manager import BlockManager
 from kvserve.engine.failures import FailureStreak, StepFailures, failed_output, run_attributed
 from kvserve.engine.groups import Decision, Drop, Extend, Finish, Fork, Sample, SequenceGroup, make_group
@@ -31,7 +32,7 @@ from kvserve.engine.limits import check_block_cap
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.params import BeamSearchParams, SamplingParams
 from kvserve.engine.prefix_admission import make_prefix_hold
-from kvserve.engine.request import FinishReason, Request, RequestOutput, TokenLogprob
+from kvserve.engine.request import FinishReason, Request, RequestError, RequestOutput, TokenLogprob
 from kvserve.engine.sampler import add_cumulative_logprobs, sample
 from kvserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from kvserve.engine.setup import (
@@ -190,10 +191,8 @@ class LLMEngine:
         self.scheduler.add(request)
         return request.request_id
 
-    def add_request(
-        self, prompt: str | Sequence[int], params: SamplingParams | BeamSearchParams | None = None,
-        request_id: str | None = None, namespace: Namespace = (),
-    ) -> str:
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | BeamSearchParams | None = None,
+                    request_id: str | None = None, namespace: Namespace = ()) -> str:
         """`make_request` then `add`."""
         return self.add(self.make_request(prompt, params, request_id, namespace))
 
@@ -223,13 +222,14 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; returns outputs of the requests that produced a token (or failed).
 
-        A request whose work raises is aborted with an error output (engine/failures.py); an exception
-        outside any request's work (scheduling, block copies, invariant checks) propagates: the engine
-        loop cannot go on."""
+        A request whose work raises is aborted with an error output (engine/failures.py); an exception outside
+        any request's work (scheduling, block copies, invariant checks) propagates: the loop cannot go on."""
         self._threads.check()
         started = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         outputs = self._run(scheduler_output) if scheduler_output.scheduled else []
+        dropped = self.scheduler.take_dropped()  # background copies that would evict (engine/background.py)
+        outputs += [self._fail_group(r.group_id, RequestError(BACKGROUND_DROPPED)) for r in dropped]
         if self.auto_row_cap is not None:
             self.auto_row_cap.observe(scheduler_output.scheduled, time.perf_counter() - started)
         if self.debug_checks:

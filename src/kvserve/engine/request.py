@@ -231,6 +231,7 @@ class Request:
     grammar: Any = None  # a structured-output matcher (engine/structured.py) when params ask for one
     lora: LoRAAdapter | None = None  # the adapter it runs under (its id is also in `namespace`)
     priority: int = 0  # --schedule-policy priority: lower first (vLLM's convention; engine/waiting_order.py)
+    background: bool = False  # a router's idle copy: runs only while nothing else does (engine/background.py)
     allowed_ids: torch.Tensor | None = None  # params.allowed_token_ids as a tensor, made at its first step
     held_since_step: int = 0  # scheduler step at which it last got blocks (admission or fork): fair preemption
     table_version: int = 0  # renumbered by the block manager on every change to `block_table` (engine/pool_share.py)

@@ -26,26 +26,34 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvserve.engine.background import (
+    any_foreground,
+    background_chunk,
+    background_last,
+    fits_free,
+    num_foreground,
+    waiting_background_last,
+)
 from kvserve.engine.block_manager import BlockManager
+from kvserve.engine.cache_counters import PrefixCacheCounters, split_by_source
 from kvserve.engine.limits import joins_step
 from kvserve.engine.pool_share import PoolShare
 from kvserve.engine.prefix_admission import PrefixHold
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.step_rows import RowRotation, group_sit_outs
 from kvserve.engine.waiting_order import (
+    longest_prefix_first,
     oldest_group_first,
     order_by_priority,
     priority_of,
     unserved_groups_first,
 )
-from kvserve.tiers.offload import SOURCES
 
 if TYPE_CHECKING:
     from kvserve.engine.kv_tiers import EngineTiers
     from kvserve.engine.speculative import Speculator
     from kvserve.engine.step_trace import StepTrace
 
-LPM_MAX_WAITING = 128  # beyond this many waiting requests, lpm's per-step matching costs too much
 PROTECT_WAITING = 4  # head-of-queue requests whose cached prefixes are refreshed before running ones grow
 IDLE_LOAD_WAIT_S = 0.01  # a step that scheduled nothing while loads are in flight waits this long for one
 
@@ -68,33 +76,6 @@ class SchedulerOutput:
         return sum(item.num_new_tokens for item in self.scheduled)
 
 
-@dataclass(slots=True)
-class PrefixCacheCounters:
-    """Prefix cache statistics in tokens; a preempted request's re-match is counted apart."""
-
-    queries: int = 0
-    hits: int = 0
-    preempted_queries: int = 0
-    preempted_hits: int = 0
-    recent: deque = field(default_factory=lambda: deque(maxlen=1000))  # (queried, hit) per request
-    hits_by_source: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SOURCES, 0))  # splits `hits`
-
-    def record(self, request: Request, num_matched_tokens: int) -> None:
-        if request.was_admitted:  # preempted (or a fork that found no room): a re-match
-            self.preempted_queries += request.num_prompt_tokens
-            self.preempted_hits += num_matched_tokens
-            return
-        self.queries += request.num_prompt_tokens
-        self.hits += num_matched_tokens
-        for source, tokens in request.cached_tokens_by_source.items():
-            self.hits_by_source[source] += tokens
-        self.recent.append((request.num_prompt_tokens, num_matched_tokens))
-
-    def recent_hit_rate(self) -> float:
-        queried = sum(q for q, _ in self.recent)
-        return sum(h for _, h in self.recent) / queried if queried else 0.0
-
-
 class Scheduler:
     def __init__(
         self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
@@ -112,6 +93,8 @@ class Scheduler:
         self.max_group_rows = max_group_rows  # 0: a group's sequences all compute every step
         self.num_steps = 0
         self._contended = False  # others wait or run beside a request this step (long prefills yield)
+        self._foreground = False  # a foreground request waits or runs this step (`engine/background.py`)
+        self.dropped: list[Request] = []  # background requests that cannot fit without evicting: the engine fails them
         self._yielded_last_step = False  # running prefills sat out the last step for a newcomer
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -126,6 +109,10 @@ class Scheduler:
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
+    def take_dropped(self) -> list[Request]:
+        dropped, self.dropped = self.dropped, []
+        return dropped
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or (self.tiers is not None and self.tiers.loading))
 
@@ -134,10 +121,11 @@ class Scheduler:
         output = SchedulerOutput()
         if self.tiers is not None:
             self._requeue_loaded()
-        self.running = self.pool_share.order(self.running, self.num_steps)
+        self.running = background_last(self.pool_share.order(self.running, self.num_steps))  # last: first victims
         if self.policy == "priority":
             output.preempted += order_by_priority(self)
-        self._contended = len(self.waiting) + len(self.running) > 1
+        self._contended = num_foreground(self.waiting) + num_foreground(self.running) > 1
+        self._foreground = any_foreground(self.running) or any_foreground(self.waiting)  # background sits out
         self._protect_waiting()
         budget = self._schedule_running(output, self.max_num_batched_tokens)
         num_running_before = len(output.scheduled)
@@ -172,11 +160,15 @@ class Scheduler:
         capped = group_sit_outs(self.running, self.max_group_rows) if self._other_groups() else set()
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            if (turn is not None and request.request_id not in turn) or request.request_id in capped:
-                index += 1  # sits out (keeps its blocks): row cap, group cap
+            if ((turn is not None and request.request_id not in turn) or request.request_id in capped
+                    or (request.background and self._foreground)):
+                index += 1  # sits out (keeps its blocks): row cap, group cap, background
                 continue
             self._adopt_cached_continuation(request)
-            num_new = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = background_chunk(request, self._chunk(request.num_tokens - request.num_computed_tokens, budget))
+            if request.background and not self.block_manager.can_grow_from_free(request, num_new):
+                self.preempt(self.running.pop(index), front=False)  # never evicts: re-admitted if it fits, else dropped
+                continue
             if num_new == 0:  # holding its logits until the rest of its group has theirs
                 index += 1
                 continue
@@ -211,17 +203,21 @@ class Scheduler:
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
         """Admit from the queue while the budget, `max_num_seqs`, the pool and `limits.joins_step` allow."""
         if self.policy == "lpm":
-            self._order_waiting_by_longest_prefix()
+            self.waiting = longest_prefix_first(self.waiting, self.block_manager)
         self.waiting = unserved_groups_first(self.waiting, self.running)
         self.waiting = oldest_group_first(self.waiting, self.running)
         if self.policy == "priority":  # the group rules above reorder within a priority, never across
             self.waiting = deque(sorted(self.waiting, key=priority_of))
+        self.waiting = waiting_background_last(self.waiting)
+        self._free_slot_for_foreground(output)
         hold, held = self.prefix_hold, []  # held: waiting for a running request's prefix blocks
         if hold is not None:
-            hold.begin_step(self.num_steps, self.running, self.waiting)
+            hold.begin_step(self.num_steps, [r for r in self.running if not r.background], self.waiting)
         cap, admitted = (self.max_admitted_prefill_tokens if self._contended else 0), 0
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
+            if request.background and self._foreground:
+                break  # behind every foreground request (`waiting_background_last`)
             matched = self.block_manager.match_prefix(request)
             if hold is not None and hold.should_hold(request, len(matched)):
                 held.append(self.waiting.popleft())
@@ -232,7 +228,10 @@ class Scheduler:
                     self.waiting.popleft()
                     continue
             num_computed = len(matched) * self.block_manager.block_size
-            num_new = self._chunk(request.num_tokens - num_computed, budget)
+            if not fits_free(request, matched, self.block_manager):  # background, nobody running to free blocks
+                self.dropped.append(self.waiting.popleft())
+                continue
+            num_new = background_chunk(request, self._chunk(request.num_tokens - num_computed, budget))
             if not joins_step(cap, admitted, num_new):
                 break  # the next step's: prompts that queued together are answered one after another
             if not self.block_manager.can_admit(request, matched, num_new):
@@ -248,9 +247,17 @@ class Scheduler:
             self.running.append(request)
             output.scheduled.append(ScheduledRequest(request, num_new))
             budget, admitted = budget - num_new, admitted + num_new
-            if hold is not None:
+            if hold is not None and not request.background:
                 hold.add_leader(request)
         self.waiting.extendleft(reversed(held))
+
+    def _free_slot_for_foreground(self, output: SchedulerOutput) -> None:
+        """A foreground request at the head of a full batch takes a background request's sequence slot."""
+        while (len(self.running) >= self.max_num_seqs and self.waiting and not self.waiting[0].background
+               and self.running and self.running[-1].background):
+            victim = self.running.pop()
+            self.preempt(victim, front=False)
+            output.preempted.append(victim)
 
     def _protect_waiting(self) -> None:
         """The queue is known future: matching its next requests refreshes their cached prefixes (a
@@ -316,16 +323,6 @@ class Scheduler:
         for request in reversed(self.tiers.poll()):
             self.waiting.appendleft(request)
 
-    def _order_waiting_by_longest_prefix(self) -> None:
-        """SGLang's lpm: admit the longest cached prefix first; FCFS when the queue is long."""
-        if len(self.waiting) > LPM_MAX_WAITING:
-            return
-        # Preempted requests keep their place at the front: they already waited their turn.
-        resumed = [r for r in self.waiting if r.was_admitted]
-        fresh = [r for r in self.waiting if not r.was_admitted]
-        fresh.sort(key=lambda r: len(self.block_manager.match_prefix(r)), reverse=True)  # stable sort
-        self.waiting = deque(resumed + fresh)
-
     def _unblock_waiting(self, output: SchedulerOutput) -> None:
         """Nothing ran: every running request holds its logits for its group while the queue's head (say
         a preempted sibling) does not fit. Preempt from the newest until the head is admitted. The victims
@@ -390,11 +387,3 @@ class Scheduler:
         self.block_manager.free(request)
         request.status = RequestStatus.FINISHED
 
-
-def split_by_source(kv_sources: dict[int, str], num_matched_tokens: int, block_size: int) -> dict[str, int]:
-    """Matched tokens by the tier each block was loaded from for this admission (device: it was there)."""
-    by_source = dict.fromkeys(SOURCES, 0)
-    num_blocks = num_matched_tokens // block_size
-    for index in range(num_blocks):
-        by_source[kv_sources.get(index, "device")] += block_size
-    return by_source

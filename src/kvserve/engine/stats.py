@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from kvserve.engine.background import num_foreground
 from kvserve.engine.block_manager import BlockManager
 from kvserve.engine.kv_tiers import EngineTiers
 from kvserve.engine.scheduler import Scheduler
@@ -13,6 +14,7 @@ def engine_stats(manager: BlockManager, scheduler: Scheduler, tiers: EngineTiers
     counters = scheduler.counters
     num_blocks = manager.num_blocks
     used = manager.num_used_blocks()
+    running, waiting = num_foreground(scheduler.running), num_foreground(scheduler.waiting)
     return {
         "num_blocks": num_blocks,
         "block_size": manager.block_size,
@@ -23,8 +25,9 @@ def engine_stats(manager: BlockManager, scheduler: Scheduler, tiers: EngineTiers
         "peak_used_blocks": manager.peak_used_blocks,
         "kv_cache_usage": used / num_blocks,
         "num_preemptions": scheduler.num_preemptions,
-        "num_running": len(scheduler.running),
-        "num_waiting": len(scheduler.waiting),
+        "num_running": running,  # a router's idle copies apart (`num_background`, engine/background.py)
+        "num_waiting": waiting,
+        "num_background": len(scheduler.running) + len(scheduler.waiting) - running - waiting,
         "prefix_cache_queries": counters.queries,
         "prefix_cache_hits": counters.hits,
         "prefix_cache_hit_rate": counters.recent_hit_rate(),

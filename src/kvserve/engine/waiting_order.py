@@ -55,6 +55,20 @@ def oldest_group_first(waiting: deque[Request], running: list[Request]) -> deque
     return deque([r for r in waiting if r.group_id == keeper] + [r for r in waiting if r.group_id != keeper])
 
 
+LPM_MAX_WAITING = 128  # beyond this many waiting requests, lpm's per-step matching costs too much
+
+
+def longest_prefix_first(waiting: deque[Request], block_manager: BlockManager) -> deque[Request]:
+    """SGLang's lpm: admit the longest cached prefix first; FCFS when the queue is long. Preempted
+    requests keep their place at the front: they already waited their turn."""
+    if len(waiting) > LPM_MAX_WAITING:
+        return waiting
+    resumed = [r for r in waiting if r.was_admitted]
+    fresh = [r for r in waiting if not r.was_admitted]
+    fresh.sort(key=lambda r: len(block_manager.match_prefix(r)), reverse=True)  # stable sort
+    return deque(resumed + fresh)
+
+
 def priority_of(request: Request) -> int:
     return request.priority
 

@@ -30,6 +30,7 @@ from fastapi.responses import JSONResponse, Response
 
 from kvserve.router.affinity import CacheKeyAffinity, ResponseAffinity
 from kvserve.router.handoff import FallbackLog, prefill_body, run_prefill
+from kvserve.router.idle_copy import IdleCopies
 from kvserve.router.keys import CHAT_PATH, COMPLETIONS_PATH, RESPONSES_PATH, RequestKeyer, RouteKey
 from kvserve.router.metrics import RouterMetrics
 from kvserve.router.policies.base import Decision, Policy
@@ -66,6 +67,7 @@ class Router:
     cache_keys: CacheKeyAffinity = field(default_factory=CacheKeyAffinity)
     fallbacks: FallbackLog = field(init=False)
     copies: set[asyncio.Task] = field(default_factory=set)  # warm copies in flight (held: tasks are weak)
+    idle: IdleCopies | None = None  # idle copies (idle_copy.py); None: off
 
     def __post_init__(self) -> None:
         self.fallbacks = FallbackLog(self.metrics)
@@ -114,8 +116,9 @@ class Router:
             tried.add(worker)
             self.cache_keys.learn(cache_key, key.namespace, worker)
             learn = (lambda answer, at=worker: self.affinity.learn(at, answer)) if path == RESPONSES_PATH else None
-            upstream = Upstream(self.client, worker, path, body, headers, self.metrics,
-                                prefill, route, learn, lambda at=worker: self.policy.on_prefilled(key, at))
+            prefilled = (lambda at=worker, sent=headers: self._prefilled(key, at, path, parsed, sent))
+            upstream = Upstream(self.client, worker, path, body, headers, self.metrics, prefill, route, learn,
+                                prefilled)
             try:
                 response = await (upstream.stream(request) if streaming else upstream.unary(request))
             except WorkerFailed as err:
@@ -132,6 +135,12 @@ class Router:
         self.metrics.failures.labels("no_worker").inc()
         detail = "; ".join(errors) if errors else "no worker is in the pool"
         return error_response(503, f"no worker could take the request: {detail}", "no_worker_available")
+
+    def _prefilled(self, key: RouteKey, worker: Worker, path: str, parsed: object, headers: dict[str, str]) -> None:
+        """`worker` answered: index it, then let idle workers copy the prompt (not /v1/responses: see `_warm_copy`)."""
+        self.policy.on_prefilled(key, worker)
+        if self.idle is not None and isinstance(parsed, dict) and path != RESPONSES_PATH:
+            self.idle.after_prefill(key, worker, self.pool.healthy(), path, parsed, headers)
 
     def _warm_copy(self, worker: Worker, path: str, parsed: dict, headers: dict[str, str], key: RouteKey) -> None:
         """The share guard's warm copy (`Decision.copy_to`): the request as a one-token prefill
@@ -231,12 +240,17 @@ def build_router_app(router: Router) -> FastAPI:
         await router.policy.start()
         await router.pool.poll_all()
         poller = asyncio.create_task(router.pool.run())
+        feeder = asyncio.create_task(router.idle.run(router.pool)) if router.idle is not None else None
         try:
             yield
         finally:
             poller.cancel()
+            if feeder is not None:
+                feeder.cancel()
             for copy in list(router.copies):
                 copy.cancel()
+            if router.idle is not None:
+                await router.idle.stop()
             await router.policy.stop()
             await router.client.aclose()
 

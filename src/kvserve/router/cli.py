@@ -82,6 +82,10 @@ def _add_common_flags(parser: argparse.ArgumentParser, port: int) -> None:
                        help="when --max-share would move a request to a worker lacking its prefix, keep it where it "
                             "was going and compute the prefix there with a duplicate nobody waits for (--no-warm-copy: "
                             "move the request, which then waits for that prefill)")
+    group.add_argument("--idle-copy", action=argparse.BooleanOptionalAction, default=True,
+                       help="cache_aware and kv_events: once a worker answers a prompt, an idle worker lacking it "
+                            "computes it too, as a background request (only while it has nothing else to run), so "
+                            "the conversation's next turn can go to either")
     group.add_argument("--store-fetch-cost", type=float, default=defaults.STORE_FETCH_COST,
                        help="kv_events over workers sharing one --remote-cache store: loading a prompt token "
                             "another worker computed costs this much of computing it (1: ignore the store)")
@@ -99,7 +103,8 @@ def router_config(args: argparse.Namespace, workers: list[str]) -> RouterConfig:
         balance_abs=args.balance_abs, balance_rel=args.balance_rel, cache_threshold=args.cache_threshold,
         tree_budget=args.tree_budget, load_weight=args.load_weight, request_overhead=args.request_overhead,
         load_estimate=args.load_estimate, max_share=args.max_share, warm_copy=args.warm_copy,
-        share_min_seen=args.share_min_seen, pd_min_prompt=args.pd_min_prompt, open_metrics=args.open_metrics,
+        share_min_seen=args.share_min_seen, idle_copy=args.idle_copy, pd_min_prompt=args.pd_min_prompt,
+        open_metrics=args.open_metrics,
         store_fetch_cost=args.store_fetch_cost,
         tier_fetch_cost=args.tier_fetch_cost,
     )

@@ -43,6 +43,7 @@ class RouterConfig:
     max_share: float = MAX_SHARE
     share_min_seen: int = SHARE_MIN_SEEN
     warm_copy: bool = True  # the share guard copies a prefix with a duplicate request nobody waits for
+    idle_copy: bool = True  # cache_aware, kv_events: idle workers compute what another just answered (idle_copy.py)
     queue_model: str = "fcfs"  # eta's queue: "shared" is the earlier processor-sharing estimate
     pd_min_prompt: int = PD_MIN_PROMPT
     store_fetch_cost: float = STORE_FETCH_COST  # kv_events over workers sharing a store (policies/store.py)

@@ -78,6 +78,9 @@ class RouterMetrics:
         self.warm_copies = Counter("kvserve_router_warm_copies", "Share-guard warm copies: duplicates sent to "
                                    "compute a prompt on a less served worker, by outcome.", ["worker", "outcome"],
                                    registry=self.registry)
+        self.idle_copies = Counter("kvserve_router_idle_copies", "Idle copies: prompts a worker answered, sent "
+                                   "as background requests to an idle worker lacking them, by outcome.",
+                                   ["worker", "outcome"], registry=self.registry)
         self.retries = Counter("kvserve_router_retries", "Requests re-sent to another worker before streaming.",
                                registry=self.registry)
         self.failures = Counter("kvserve_router_failed", "Requests that failed after no worker could take them "

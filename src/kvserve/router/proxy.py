@@ -27,7 +27,7 @@ from starlette.types import Receive, Scope, Send
 
 from kvserve.router.metrics import RouterMetrics
 from kvserve.router.workers import PrefillStart, Worker
-from kvserve.server.roles import FLUSH_BYTES_HEADER, FLUSH_HEADER, FLUSH_MS_HEADER
+from kvserve.server.roles import BACKGROUND_HEADER, FLUSH_BYTES_HEADER, FLUSH_HEADER, FLUSH_MS_HEADER
 
 CLIENT_CLOSED_REQUEST = 499
 # What the router decided for a request, for whoever studies its tail (benchmarks/router.py):
@@ -38,7 +38,8 @@ ROUTE_HEADER = "x-kvserve-route"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # Hop-by-hop and framing headers are the proxy's own business; everything else passes unchanged.
 _DROPPED_REQUEST_HEADERS = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "upgrade",
-                            "te", "trailer", "proxy-authorization", "proxy-connection", "accept-encoding"}
+                            "te", "trailer", "proxy-authorization", "proxy-connection", "accept-encoding",
+                            BACKGROUND_HEADER}  # the router's own (idle copies), never a client's
 # ... and a prefill worker's hand-off report (handoff.py).
 _PASSED_RESPONSE_HEADERS = ("content-type", "retry-after", "x-request-id", FLUSH_HEADER, FLUSH_BYTES_HEADER,
                             FLUSH_MS_HEADER)

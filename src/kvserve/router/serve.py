@@ -10,6 +10,7 @@ from fastapi import FastAPI
 
 from kvserve.router.app import Router, build_router_app
 from kvserve.router.config import RouterConfig
+from kvserve.router.idle_copy import IDLE_COPY_POLICIES, IdleCopies
 from kvserve.router.keys import RequestKeyer, load_tokenizer
 from kvserve.router.metrics import RouterMetrics
 from kvserve.router.policies import (
@@ -40,9 +41,12 @@ def build_router(config: RouterConfig) -> FastAPI:
     pool = WorkerPool(config.workers, client, config.poll_interval, poll_headers=_admin_headers(config.api_keys),
                       polled_load=config.polled_load)
     policy = build_policy(config)
+    metrics = RouterMetrics(lambda: pool.workers, policy.index_sizes)
+    copies = config.idle_copy and config.policy in IDLE_COPY_POLICIES
+    idle = IdleCopies(client, policy, metrics, interval=config.poll_interval) if copies else None
     router = Router(pool=pool, policy=policy, keyer=RequestKeyer(tokenizer, api_keys), client=client,
-                    metrics=RouterMetrics(lambda: pool.workers, policy.index_sizes), max_attempts=config.max_attempts,
-                    metrics_keys=None if config.open_metrics else api_keys)
+                    metrics=metrics, max_attempts=config.max_attempts,
+                    metrics_keys=None if config.open_metrics else api_keys, idle=idle)
     return build_router_app(router)
 
 

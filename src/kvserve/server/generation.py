@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from fastapi import Request
 from pydantic import BaseModel
 
+from kvserve.engine.background import MAX_BACKGROUND_REQUESTS
 from kvserve.engine.params import BeamSearchParams, SamplingParams
 from kvserve.engine.request import CompletionOutput, RequestOutput
 from kvserve.lora.adapter import LoRAAdapter
@@ -58,16 +59,20 @@ class StreamFormat:
 async def submit(
     state: ServerState, ctx: ResponseContext, prompts: Sequence[list[int]],
     params: SamplingParams | BeamSearchParams, namespace: Namespace, prompt_param: str,
-    lora: LoRAAdapter | None = None, priority: int = 0, probe_store: bool = True,
+    lora: LoRAAdapter | None = None, priority: int = 0, probe_store: bool = True, background: bool = False,
 ) -> RequestGroup:
     """Queue one engine request per prompt (each carries its n choices) as one group; 429 when
     `max_queue` requests already wait that cannot start now. `probe_store` False: admission does not ask
-    the shared store (a router said it holds nothing more, `server/roles.py` STORE_PROBE_HEADER)."""
+    the shared store (a router said it holds nothing more, `server/roles.py` STORE_PROBE_HEADER).
+    `background`: a router's idle copy (`engine/background.py`), 429 beyond `MAX_BACKGROUND_REQUESTS`."""
     engine, max_queue = state.engine, state.max_queue
+    if background and engine.num_background >= MAX_BACKGROUND_REQUESTS:
+        raise ApiError(429, f"{MAX_BACKGROUND_REQUESTS} background requests are queued already; retry later",
+                       code="background_full", type_="rate_limit_error")
     if queue_backlog(engine, state.limits.max_num_seqs) >= max_queue:
         raise ApiError(429, f"the server's request queue is full ({max_queue} waiting); retry later",
                        code="queue_full", type_="rate_limit_error")
-    specs = [RequestSpec(ids, params, ctx.request_id(p), namespace, lora, priority, probe_store)
+    specs = [RequestSpec(ids, params, ctx.request_id(p), namespace, lora, priority, probe_store, background)
              for p, ids in enumerate(prompts)]
     try:
         return await engine.add_requests(specs)

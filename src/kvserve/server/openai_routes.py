@@ -90,7 +90,8 @@ async def chat_completions(request: Request, caller: Caller) -> Response:
     ctx.ask_for_token_ids(body, [prompt_ids])
     namespace = request_namespace(caller, body.cache_salt)
     group = await submit(state, ctx, [prompt_ids], params, namespace, "messages", lora, body.priority,
-                         roles.store_probe_wanted(request.headers))
+                         roles.store_probe_wanted(request.headers),
+                         roles.background_wanted(request.headers))
     tool_choice = effective_tool_choice(body) if body.tools else None
     calls_tools = tool_choice is not None and tool_choice != "none"
     fmt = StreamFormat(
@@ -129,7 +130,8 @@ async def completions(request: Request, caller: Caller) -> Response:
         ctx.echo_only = body.max_tokens == 0
     namespace = request_namespace(caller, body.cache_salt)
     group = await submit(state, ctx, prompts, params, namespace, "prompt", lora, body.priority,
-                         roles.store_probe_wanted(request.headers))
+                         roles.store_probe_wanted(request.headers),
+                         roles.background_wanted(request.headers))
     want_logprobs = body.logprobs is not None
     fmt = StreamFormat(
         first_chunks=lambda _: [],

@@ -38,6 +38,7 @@ FLUSH_MS_HEADER = "x-kvserve-kv-flush-ms"
 # From a store-aware router: "0" when it knows the shared store holds nothing of the prompt beyond what this
 # worker holds, so admission skips asking the store (`engine/kv_tiers.py`); "1" (or absent): ask as usual.
 STORE_PROBE_HEADER = "x-kvserve-store-probe"
+BACKGROUND_HEADER = "x-kvserve-background"  # a router's idle copy (engine/background.py)
 _POLL_FIRST_S, _POLL_MAX_S = 0.001, 0.02
 
 
@@ -67,6 +68,12 @@ def store_probe_wanted(headers: Mapping[str, str]) -> bool:
     """Whether admission should ask the shared store for the prompt's blocks (`STORE_PROBE_HEADER`). Only
     the caller's own request is affected: skipping can cost it a load, never another tenant anything."""
     return headers.get(STORE_PROBE_HEADER, "1").strip() != "0"
+
+
+def background_wanted(headers: Mapping[str, str]) -> bool:
+    """Whether the request runs in the background (`BACKGROUND_HEADER`: only while nobody else waits or runs,
+    `engine/background.py`). A caller setting it only slows itself; the router drops it from its clients'."""
+    return headers.get(BACKGROUND_HEADER, "0").strip() == "1"
 
 
 @dataclass(slots=True)

@@ -50,6 +50,7 @@ class RequestSpec:
     lora: LoRAAdapter | None = None  # the adapter the request runs under (None: the base model)
     priority: int = 0  # lower first, under --schedule-policy priority (else only 0)
     probe_remote: bool = True  # False: admission skips asking the shared store (engine/kv_tiers.py)
+    background: bool = False  # only while nothing else waits or runs (engine/background.py)
 
 
 @dataclass(slots=True)
@@ -238,6 +239,11 @@ class AsyncEngine:
     def num_running(self) -> int:
         return int(self._stats["num_running"])
 
+    @property
+    def num_background(self) -> int:
+        """Background requests (a router's idle copies) queued or running; not in the two counts above."""
+        return int(self._stats.get("num_background", 0))
+
     # --- crossing into the engine thread -----------------------------------------------------------
 
     def _post(self, run: Callable[[], Any], num_submissions: int = 0) -> Future:
@@ -326,6 +332,7 @@ class AsyncEngine:
         ]  # all validated before any is queued
         for request, spec, sink in zip(requests, specs, sinks, strict=True):
             request.probe_remote = spec.probe_remote
+            request.background = spec.background
             self._sinks[request.request_id] = sink
             self._engine.add(request)
 

@@ -49,6 +49,11 @@ class Policy:
         """A duplicate of the request keyed `key` went to `worker` to compute its prompt there (a warm copy,
         `Decision.copy_to`): index it as sent there, without counting it as a request routed."""
 
+    def held_by(self, key: RouteKey, workers: list[Worker]) -> dict[Worker, int] | None:
+        """The prompt tokens each worker holds or was sent, as the policy knows it; None: it does not know
+        (no index, or an unkeyed request). Idle copies (`router/idle_copy.py`) go where this is short."""
+        return None
+
     def on_join(self, worker: Worker) -> None:
         """`worker` (re)joined the pool: whatever was indexed for it is stale."""
 

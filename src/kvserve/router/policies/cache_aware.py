@@ -188,6 +188,12 @@ class CacheAwarePolicy(Policy):
         if key.usable and self.settings.store.applies([worker]):
             self.tree(worker, self._answered).insert(tree_key(key))
 
+    def held_by(self, key: RouteKey, workers: list[Worker]) -> dict[Worker, int] | None:
+        if not key.usable:
+            return None
+        seq = tree_key(key)
+        return {worker: max(self.tree(worker).match(seq) - 1, 0) for worker in workers}
+
     def on_join(self, worker: Worker) -> None:
         self._trees[worker] = TokenTree(self.settings.tree_budget)
         self._answered.pop(worker, None)

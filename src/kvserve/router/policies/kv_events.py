@@ -188,6 +188,10 @@ class KvEventsPolicy(Policy):
         self._last_hashes = (key, hashes)
         return hashes
 
+    def held_by(self, key: RouteKey, workers: list[Worker]) -> dict[Worker, int] | None:
+        cached = self.cached_tokens(key, workers)
+        return None if cached is None else cached.reach
+
     def on_routed(self, key: RouteKey, worker: Worker) -> None:
         self.hot.add(key)
         self.shares.add(worker)
