@@ -177,7 +177,7 @@ def test_an_idle_worker_copies_what_the_other_answered_for_the_same_tenant_only(
     """Idle copies (router/idle_copy.py): once one worker answers a long prompt, the idle one computes it in the
     background, in the caller's namespace: A's same prompt sent there directly is a hit, B's is not, and the
     outputs equal the uncopied worker's."""
-    prompt = [300 + i % 500 for i in range(200)]
+    prompt = [40 + i % 300 for i in range(200)]
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 6, **GREEDY}
     copies = metric(router.url, "kvserve_router_idle_copies_total", {"outcome": "ok"}, OPS)
     first = httpx.post(router.url + "/v1/completions", json=body, headers=ALICE, timeout=120)
