@@ -76,6 +76,7 @@ import redis
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, command_line, markdown_table, write_result  # noqa: E402
 from kvserve.prefix.hashing import block_hashes  # noqa: E402
+from kvserve.router.cli import machine_cores  # noqa: E402
 from kvserve.router.cluster import Cluster  # noqa: E402
 from kvserve.router.config import RouterConfig  # noqa: E402
 from kvserve.router.keys import RouteKey  # noqa: E402
@@ -304,6 +305,7 @@ def policy_config(spec: str, urls: list[str]) -> RouterConfig:
             values[field_name] = value.lower() in ("1", "true", "yes")
         else:
             values[field_name] = value if isinstance(default, str) or default is None else type(default)(value)
+    values.setdefault("idle_copy_slots", machine_cores())  # as `kvserve cluster` sets it: 1-thread workers
     return RouterConfig(workers=urls, policy=name, poll_interval=0.25, **values)
 
 

@@ -228,7 +228,7 @@ def test_router_health_and_metrics(router, workers):
     assert httpx.get(worker + "/load", headers=ALICE).status_code == 403  # load reveals traffic: admin only
     load = httpx.get(worker + "/load", headers=OPS).json()
     assert load["block_size"] == 16 and load["prefix_hash"] == "sha256" and load["kv_events_endpoint"]
-    assert {"running", "waiting", "kv_usage", "instance"} <= set(load)
+    assert {"running", "waiting", "background", "kv_usage", "instance"} <= set(load)
 
 
 def test_kv_events_keep_an_exact_index_and_route_by_it(workers, chat_model_dir, keys):  # noqa: F811

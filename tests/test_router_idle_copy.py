@@ -138,3 +138,32 @@ def test_a_worker_busy_when_the_prompt_was_answered_gets_it_once_idle():
         await client.aclose()
 
     asyncio.run(run())
+
+
+def test_workers_sharing_the_cores_copy_only_while_a_core_is_idle():
+    """`idle_copy_slots` (kvserve cluster: cores over each worker's threads): with 2 slots and one worker busy,
+    one copy starts, not two: a third computing worker would take a core from the busy one."""
+    async def run() -> None:
+        release = asyncio.Event()
+
+        async def fake(sent: httpx.Request) -> httpx.Response:
+            await release.wait()
+            return httpx.Response(200, json={"choices": [{"text": "x"}]})
+
+        client = httpx.AsyncClient(transport=httpx.MockTransport(fake))
+        policy, pool = CacheAwarePolicy(), pool_of(3)
+        copies = IdleCopies(client, policy, RouterMetrics(lambda: pool), slots=2)
+        policy.on_routed(key(PROMPT), pool[0])
+        copies.recent.append(answered(PROMPT, pool[0]))
+        pool[0].in_flight = 1
+        copies.pump(pool)
+        assert list(copies.in_flight) == [pool[1]]
+        unlimited = IdleCopies(client, policy, RouterMetrics(lambda: pool))
+        unlimited.recent.append(answered(PROMPT, pool[0]))
+        unlimited.pump(pool)
+        assert list(unlimited.in_flight) == [pool[1], pool[2]]  # every worker on its own hardware
+        release.set()
+        await asyncio.gather(*copies.in_flight.values(), *unlimited.in_flight.values())
+        await client.aclose()
+
+    asyncio.run(run())

@@ -569,6 +569,9 @@ def test_router_and_cluster_commands_parse():
     assert config.idle_copy and build_router(config).state.router.idle is not None  # idle copies: on by default
     off = build_parser().parse_args(["router", "--worker", "http://a:1", "--no-idle-copy"])
     assert build_router(router_config(off, off.workers)).state.router.idle is None
+    shared = build_parser().parse_args(["router", "--worker", "http://a:1", "--idle-copy-slots", "2"])
+    assert build_router(router_config(shared, shared.workers)).state.router.idle.slots == 2
+    assert config.idle_copy_slots == 0  # the router alone: workers on their own hardware
     plain = build_parser().parse_args(["router", "--worker", "http://a:1", "--policy", "round_robin"])
     assert build_router(router_config(plain, plain.workers)).state.router.idle is None  # knows no cache: none
     with pytest.raises(ValueError, match="max_share"):

@@ -86,6 +86,10 @@ def _add_common_flags(parser: argparse.ArgumentParser, port: int) -> None:
                        help="cache_aware and kv_events: once a worker answers a prompt, an idle worker lacking it "
                             "computes it too, as a background request (only while it has nothing else to run), so "
                             "the conversation's next turn can go to either")
+    group.add_argument("--idle-copy-slots", type=int, default=None,
+                       help="when the workers share one machine's cores: idle copies start only while fewer than "
+                            "this many workers are busy (0: every worker has its own hardware, the router's "
+                            "default; kvserve cluster: the cores over each worker's threads)")
     group.add_argument("--store-fetch-cost", type=float, default=defaults.STORE_FETCH_COST,
                        help="kv_events over workers sharing one --remote-cache store: loading a prompt token "
                             "another worker computed costs this much of computing it (1: ignore the store)")
@@ -103,7 +107,8 @@ def router_config(args: argparse.Namespace, workers: list[str]) -> RouterConfig:
         balance_abs=args.balance_abs, balance_rel=args.balance_rel, cache_threshold=args.cache_threshold,
         tree_budget=args.tree_budget, load_weight=args.load_weight, request_overhead=args.request_overhead,
         load_estimate=args.load_estimate, max_share=args.max_share, warm_copy=args.warm_copy,
-        share_min_seen=args.share_min_seen, idle_copy=args.idle_copy, pd_min_prompt=args.pd_min_prompt,
+        share_min_seen=args.share_min_seen, idle_copy=args.idle_copy, idle_copy_slots=args.idle_copy_slots or 0,
+        pd_min_prompt=args.pd_min_prompt,
         open_metrics=args.open_metrics,
         store_fetch_cost=args.store_fetch_cost,
         tier_fetch_cost=args.tier_fetch_cost,
@@ -123,6 +128,8 @@ def run_cluster(args: argparse.Namespace) -> int:
     from kvserve.router.serve import run_router as serve
 
     engine = shared_cores(engine_config_from_args(args), args.replicas)
+    if args.idle_copy_slots is None:  # the workers share this machine's cores
+        args.idle_copy_slots = max(1, machine_cores() // (engine.num_threads or 1))
     with shared_store(engine, args.shared_store) as engine, \
             Cluster.start(engine, args.replicas, args.worker_host, args.api_keys,
                           kv_events=args.policy == "kv_events") as cluster:
@@ -148,5 +155,8 @@ def shared_cores(engine: EngineConfig, replicas: int) -> EngineConfig:
     all the cores each would run N x cores spinning OpenMP threads on them."""
     if engine.num_threads is not None:
         return engine
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return dataclasses.replace(engine, num_threads=max(1, cores // max(1, replicas)))
+    return dataclasses.replace(engine, num_threads=max(1, machine_cores() // max(1, replicas)))
+
+
+def machine_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

@@ -44,6 +44,7 @@ class RouterConfig:
     share_min_seen: int = SHARE_MIN_SEEN
     warm_copy: bool = True  # the share guard copies a prefix with a duplicate request nobody waits for
     idle_copy: bool = True  # cache_aware, kv_events: idle workers compute what another just answered (idle_copy.py)
+    idle_copy_slots: int = 0  # workers sharing one machine's cores: copies only while fewer are busy (0: own hardware)
     queue_model: str = "fcfs"  # eta's queue: "shared" is the earlier processor-sharing estimate
     pd_min_prompt: int = PD_MIN_PROMPT
     store_fetch_cost: float = STORE_FETCH_COST  # kv_events over workers sharing a store (policies/store.py)
@@ -55,6 +56,8 @@ class RouterConfig:
             raise ValueError(f"policy must be one of {POLICY_NAMES}, got {self.policy!r}")
         if self.poll_interval <= 0:
             raise ValueError(f"poll_interval must be > 0, got {self.poll_interval}")
+        if self.idle_copy_slots < 0:
+            raise ValueError(f"idle_copy_slots must be >= 0, got {self.idle_copy_slots}")
         if self.pd_min_prompt < 0:
             raise ValueError(f"pd_min_prompt must be >= 0, got {self.pd_min_prompt}")
         if self.load_estimate not in LOAD_ESTIMATES:

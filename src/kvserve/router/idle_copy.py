@@ -2,8 +2,8 @@
 
 Over 2 workers at half a request a second, cache-aware chat's TTFT p90 was turns queued on their
 conversation's worker while the other worker idled (BENCHMARKS.md, router_admission_zen4): moving such a
-turn costs its history (1,000-1,500 tokens on one CPU thread, more than the wait), and a warm copy made
-when a request is moved lands on a busy worker and delays whoever queues there. An idle copy is made
+turn costs its history (1,000-1,500 tokens on one CPU thread, more than the wait), and a share-guard copy made
+at routing time lands on a busy worker and delays whoever queues there. An idle copy is made
 ahead, in time nobody else uses: once a worker has answered a prompt (its first token), each idle worker
 that lacks at least `IDLE_COPY_MIN_TOKENS` of it gets the prompt as a background request
 (`x-kvserve-background`, `engine/background.py`): one token, computed only while that worker has nothing
@@ -12,14 +12,16 @@ next turn then finds its history on both workers, and the policy's load term sen
 
 A worker is idle when this router has nothing in flight there and its last poll showed nobody else's
 requests. The router keeps the last `RECENT_PROMPTS` answered prompts and, whenever a prompt is answered, a
-copy ends or a poll comes back, gives each idle worker the most recent one it lacks and has not been tried
+copy ends or a poll interval passes, gives each idle worker the most recent one it lacks and has not been tried
 with: at most one copy in flight per worker, so copies never queue behind each other, and a worker that was
 busy when a turn was answered still gets it once it idles. The copy is indexed there (`Policy.on_copied`)
 once it answered 200; one that failed (the worker had no free blocks for it, 429, a transport error) is
-not tried on that worker again. A copy runs under the caller's own headers
-(API key, so the same tenant namespace; `cache_salt` is in the body), so it can only ever serve that
-tenant's later requests. Copies need a policy that knows what each worker holds (`Policy.held_by`:
-cache_aware, kv_events).
+not tried on that worker again. Workers sharing one machine's cores are not idle hardware: with `slots`
+(`--idle-copy-slots`, set by `kvserve cluster`) copies start only while fewer workers than that are busy (4
+one-thread workers on 2 cores copying whenever one idled took cores from the busy ones: chat's p90 fell from
+3.1x round_robin's to 1.5x). A copy runs under the caller's own headers (API key, so the same tenant
+namespace; `cache_salt` is in the body), so it can only ever serve that tenant's later requests. Copies
+need a policy that knows what each worker holds (`Policy.held_by`: cache_aware, kv_events).
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ class IdleCopies:
     min_tokens: int = IDLE_COPY_MIN_TOKENS
     timeout_s: float = IDLE_COPY_TIMEOUT_S
     interval: float = 1.0  # seconds between looks for workers gone idle (the pool's poll interval)
+    slots: int = 0  # workers sharing the cores: copies start only while fewer than this are busy (0: no limit)
     recent: deque[Answered] = field(default_factory=lambda: deque(maxlen=RECENT_PROMPTS))
     in_flight: dict[Worker, asyncio.Task] = field(default_factory=dict)
 
@@ -79,16 +82,21 @@ class IdleCopies:
         self.pump(workers)
 
     def pump(self, workers: list[Worker]) -> None:
-        """Give each idle worker with no copy in flight the newest answered prompt it lacks (if any)."""
+        """Give each idle worker with no copy in flight the newest answered prompt it lacks (if any), while
+        fewer than `slots` workers are busy (with requests or copies) when they share the machine's cores."""
+        busy = sum(worker.load_score != 0 or worker in self.in_flight for worker in workers)
         for worker in workers:
             if worker.load_score != 0 or worker in self.in_flight:
                 continue
+            if self.slots and busy >= self.slots:
+                return  # no core is idle: a copy would slow the workers that are computing
             candidate = self.candidate(worker, workers)
             if candidate is not None:
                 candidate.tried.add(worker)
                 task = asyncio.create_task(self._copy(worker, candidate))
                 self.in_flight[worker] = task
                 task.add_done_callback(lambda _, at=worker: self._done(at, workers))
+                busy += 1
 
     def candidate(self, worker: Worker, workers: list[Worker]) -> Answered | None:
         """The newest answered prompt not tried on `worker` of which it lacks at least `min_tokens`."""

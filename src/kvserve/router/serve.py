@@ -43,7 +43,8 @@ def build_router(config: RouterConfig) -> FastAPI:
     policy = build_policy(config)
     metrics = RouterMetrics(lambda: pool.workers, policy.index_sizes)
     copies = config.idle_copy and config.policy in IDLE_COPY_POLICIES
-    idle = IdleCopies(client, policy, metrics, interval=config.poll_interval) if copies else None
+    idle = IdleCopies(client, policy, metrics, interval=config.poll_interval,
+                                 slots=config.idle_copy_slots) if copies else None
     router = Router(pool=pool, policy=policy, keyer=RequestKeyer(tokenizer, api_keys), client=client,
                     metrics=metrics, max_attempts=config.max_attempts,
                     metrics_keys=None if config.open_metrics else api_keys, idle=idle)

@@ -33,14 +33,16 @@ async def metrics(request: Request, _: Admin) -> Response:
 
 @router.get("/load")
 async def load(request: Request, _: Admin) -> JSONResponse:
-    """Load and cache layout for a router: running / waiting requests, KV usage, block size, hash
-    function, KV-event endpoints, how many blocks the host and disk tiers can hold (`tier_blocks`), and
-    this process's instance id. Admin-only with API keys, like `/metrics` (load reveals other tenants' traffic)."""
+    """Load and cache layout for a router: running / waiting requests (background ones apart), KV usage,
+    block size, hash function, KV-event endpoints, how many blocks the host and disk tiers can hold
+    (`tier_blocks`), and this process's instance id. Admin-only with API keys, like `/metrics` (load
+    reveals other tenants' traffic)."""
     state = server_state(request)
     stats = state.engine.stats()
     publisher = state.replica.kv_events
     return JSONResponse({
         "running": state.engine.num_running, "waiting": state.engine.num_waiting,
+        "background": state.engine.num_background,  # idle copies (engine/background.py), not in the two above
         "kv_usage": stats["kv_cache_usage"], "num_blocks": stats["num_blocks"], "free_blocks": stats["free_blocks"],
         "block_size": state.engine.info.block_size, "prefix_hash": state.replica.prefix_hash,
         "kv_events_endpoint": publisher.endpoint if publisher else None,
