@@ -81,8 +81,9 @@ def test_a_copy_goes_out_as_a_background_one_token_request_outside_the_routers_l
         metrics = RouterMetrics(lambda: pool.workers)
         router = Router(pool=pool, policy=policy, keyer=RequestKeyer(None, None), client=client, metrics=metrics,
                         idle=IdleCopies(client, policy, metrics))
-        body = {"prompt": PROMPT, "max_tokens": 20, "cache_salt": "s"}
-        caller = request(body, headers=((b"authorization", b"Bearer tenant-key"), (BACKGROUND_HEADER.encode(), b"1")))
+        body = {"prompt": PROMPT, "max_tokens": 20, "cache_salt": "s", "request_id": "mine"}
+        caller = request(body, headers=((b"authorization", b"Bearer tenant-key"), (BACKGROUND_HEADER.encode(), b"1"),
+                                        (b"x-request-id", b"mine")))
         response = await router.route(caller, PATH)
         assert response.status_code == 200
         answered = next(url for url, *_ in seen)
@@ -94,7 +95,7 @@ def test_a_copy_goes_out_as_a_background_one_token_request_outside_the_routers_l
         first, copy = seen
         assert BACKGROUND_HEADER not in first[2]  # the client's header was dropped: only the router sets it
         assert copy[0] == other.url and copy[2][BACKGROUND_HEADER] == "1" and copy[3] == 0
-        assert copy[2]["authorization"] == "Bearer tenant-key"
+        assert copy[2]["authorization"] == "Bearer tenant-key" and "x-request-id" not in copy[2]  # not the caller's id
         assert copy[1] == {"prompt": PROMPT, "max_tokens": 1, "stream": False, "n": 1, "cache_salt": "s"}
         sample = metrics.registry.get_sample_value("kvserve_router_idle_copies_total",
                                                    {"worker": other.url, "outcome": "ok"})

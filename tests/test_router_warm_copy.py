@@ -191,7 +191,7 @@ def test_the_copy_is_a_one_token_duplicate_counted_while_it_runs_and_answered_to
             return httpx.Response(200, json={"choices": [{"text": "answer"}]})
 
         router, pool, policy = copying_router(fake)
-        body = {"prompt": [5, 6, 7, 8], "max_tokens": 50, "best_of": 2, "cache_salt": "s"}
+        body = {"prompt": [5, 6, 7, 8], "max_tokens": 50, "best_of": 2, "cache_salt": "s", "request_id": "mine"}
         response = await router.route(caller(body), PATH)
         assert b"answer" in response.body and b"copy" not in response.body  # the chosen worker's answer
         await asyncio.sleep(0)

@@ -29,7 +29,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from kvserve.router.affinity import CacheKeyAffinity, ResponseAffinity
-from kvserve.router.handoff import FallbackLog, prefill_body, run_prefill
+from kvserve.router.handoff import FallbackLog, copy_request, run_prefill
 from kvserve.router.idle_copy import IdleCopies
 from kvserve.router.keys import CHAT_PATH, COMPLETIONS_PATH, RESPONSES_PATH, RequestKeyer, RouteKey
 from kvserve.router.metrics import RouterMetrics
@@ -144,12 +144,13 @@ class Router:
 
     def _warm_copy(self, worker: Worker, path: str, parsed: dict, headers: dict[str, str], key: RouteKey) -> None:
         """The share guard's warm copy (`Decision.copy_to`): the request as a one-token prefill
-        (`handoff.prefill_body`: same tenant, salt and prompt) to `worker`, in its load like any request
+        (`handoff.copy_request`: same tenant, salt and prompt) to `worker`, in its load like any request
         while it runs, its answer dropped. The policy indexes the prompt there as sent. Not for
         /v1/responses, whose duplicate would store a response nobody asked for."""
         self.policy.on_copied(key, worker)
         prefill = len(key.tokens) if key.tokens is not None else 0  # an upper bound: what it lacks is unknown here
-        upstream = Upstream(self.client, worker, path, prefill_body(parsed), headers, self.metrics, prefill,
+        body, headers = copy_request(parsed, headers)
+        upstream = Upstream(self.client, worker, path, body, headers, self.metrics, prefill,
                             on_prefilled=lambda: self.policy.on_prefilled(key, worker))
         task = asyncio.create_task(self._run_copy(upstream))
         self.copies.add(task)

@@ -56,6 +56,14 @@ def prefill_body(parsed: dict) -> bytes:
     return json.dumps(body).encode()
 
 
+def copy_request(parsed: dict, headers: dict[str, str]) -> tuple[bytes, dict[str, str]]:
+    """A warm or idle copy: the prefill body and headers without the caller's request id (body `request_id`,
+    `X-Request-Id`). The copy is not the caller's request, and a caller reusing its id on the copy's worker
+    while the copy runs there would be refused as a duplicate."""
+    body = prefill_body({name: value for name, value in parsed.items() if name != "request_id"})
+    return body, {name: value for name, value in headers.items() if name.lower() != "x-request-id"}
+
+
 async def run_prefill(
     request: Request, client: httpx.AsyncClient, pool: WorkerPool, fallbacks: FallbackLog, worker: Worker,
     path: str, parsed: dict, headers: dict[str, str],

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from kvserve.router.handoff import prefill_body
+from kvserve.router.handoff import copy_request
 from kvserve.router.keys import RouteKey
 from kvserve.router.metrics import RouterMetrics
 from kvserve.router.policies.base import Policy
@@ -53,7 +53,7 @@ class Answered:
 
     key: RouteKey
     path: str
-    body: bytes  # `handoff.prefill_body`: one token, one choice, no stream
+    body: bytes  # `handoff.copy_request`: one token, one choice, no stream, not the caller's request id
     headers: dict[str, str]
     tried: set[Worker]
 
@@ -77,8 +77,8 @@ class IdleCopies:
         """`source` answered the request keyed `key`: keep it as a candidate, then feed the idle workers."""
         if key.tokens is None or len(key.tokens) < self.min_tokens:
             return
-        sent = {name: value for name, value in headers.items() if name.lower() != STORE_PROBE_HEADER}
-        self.recent.append(Answered(key, path, prefill_body(parsed), sent | {BACKGROUND_HEADER: "1"}, {source}))
+        body, sent = copy_request(parsed, {k: v for k, v in headers.items() if k.lower() != STORE_PROBE_HEADER})
+        self.recent.append(Answered(key, path, body, sent | {BACKGROUND_HEADER: "1"}, {source}))
         self.pump(workers)
 
     def pump(self, workers: list[Worker]) -> None:
