@@ -32,22 +32,20 @@ BACKGROUND_DROPPED = "background request dropped: its prompt does not fit in fre
 MAX_BACKGROUND_REQUESTS = 4  # queued or running on one server: beyond, 429 (a copy is never worth a backlog)
 
 
-def any_foreground(requests: Iterable[Request]) -> bool:
-    return any(not request.background for request in requests)
-
-
 def num_foreground(requests: Iterable[Request]) -> int:
     return sum(not request.background for request in requests)
 
 
-def background_last(requests: Iterable[Request]) -> list[Request]:
-    """Foreground requests first, each side in its order: the queue's tail and the first victims."""
-    items = list(requests)
-    return [r for r in items if not r.background] + [r for r in items if r.background]
+def background_last(requests: list[Request]) -> list[Request]:
+    """Foreground requests first, each side in its order: the queue's tail and the first victims. The list
+    itself when it holds no background request (every step, on the scheduler's path: no copy then)."""
+    if not any(r.background for r in requests):
+        return requests
+    return [r for r in requests if not r.background] + [r for r in requests if r.background]
 
 
 def waiting_background_last(waiting: deque[Request]) -> deque[Request]:
-    return waiting if not any(r.background for r in waiting) else deque(background_last(waiting))
+    return waiting if not any(r.background for r in waiting) else deque(background_last(list(waiting)))
 
 
 def fits_free(request: Request, matched: list[int], block_manager: BlockManager) -> bool:

@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvserve.engine.background import (
-    any_foreground,
     background_chunk,
     background_last,
     fits_free,
@@ -124,8 +123,9 @@ class Scheduler:
         self.running = background_last(self.pool_share.order(self.running, self.num_steps))  # last: first victims
         if self.policy == "priority":
             output.preempted += order_by_priority(self)
-        self._contended = num_foreground(self.waiting) + num_foreground(self.running) > 1
-        self._foreground = any_foreground(self.running) or any_foreground(self.waiting)  # background sits out
+        foreground = num_foreground(self.waiting) + num_foreground(self.running)
+        self._contended = foreground > 1
+        self._foreground = foreground > 0  # background requests sit out
         self._protect_waiting()
         budget = self._schedule_running(output, self.max_num_batched_tokens)
         num_running_before = len(output.scheduled)

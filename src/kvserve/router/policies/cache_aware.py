@@ -122,10 +122,10 @@ class CacheAwarePolicy(Policy):
         if not key.usable:
             return Decision(self._ties.least_loaded(workers), "imbalance" if imbalanced else "unkeyed")
         seq = tree_key(key)
-        held = {worker: max(self.tree(worker).match(seq) - 1, 0) for worker in workers}
+        held = self._matched(seq, workers)
         if not s.store.applies(workers):
             return self._choose(key, workers, held, imbalanced)
-        answered = {worker: max(self.tree(worker, self._answered).match(seq) - 1, 0) for worker in workers}
+        answered = self._matched(seq, workers, self._answered)
         matches = s.store.effective(held, answered)  # what another worker answered is in the store: loadable
         decision = self._choose(key, workers, matches, imbalanced)
         if matches[decision.worker] > held[decision.worker] and decision.reason in (
@@ -189,10 +189,12 @@ class CacheAwarePolicy(Policy):
             self.tree(worker, self._answered).insert(tree_key(key))
 
     def held_by(self, key: RouteKey, workers: list[Worker]) -> dict[Worker, int] | None:
-        if not key.usable:
-            return None
-        seq = tree_key(key)
-        return {worker: max(self.tree(worker).match(seq) - 1, 0) for worker in workers}
+        return self._matched(tree_key(key), workers) if key.usable else None
+
+    def _matched(self, seq: list[int], workers: list[Worker], trees: dict[Worker, TokenTree] | None = None
+                 ) -> dict[Worker, int]:
+        """The prompt tokens of `seq` (namespace marker first) each worker's tree (of `trees`) matches."""
+        return {worker: max(self.tree(worker, trees).match(seq) - 1, 0) for worker in workers}
 
     def on_join(self, worker: Worker) -> None:
         self._trees[worker] = TokenTree(self.settings.tree_budget)
