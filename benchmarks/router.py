@@ -435,6 +435,8 @@ def worker_argv(args: argparse.Namespace, threads: int, store: str | None = None
         chunked += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     if args.max_admitted_prefill_tokens is not None:
         chunked += ["--max-admitted-prefill-tokens", str(args.max_admitted_prefill_tokens)]
+    if args.long_prefill_busy_tokens is not None:
+        chunked += ["--long-prefill-busy-tokens", str(args.long_prefill_busy_tokens)]
     return ["--model", args.model, "--num-blocks", str(args.num_blocks), *host, *remote, *chunked,
             "--num-threads", str(threads)]
 
@@ -583,6 +585,9 @@ def main() -> None:
                         help="workers chunk a lone long prompt at the threshold too (serve --long-prefill-always)")
     parser.add_argument("--long-prefill-token-threshold", type=int, default=None,
                         help="workers' prefill chunk bound (serve --long-prefill-token-threshold)")
+    parser.add_argument("--long-prefill-busy-tokens", type=int, default=None,
+                        help="workers' chunk for a lone long prompt while busy lately (serve "
+                             "--long-prefill-busy-tokens; 0: off)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
                         help="workers' token budget per step (serve --max-num-batched-tokens)")
     parser.add_argument("--max-admitted-prefill-tokens", type=int, default=None,

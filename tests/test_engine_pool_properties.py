@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from conftest import assert_pool_drained
 from kvserve import LLM, SamplingParams
+from kvserve.engine.busy_chunk import BusyChunking
 from kvserve.prefix.namespace import make_namespace
 from lora_util import make_peft_adapter
 
@@ -41,13 +42,15 @@ def check_pool(engine) -> None:
 
 def apply_step_or_abort(engine, op: tuple, ids: list[str]) -> None:
     """The operations every pool property test shares: ("step", n) runs n steps, ("abort", i) aborts one,
-    ("chunking", threshold, always) sets the long-prefill cap (0: off; below the tests' 40-token budget, so it
-    bites) and whether it applies to a prompt alone too (`--long-prefill-always`)."""
+    ("chunking", threshold, always, busy) sets the long-prefill cap (0: off; below the tests' 40-token budget, so it
+    bites), whether it applies to a prompt alone too (`--long-prefill-always`), and busy chunking's chunk
+    (`engine/busy_chunk.py`, 0: off) for prompts computing 20 tokens or more."""
     if op[0] == "step":
         for _ in range(op[1]):
             engine.step()
     elif op[0] == "chunking":
         engine.scheduler.long_prefill_token_threshold, engine.scheduler.long_prefill_always = op[1], op[2]
+        engine.scheduler.busy = BusyChunking(op[3], min_uncached=20)
     elif ids:
         engine.abort_request(ids[op[1] % len(ids)])
 
@@ -73,7 +76,7 @@ operation = st.one_of(
     ),
     st.tuples(st.just("step"), st.integers(1, 4)),
     st.tuples(st.just("abort"), st.integers(0, 50)),
-    st.tuples(st.just("chunking"), st.sampled_from([0, 16, 24]), st.booleans()),
+    st.tuples(st.just("chunking"), st.sampled_from([0, 16, 24]), st.booleans(), st.sampled_from([0, 8])),
 )
 
 

@@ -46,10 +46,11 @@ def steps_until_first_token(engine: LLMEngine, request_id: str, limit: int = 100
     raise AssertionError(f"{request_id} got no token in {limit} steps")
 
 
-def short_ttft_beside_long_prefill(model_dir, threshold: int, max_step_rows: int | None = None) -> tuple[int, int]:
+def short_ttft_beside_long_prefill(model_dir, threshold: int, max_step_rows: int | None = None,
+                                   busy: int | None = None) -> tuple[int, int]:
     """(solo TTFT, TTFT while an 8,191-token prompt prefills) of a 4-token request, in steps."""
     engine = make_engine(model_dir, num_blocks=640, long_prefill_token_threshold=threshold,
-                         max_step_rows=max_step_rows)
+                         max_step_rows=max_step_rows, long_prefill_busy_tokens=busy)
     engine.add_request([5, 6, 7, 8], SHORT, request_id="solo")
     solo = steps_until_first_token(engine, "solo")
     while engine.has_unfinished_requests():
@@ -74,8 +75,10 @@ def short_ttft_beside_long_prefill(model_dir, threshold: int, max_step_rows: int
 def test_short_request_ttft_beside_an_8k_prefill(long_model_dir, max_step_rows):
     solo, beside = short_ttft_beside_long_prefill(long_model_dir, threshold=64, max_step_rows=max_step_rows)
     assert beside <= 2 * solo + 1, (solo, beside)  # "+ 1": the step in flight when it arrived
-    solo_off, beside_off = short_ttft_beside_long_prefill(long_model_dir, threshold=0)
-    assert beside_off > 2 * solo_off + 1  # without the threshold the 8k prompt takes every step's budget
+    solo_off, beside_off = short_ttft_beside_long_prefill(long_model_dir, threshold=0, busy=0)
+    assert beside_off > 2 * solo_off + 1  # without the threshold (or busy chunking) the 8k prompt takes every
+    solo_busy, beside_busy = short_ttft_beside_long_prefill(long_model_dir, threshold=0)  # step's budget
+    assert beside_busy <= 2 * solo_busy + 1  # busy chunking alone bounds it too
 
 
 def test_long_prefill_alone_takes_the_whole_budget(long_model_dir):

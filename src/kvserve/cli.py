@@ -65,6 +65,10 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                        help="apply --long-prefill-token-threshold to a prompt alone too (vLLM's rule): a request "
                        "that arrives during a step waits at most one chunk, at some cost to a lone long prompt "
                        "and, measured, to cache-aware chat tails (default: only while others wait or run)")
+    group.add_argument("--long-prefill-busy-tokens", type=int, default=None, metavar="N",
+                       help="while the server has had requests at once in the last 5 s, a prompt computing 512 "
+                       "tokens or more computes at most N a step, alone or not, so a request arriving meanwhile "
+                       "waits one short step; 0: off (default: 96 on a CPU, off on a GPU and offline)")
     group.add_argument("--max-admitted-prefill-tokens", type=int, default=None, metavar="N",
                        help="most prompt tokens one step admits from the queue while others wait or run (the "
                        "first request always gets its chunk), so prompts queued together are answered one "

@@ -77,6 +77,7 @@ class EngineConfig:
     max_blocks_per_request: int | None = None  # None: max(half the pool, one max_model_len sequence)
     long_prefill_token_threshold: int | None = None  # None: max(64, 4% of max_model_len); 0: off
     long_prefill_always: bool = False  # chunk at the threshold even alone (vLLM's rule; Scheduler._chunk)
+    long_prefill_busy_tokens: int | None = None  # a long prompt's chunk while busy lately; None: 96 on a CPU
     max_admitted_prefill_tokens: int | None = None  # None: the long-prefill threshold on a CPU, 0 (off) elsewhere
     max_step_rows: int | None = 0  # running sequences computing per step, in turn; None: auto (CPU); 0: off
     max_group_rows: int = 0  # most sequences of one request's group computing per step while others run; 0: off
@@ -153,6 +154,9 @@ class EngineConfig:
         if self.long_prefill_token_threshold is not None:
             _require(self.long_prefill_token_threshold >= 0,
                      f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
+        if self.long_prefill_busy_tokens is not None:
+            _require(self.long_prefill_busy_tokens >= 0,
+                     f"long_prefill_busy_tokens must be >= 0 (0: off), got {self.long_prefill_busy_tokens}")
         if self.max_step_rows is not None:
             _require(self.max_step_rows >= 0, f"max_step_rows must be >= 0 (0: off), got {self.max_step_rows}")
         _require(self.max_group_rows >= 0, f"max_group_rows must be >= 0 (0: off), got {self.max_group_rows}")

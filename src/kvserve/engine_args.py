@@ -26,6 +26,9 @@ OFFLINE_MAX_STEP_ROWS = 0
 # Likewise the admission cap (`Scheduler._schedule_waiting`): prompts given together are admitted while the
 # step's budget lasts; who of them answers first does not matter when the batch's end is what is awaited.
 OFFLINE_MAX_ADMITTED_PREFILL_TOKENS = 0
+# And busy chunking (`engine/busy_chunk.py`): it splits a lone long prompt so a newcomer waits less, and
+# offline no newcomer arrives while a batch runs.
+OFFLINE_LONG_PREFILL_BUSY_TOKENS = 0
 # vLLM names accepted at these values only (they select what kvserve always does).
 FIXED = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "trust_remote_code": (True, False),
          "enforce_eager": (True, False), "disable_log_stats": (True, False)}
@@ -52,4 +55,5 @@ def engine_config(model: str, args: dict[str, Any]) -> EngineConfig:
         fields["dtype"] = DTYPE_ALIASES.get(fields["dtype"], fields["dtype"])
     fields.setdefault("max_step_rows", OFFLINE_MAX_STEP_ROWS)
     fields.setdefault("max_admitted_prefill_tokens", OFFLINE_MAX_ADMITTED_PREFILL_TOKENS)
+    fields.setdefault("long_prefill_busy_tokens", OFFLINE_LONG_PREFILL_BUSY_TOKENS)
     return EngineConfig(model=model, **fields)

@@ -38,6 +38,7 @@ from kvserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutpu
 from kvserve.engine.setup import (
     check_activation_quant,
     eos_token_ids,
+    make_busy_chunking,
     make_kv_pool,
     model_weights,
     resolve_admitted_prefill_cap,
@@ -104,10 +105,9 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_pool, self.lora, cascade=not config.disable_cascade_attn)
         self.tiers = make_engine_tiers(config, self.model_config, tensor_shapes, weights_path, self.block_manager,
                                        self.kv_pool.tensor, bf16_weights)
-        self.scheduler.tiers = self.tiers
+        self.scheduler.tiers, self.scheduler.busy = self.tiers, make_busy_chunking(config)
         self.scheduler.speculator = self.speculator = make_speculator(config.speculative_config, self.max_model_len)
-        self.scheduler.prefix_hold = make_prefix_hold(not config.disable_prefix_hold, config.prefix_cache,
-                                                      config.block_size)
+        self.scheduler.prefix_hold = make_prefix_hold(config)
         self.groups: dict[str, SequenceGroup] = {}  # open requests, by id as submitted
         self.debug_checks = os.environ.get(DEBUG_CHECKS_ENV, "0") not in ("", "0")
         self._seed_rng = random.Random(config.seed)

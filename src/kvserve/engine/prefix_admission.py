@@ -21,8 +21,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvserve.engine.request import Request
+
+if TYPE_CHECKING:
+    from kvserve.config import EngineConfig
 
 DEFAULT_MAX_HOLD_STEPS = 32
 
@@ -85,6 +89,7 @@ def _unpublished_prompt_blocks(request: Request, block_size: int) -> bool:
     return request.num_published_blocks < request.num_prompt_tokens // block_size
 
 
-def make_prefix_hold(enabled: bool, prefix_cache_kind: str, block_size: int) -> PrefixHold | None:
+def make_prefix_hold(config: EngineConfig) -> PrefixHold | None:
     """The hold for an engine, or None when it is turned off or nothing is ever cached (cache off)."""
-    return PrefixHold(block_size) if enabled and prefix_cache_kind != "off" else None
+    enabled = not config.disable_prefix_hold and config.prefix_cache != "off"
+    return PrefixHold(config.block_size) if enabled else None

@@ -34,6 +34,7 @@ from kvserve.engine.background import (
     waiting_background_last,
 )
 from kvserve.engine.block_manager import BlockManager
+from kvserve.engine.busy_chunk import BusyChunking
 from kvserve.engine.cache_counters import PrefixCacheCounters, split_by_source
 from kvserve.engine.limits import joins_step
 from kvserve.engine.pool_share import PoolShare
@@ -104,6 +105,7 @@ class Scheduler:
         self.prefix_hold: PrefixHold | None = None  # set by the engine: in-batch prefix sharing at admission
         self.trace: StepTrace | None = None  # set by the server under KVSERVE_STEP_TRACE
         self.speculator: Speculator | None = None  # set by the engine under speculative_config
+        self.busy = BusyChunking()  # off unless the engine sets it: lone long prompts chunked while busy lately
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -125,6 +127,7 @@ class Scheduler:
             output.preempted += order_by_priority(self)
         foreground = num_foreground(self.waiting) + num_foreground(self.running)
         self._contended = foreground > 1
+        self.busy.note(self._contended)
         self._foreground = foreground > 0  # background requests sit out
         self._protect_waiting()
         budget = self._schedule_running(output, self.max_num_batched_tokens)
@@ -165,7 +168,8 @@ class Scheduler:
                 index += 1  # sits out (keeps its blocks): row cap, group cap, background
                 continue
             self._adopt_cached_continuation(request)
-            num_new = background_chunk(request, self._chunk(request.num_tokens - request.num_computed_tokens, budget))
+            num_new = background_chunk(request, self._chunk(request.num_tokens - request.num_computed_tokens, budget,
+                                                            request.num_prompt_tokens - request.num_cached_tokens))
             if request.background and not self.block_manager.can_grow_from_free(request, num_new):
                 self.preempt(self.running.pop(index), front=False)  # never evicts: re-admitted if it fits, else dropped
                 continue
@@ -231,7 +235,8 @@ class Scheduler:
             if not fits_free(request, matched, self.block_manager):  # background, nobody running to free blocks
                 self.dropped.append(self.waiting.popleft())
                 continue
-            num_new = background_chunk(request, self._chunk(request.num_tokens - num_computed, budget))
+            remaining = request.num_tokens - num_computed
+            num_new = background_chunk(request, self._chunk(remaining, budget, remaining))
             if not joins_step(cap, admitted, num_new):
                 break  # the next step's: prompts that queued together are answered one after another
             if not self.block_manager.can_admit(request, matched, num_new):
@@ -282,7 +287,7 @@ class Scheduler:
         output.scheduled = [item for item in output.scheduled if item not in yielding]
         self._yielded_last_step = True
 
-    def _chunk(self, num_remaining: int, budget: int) -> int:
+    def _chunk(self, num_remaining: int, budget: int, uncached: int) -> int:
         """Tokens to compute for a request this step: what remains, within the budget; while other
         requests wait or run beside it, a prefill chunk of at most `long_prefill_token_threshold` (vLLM's
         knob), so a long prompt never takes a whole step from the others: a newcomer's first step costs
@@ -291,11 +296,13 @@ class Scheduler:
         step of 1,072 prompt tokens takes ~3 s on one thread. Measured over 2 one-thread servers
         (BENCHMARKS.md, router_zen4_chunked): round_robin's RAG p90 halved, but cache-aware chat's p90 grew
         15-45% (cold turns interleaved with warm ones) and a lone 2,048-token prompt took up to 11% longer:
-        opt-in."""
+        opt-in. While the server is busy lately, `busy` (`engine/busy_chunk.py`) cuts a long prompt's chunk
+        further, alone or not: what one arriving during its step waits for."""
         num_new = min(num_remaining, budget)
         threshold = self.long_prefill_token_threshold
-        capped = self._contended or self.long_prefill_always
-        return threshold if capped and 0 < threshold < num_new else num_new
+        if (self._contended or self.long_prefill_always) and 0 < threshold < num_new:
+            num_new = threshold
+        return self.busy.chunk(uncached, num_new)
 
     def _adopt_cached_continuation(self, request: Request) -> None:
         adopted = self.block_manager.adopt_cached_continuation(request)

@@ -7,6 +7,7 @@ import logging
 import torch
 
 from kvserve.config import FP8_KV_DTYPES, EngineConfig, default_kv_cache_memory
+from kvserve.engine.busy_chunk import BUSY_CHUNK_TOKENS, BusyChunking
 from kvserve.engine.limits import default_long_prefill_threshold
 from kvserve.kernels.ops import Kernels
 from kvserve.kernels.quant import BLOCK, BLOCK_QTYPES, QuantWeight, bf16_weight
@@ -84,6 +85,15 @@ def resolve_admitted_prefill_cap(config: EngineConfig, long_prefill_threshold: i
     if config.max_admitted_prefill_tokens is not None:
         return config.max_admitted_prefill_tokens
     return long_prefill_threshold if torch.device(config.device).type == "cpu" else 0
+
+
+def make_busy_chunking(config: EngineConfig) -> BusyChunking:
+    """Lone long prompts chunked while the server is busy lately (`engine/busy_chunk.py`): by default at
+    `BUSY_CHUNK_TOKENS` on a CPU, where a long prompt's step takes seconds, and off on a GPU."""
+    tokens = config.long_prefill_busy_tokens
+    if tokens is None:
+        tokens = BUSY_CHUNK_TOKENS if torch.device(config.device).type == "cpu" else 0
+    return BusyChunking(tokens)
 
 
 def kv_cache_dtype(config: EngineConfig, model_dtype: torch.dtype) -> torch.dtype:
