@@ -1,7 +1,7 @@
 """The share guard's warm copy (`--warm-copy`): when the guard would move a request to a worker lacking its
 prefix, the request stays where the policy sent it and a duplicate (one token, no stream, same tenant and
-body) computes the prompt on the less served worker; nobody waits for it, it counts in that worker's load
-while it runs, and the policy indexes the prompt there."""
+body) computes the prompt on the less served worker as a background request; nobody waits for it, it is
+outside the router's load counts, and the policy indexes the prompt there once it is answered."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from kvserve.router.metrics import RouterMetrics
 from kvserve.router.policies.base import Decision, Policy, ShareGuard
 from kvserve.router.policies.cache_aware import CacheAwarePolicy, CacheAwareSettings
 from kvserve.router.workers import Worker, WorkerLoad, WorkerPool
+from kvserve.server.roles import BACKGROUND_HEADER
 from test_router_inflight import request
 
 PATH = "/v1/completions"
@@ -174,15 +175,18 @@ def copying_router(fake) -> tuple[Router, WorkerPool, Copying]:
 
 
 @pytest.mark.parametrize("copy_fails", [False, True])
-def test_the_copy_is_a_one_token_duplicate_counted_while_it_runs_and_answered_to_nobody(copy_fails):
+def test_the_copy_is_a_one_token_background_duplicate_answered_to_nobody(copy_fails):
+    """The copy goes as a background request (the worker computes it only while nobody else's request
+    waits or runs there), outside the router's load counts, one per worker at a time, indexed once it
+    answered 200."""
     async def run() -> None:
-        seen: list[tuple[str, dict, str | None, int]] = []
+        seen: list[tuple[str, dict, str | None, str | None]] = []
         release = asyncio.Event()
 
         async def fake(request: httpx.Request) -> httpx.Response:
             url = f"http://{request.url.host}"
-            worker = next(w for w in pool.workers if w.url == url)
-            seen.append((url, json.loads(request.content), request.headers.get("authorization"), worker.in_flight))
+            seen.append((url, json.loads(request.content), request.headers.get("authorization"),
+                         request.headers.get(BACKGROUND_HEADER)))
             if url == "http://w1":
                 await release.wait()
                 if copy_fails:
@@ -195,20 +199,24 @@ def test_the_copy_is_a_one_token_duplicate_counted_while_it_runs_and_answered_to
         response = await router.route(caller(body), PATH)
         assert b"answer" in response.body and b"copy" not in response.body  # the chosen worker's answer
         await asyncio.sleep(0)
-        assert policy.copied == ["http://w1"] and len(router.copies) == 1
-        assert pool.workers[1].in_flight == 1 and pool.workers[1].pending_prefill == 4  # in w1's load meanwhile
-        release.set()
-        await asyncio.gather(*router.copies)
+        assert list(router.copies) == [pool.workers[1]] and policy.copied == []  # indexed only once answered
+        assert pool.workers[1].in_flight == 0 and pool.workers[1].pending_prefill == 0  # not in w1's load
+        await router.route(caller(dict(body, request_id="second")), PATH)
         await asyncio.sleep(0)
-        assert not router.copies and pool.workers[1].in_flight == 0 and pool.workers[1].starts == []
+        assert [entry[0] for entry in seen].count("http://w1") == 1  # one copy in flight per worker
+        release.set()
+        await asyncio.gather(*router.copies.values())
+        await asyncio.sleep(0)
+        assert not router.copies and pool.workers[1].starts == []
         copy = next(entry for entry in seen if entry[0] == "http://w1")
         assert copy[1] == {"prompt": [5, 6, 7, 8], "max_tokens": 1, "stream": False, "n": 1, "cache_salt": "s"}
-        assert copy[2] == "Bearer tenant-key" and copy[3] == 1  # the tenant's key; counted as it arrived
+        assert copy[2] == "Bearer tenant-key" and copy[3] == "1"  # the tenant's key; a background request
         outcome = "failed" if copy_fails else "ok"
         sample = router.metrics.registry.get_sample_value("kvserve_router_warm_copies_total",
                                                           {"worker": "http://w1", "outcome": outcome})
         assert sample == 1
-        assert policy.prefilled == ["http://w0"] + ([] if copy_fails else ["http://w1"])  # the answer, the copy
+        assert policy.copied == ([] if copy_fails else ["http://w1"])
+        assert policy.prefilled == ["http://w0", "http://w0"] + ([] if copy_fails else ["http://w1"])
 
     asyncio.run(run())
 

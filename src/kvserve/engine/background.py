@@ -2,8 +2,9 @@
 
 A router's idle copy (`router/idle_copy.py`) asks an idle worker to compute a prompt another worker has
 just answered, so the conversation's next turn (or the document's next question) finds its prefix on
-both and can go to whichever is free. That is only worth it if the copy costs the worker's own callers
-nothing but one short step, so a background request (`Request.background`, set by the router's
+both and can go to whichever is free (its share guard's warm copy likewise, for a less served worker).
+That is only worth it if the copy costs the worker's own callers nothing but one short step, so a
+background request (`Request.background`, set by the router's
 `x-kvserve-background` header):
 
 - is admitted only when no foreground request waits or runs, and only if its whole prompt fits in free

@@ -30,7 +30,7 @@ from fastapi.responses import JSONResponse, Response
 
 from kvserve.router.affinity import CacheKeyAffinity, ResponseAffinity
 from kvserve.router.handoff import FallbackLog, copy_request, run_prefill
-from kvserve.router.idle_copy import IdleCopies
+from kvserve.router.idle_copy import IDLE_COPY_TIMEOUT_S, IdleCopies
 from kvserve.router.keys import CHAT_PATH, COMPLETIONS_PATH, RESPONSES_PATH, RequestKeyer, RouteKey
 from kvserve.router.metrics import RouterMetrics
 from kvserve.router.policies.base import Decision, Policy
@@ -45,7 +45,7 @@ from kvserve.router.proxy import (
 )
 from kvserve.router.workers import Worker, WorkerPool
 from kvserve.server.auth import ApiKeys, AuthError, authenticate, require_admin
-from kvserve.server.roles import STORE_PROBE_HEADER
+from kvserve.server.roles import BACKGROUND_HEADER, STORE_PROBE_HEADER
 
 logger = logging.getLogger("kvserve.router")
 MAX_BODY_BYTES = 16 * 1024 * 1024  # the workers' own limit
@@ -66,7 +66,7 @@ class Router:
     affinity: ResponseAffinity = field(default_factory=ResponseAffinity)
     cache_keys: CacheKeyAffinity = field(default_factory=CacheKeyAffinity)
     fallbacks: FallbackLog = field(init=False)
-    copies: set[asyncio.Task] = field(default_factory=set)  # warm copies in flight (held: tasks are weak)
+    copies: dict[Worker, asyncio.Task] = field(default_factory=dict)  # warm copies in flight, one per worker
     idle: IdleCopies | None = None  # idle copies (idle_copy.py); None: off
 
     def __post_init__(self) -> None:
@@ -144,26 +144,32 @@ class Router:
 
     def _warm_copy(self, worker: Worker, path: str, parsed: dict, headers: dict[str, str], key: RouteKey) -> None:
         """The share guard's warm copy (`Decision.copy_to`): the request as a one-token prefill
-        (`handoff.copy_request`: same tenant, salt and prompt) to `worker`, in its load like any request
-        while it runs, its answer dropped. The policy indexes the prompt there as sent. Not for
+        (`handoff.copy_request`: same tenant, salt and prompt) to `worker` as a background request
+        (`engine/background.py`: computed only while nobody else's request waits or runs there, so it
+        delays the worker's callers by one 64-token step at most), outside this router's load counts, its
+        answer dropped; indexed there once answered 200. One in flight per worker. Not for
         /v1/responses, whose duplicate would store a response nobody asked for."""
-        self.policy.on_copied(key, worker)
-        prefill = len(key.tokens) if key.tokens is not None else 0  # an upper bound: what it lacks is unknown here
-        body, headers = copy_request(parsed, headers)
-        upstream = Upstream(self.client, worker, path, body, headers, self.metrics, prefill,
-                            on_prefilled=lambda: self.policy.on_prefilled(key, worker))
-        task = asyncio.create_task(self._run_copy(upstream))
-        self.copies.add(task)
-        task.add_done_callback(self.copies.discard)
-
-    async def _run_copy(self, upstream: Upstream) -> None:
-        try:
-            status = await upstream.detached()
-        except httpx.TransportError as err:  # the health poll deals with the worker; nobody waits on this
-            logger.info("router: warm copy to %s failed: %s", upstream.worker.url, err)
-            self.metrics.warm_copies.labels(upstream.worker.url, "failed").inc()
+        if worker in self.copies:
             return
-        self.metrics.warm_copies.labels(upstream.worker.url, "ok" if status == 200 else str(status)).inc()
+        body, sent = copy_request(parsed, headers)
+        task = asyncio.create_task(self._run_copy(worker, path, body, sent | {BACKGROUND_HEADER: "1"}, key))
+        self.copies[worker] = task
+        task.add_done_callback(lambda _, at=worker: self.copies.pop(at, None))
+
+    async def _run_copy(self, worker: Worker, path: str, body: bytes, headers: dict[str, str],
+                        key: RouteKey) -> None:
+        try:
+            answer = await self.client.post(worker.url + path, content=body, headers=headers,
+                                            timeout=IDLE_COPY_TIMEOUT_S)
+        except httpx.TransportError as err:  # the health poll deals with the worker; nobody waits on this
+            logger.info("router: warm copy to %s failed: %s", worker.url, err)
+            self.metrics.warm_copies.labels(worker.url, "failed").inc()
+            return
+        if answer.status_code == 200:
+            self.policy.on_copied(key, worker)
+            self.policy.on_prefilled(key, worker)
+        self.metrics.warm_copies.labels(worker.url, "ok" if answer.status_code == 200 else
+                                        str(answer.status_code)).inc()
 
     async def _prefill_first(
         self, request: Request, path: str, parsed: object, key: RouteKey, started: float
@@ -248,7 +254,7 @@ def build_router_app(router: Router) -> FastAPI:
             poller.cancel()
             if feeder is not None:
                 feeder.cancel()
-            for copy in list(router.copies):
+            for copy in list(router.copies.values()):
                 copy.cancel()
             if router.idle is not None:
                 await router.idle.stop()

@@ -80,8 +80,8 @@ def _add_common_flags(parser: argparse.ArgumentParser, port: int) -> None:
                             "until the window fills): from the start, before one worker holds every conversation")
     group.add_argument("--warm-copy", action=argparse.BooleanOptionalAction, default=True,
                        help="when --max-share would move a request to a worker lacking its prefix, keep it where it "
-                            "was going and compute the prefix there with a duplicate nobody waits for (--no-warm-copy: "
-                            "move the request, which then waits for that prefill)")
+                            "was going and compute the prefix there with a duplicate nobody waits for, as a background "
+                            "request (--no-warm-copy: move the request, which then waits for that prefill)")
     group.add_argument("--idle-copy", action=argparse.BooleanOptionalAction, default=True,
                        help="cache_aware and kv_events: once a worker answers a prompt, an idle worker lacking it "
                             "computes it too, as a background request (only while it has nothing else to run), so "

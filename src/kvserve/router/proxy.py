@@ -123,19 +123,6 @@ class Upstream:
         return Response(answer.content, status_code=answer.status_code,
                         headers=_response_headers(answer) | self._own_headers())
 
-    async def detached(self) -> int:
-        """Send with no caller to answer (a warm copy): counted in the worker's load like any attempt, its
-        answer dropped; returns its status. Raises httpx.TransportError."""
-        self._begin()
-        try:
-            answer = await self.client.post(self.worker.url + self.path, content=self.body, headers=self.headers,
-                                            timeout=None)
-        finally:
-            self._end()
-        if answer.status_code == 200 and self.on_prefilled is not None:
-            self.on_prefilled()
-        return answer.status_code
-
     async def stream(self, request: Request) -> Response:
         """Open the stream and wait for its first chunk (retryable until then), then relay the rest."""
         started = time.perf_counter()

@@ -38,7 +38,7 @@ FLUSH_MS_HEADER = "x-kvserve-kv-flush-ms"
 # From a store-aware router: "0" when it knows the shared store holds nothing of the prompt beyond what this
 # worker holds, so admission skips asking the store (`engine/kv_tiers.py`); "1" (or absent): ask as usual.
 STORE_PROBE_HEADER = "x-kvserve-store-probe"
-BACKGROUND_HEADER = "x-kvserve-background"  # a router's idle copy (engine/background.py)
+BACKGROUND_HEADER = "x-kvserve-background"  # a router's idle or warm copy (engine/background.py)
 _POLL_FIRST_S, _POLL_MAX_S = 0.001, 0.02
 
 

@@ -166,10 +166,12 @@ class ShareGuard:
 
     With `warm_copy` (`apply`) nobody waits for that copy: when the lighter worker lacks part of the prompt
     the chosen one holds, the request stays where it was going and a duplicate of it (one token, answered
-    to nobody) computes the prompt on the lighter worker beside its own traffic; once that is done, the
-    estimate splits the prefix's requests by load. Moving the request made it wait for the copy: in the RAG
-    benchmark over 2 workers those one or two copies per run were the requests slower than 1 s after the
-    start-up (benchmarks/results/router_rag_chunked96.md)."""
+    to nobody, a background request: `Router._warm_copy`) computes the prompt on the lighter worker in time
+    its own traffic leaves; once that is done, the estimate splits the prefix's requests by load. Moving
+    the request made it wait for the copy: in the RAG benchmark over 2 workers those one or two copies per
+    run were the requests slower than 1 s after the start-up (benchmarks/results/router_rag_chunked96.md).
+    An ordinary request before stop 55, the copy shared its worker's steps with a document's first read
+    routed there meanwhile, and both took twice as long (benchmarks/results/router_busy_chunk_zen4.md)."""
 
     def __init__(self, max_share: float, window: int = SHARE_WINDOW, warm_copy: bool = False,
                  min_seen: int = SHARE_MIN_SEEN, copy_min: float = SHARE_COPY_MIN) -> None:
@@ -204,9 +206,10 @@ class ShareGuard:
         """The guard over a policy's decision (`matches`: the prompt tokens each worker holds): unchanged;
         moved to a lighter worker (reason `share`) when that one holds as much of the prompt, or, without
         `warm_copy`, when the chosen one is busy; else kept, with the lighter worker as its warm copy's
-        target (`copy_to`) -- onto an idle worker only a copy that `fits_gap`: its next request would wait
-        behind the copy (a 1,760-token conversation copied onto an idle worker just before a burst made
-        the requests there wait 5-7 s, benchmarks/results/router_paced_zen4.md).
+        target (`copy_to`) -- onto an idle worker only a copy that `fits_gap` (from when copies were
+        ordinary requests: a 1,760-token conversation copied onto an idle worker just before a burst made
+        the requests there wait 5-7 s, benchmarks/results/router_paced_zen4.md; a background copy delays
+        them one 64-token step, and idle copies give an idle worker the rest).
 
         And only a copy of a prefix that later requests will use: `popularity(n)` is the fraction of recent
         requests that begin with the prompt's first n tokens, and the copy carries what the chosen worker
