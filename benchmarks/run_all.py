@@ -21,7 +21,8 @@ ORDER = [
     "soak_paced", "soak_amx_fast",
     "router", "router_2w", "router_2w_amx", "router_2w_zen4", "router_2w_replayfix", "router_zen4_rag",
     "router_zen4_chat", "router_zen4_chunked", "router_rag_chunked96", "router_chat_chunked96",
-    "router_idle_copy_zen4", "router_admission_zen4", "router_paced_zen4", "router_warm_copy_zen4",
+    "router_busy_chunk_zen4", "router_idle_copy_zen4", "router_admission_zen4", "router_paced_zen4",
+    "router_warm_copy_zen4",
     "router_rag_chunked96_warm",
     "router_shared_store",
     "router_shared_store_4w",
@@ -58,7 +59,8 @@ WRITE_UPS = {"avx2_exact_gemm", "perplexity_earlier", "decode_step_batch_split",
              "kernels_amx_deferred_prefill",  # these two: paired against a checkout
              "router_paced_zen4",  # several router.py runs, and the previous router's against a checkout
              "router_admission_zen4",  # several router.py and soak.py runs
-             "router_idle_copy_zen4"}  # several router.py runs
+             "router_idle_copy_zen4",  # several router.py runs
+             "router_busy_chunk_zen4"}  # several router.py runs
 # Sections written by another script's mode: (script, its arguments).
 SCRIPTS = {
     "router_warm_copy_zen4": ("router", ["--max-workers", "2", "--worker-counts", "2", "--workloads", "rag", "chat",
