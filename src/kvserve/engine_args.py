@@ -26,8 +26,8 @@ OFFLINE_MAX_STEP_ROWS = 0
 # Likewise the admission cap (`Scheduler._schedule_waiting`): prompts given together are admitted while the
 # step's budget lasts; who of them answers first does not matter when the batch's end is what is awaited.
 OFFLINE_MAX_ADMITTED_PREFILL_TOKENS = 0
-# And busy chunking (`engine/busy_chunk.py`): it splits a lone long prompt so a newcomer waits less, and
-# offline no newcomer arrives while a batch runs.
+# And busy chunking (`engine/busy_chunk.py`): it splits a long prompt so a newcomer waits less, and offline
+# no newcomer arrives while a batch runs.
 OFFLINE_LONG_PREFILL_BUSY_TOKENS = 0
 # vLLM names accepted at these values only (they select what kvserve always does).
 FIXED = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "trust_remote_code": (True, False),

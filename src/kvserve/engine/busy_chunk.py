@@ -7,7 +7,7 @@ whoever arrives during a step waits for all of it, and on one CPU thread a 1,072
 327-token chunk ~1 s. Over 2 workers with RAG traffic in a closed loop (BENCHMARKS.md, router_busy_chunk_zen4),
 a question on a cached document that reached its worker 80 ms after another document's first read began
 waited out that read, and the client slots such waits held kept the next document's read from starting beside
-it on the other worker: cache-aware routing's p90 was 2.8-3.1 s, no better than round_robin's.
+it on the other worker: cache-aware routing's p90 was 2.9-3.3 s, no better than round_robin's.
 
 So, while the server has had two or more callers' requests at once (contention) within the last
 `memory_s` seconds, a prompt with at least `min_uncached` tokens to compute is computed at most `tokens`

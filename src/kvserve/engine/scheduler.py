@@ -105,7 +105,7 @@ class Scheduler:
         self.prefix_hold: PrefixHold | None = None  # set by the engine: in-batch prefix sharing at admission
         self.trace: StepTrace | None = None  # set by the server under KVSERVE_STEP_TRACE
         self.speculator: Speculator | None = None  # set by the engine under speculative_config
-        self.busy = BusyChunking()  # off unless the engine sets it: lone long prompts chunked while busy lately
+        self.busy = BusyChunking()  # off unless the engine sets it: long prompts in short steps while busy lately
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)

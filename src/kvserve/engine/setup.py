@@ -88,8 +88,9 @@ def resolve_admitted_prefill_cap(config: EngineConfig, long_prefill_threshold: i
 
 
 def make_busy_chunking(config: EngineConfig) -> BusyChunking:
-    """Lone long prompts chunked while the server is busy lately (`engine/busy_chunk.py`): by default at
-    `BUSY_CHUNK_TOKENS` on a CPU, where a long prompt's step takes seconds, and off on a GPU."""
+    """Long prompts in short steps while the server is busy lately (`engine/busy_chunk.py`): by default at
+    `BUSY_CHUNK_TOKENS` on a CPU, where a long prompt's step takes seconds, and off on a GPU (offline `LLM`
+    turns it off too: engine_args.py)."""
     tokens = config.long_prefill_busy_tokens
     if tokens is None:
         tokens = BUSY_CHUNK_TOKENS if torch.device(config.device).type == "cpu" else 0
