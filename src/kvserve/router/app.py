@@ -30,7 +30,7 @@ from fastapi.responses import JSONResponse, Response
 
 from kvserve.router.affinity import CacheKeyAffinity, ResponseAffinity
 from kvserve.router.handoff import FallbackLog, copy_request, run_prefill
-from kvserve.router.idle_copy import IDLE_COPY_TIMEOUT_S, IdleCopies
+from kvserve.router.idle_copy import IDLE_COPY_TIMEOUT_S, IdleCopies, send_copy
 from kvserve.router.keys import CHAT_PATH, COMPLETIONS_PATH, RESPONSES_PATH, RequestKeyer, RouteKey
 from kvserve.router.metrics import RouterMetrics
 from kvserve.router.policies.base import Decision, Policy
@@ -158,18 +158,10 @@ class Router:
 
     async def _run_copy(self, worker: Worker, path: str, body: bytes, headers: dict[str, str],
                         key: RouteKey) -> None:
-        try:
-            answer = await self.client.post(worker.url + path, content=body, headers=headers,
-                                            timeout=IDLE_COPY_TIMEOUT_S)
-        except httpx.TransportError as err:  # the health poll deals with the worker; nobody waits on this
-            logger.info("router: warm copy to %s failed: %s", worker.url, err)
-            self.metrics.warm_copies.labels(worker.url, "failed").inc()
-            return
-        if answer.status_code == 200:
+        if await send_copy(self.client, worker, path, body, headers, IDLE_COPY_TIMEOUT_S, self.metrics.warm_copies,
+                           "warm"):
             self.policy.on_copied(key, worker)
             self.policy.on_prefilled(key, worker)
-        self.metrics.warm_copies.labels(worker.url, "ok" if answer.status_code == 200 else
-                                        str(answer.status_code)).inc()
 
     async def _prefill_first(
         self, request: Request, path: str, parsed: object, key: RouteKey, started: float

@@ -32,6 +32,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import httpx
+from prometheus_client import Counter
 
 from kvserve.router.handoff import copy_request
 from kvserve.router.keys import RouteKey
@@ -115,17 +116,9 @@ class IdleCopies:
         self.pump([w for w in workers if w.healthy])
 
     async def _copy(self, worker: Worker, answered: Answered) -> None:
-        try:
-            answer = await self.client.post(worker.url + answered.path, content=answered.body,
-                                            headers=answered.headers, timeout=self.timeout_s)
-        except httpx.TransportError as err:  # a timeout included: the worker aborts it when the connection closes
-            logger.info("router: idle copy to %s failed: %s", worker.url, err)
-            self.metrics.idle_copies.labels(worker.url, "failed").inc()
-            return
-        status = answer.status_code
-        if status == 200:
+        if await send_copy(self.client, worker, answered.path, answered.body, answered.headers, self.timeout_s,
+                           self.metrics.idle_copies, "idle"):
             self.policy.on_copied(answered.key, worker)
-        self.metrics.idle_copies.labels(worker.url, "ok" if status == 200 else str(status)).inc()
 
     async def run(self, pool: WorkerPool) -> None:
         """Every `interval`, feed the workers that went idle since (the loop the app's lifespan runs)."""
@@ -137,3 +130,19 @@ class IdleCopies:
         for task in list(self.in_flight.values()):
             task.cancel()
         await asyncio.gather(*self.in_flight.values(), return_exceptions=True)
+
+
+async def send_copy(client: httpx.AsyncClient, worker: Worker, path: str, body: bytes, headers: dict[str, str],
+                    timeout_s: float, outcomes: Counter, kind: str) -> bool:
+    """Send a copy (idle or the share guard's warm one) to `worker`; count its outcome by worker in
+    `outcomes` (ok, the status, or failed); True when it answered 200. Nobody waits on a copy, so a transport
+    error (a timeout included: the worker aborts the copy when the connection closes) is only logged: the
+    health poll deals with the worker."""
+    try:
+        answer = await client.post(worker.url + path, content=body, headers=headers, timeout=timeout_s)
+    except httpx.TransportError as err:
+        logger.info("router: %s copy to %s failed: %s", kind, worker.url, err)
+        outcomes.labels(worker.url, "failed").inc()
+        return False
+    outcomes.labels(worker.url, "ok" if answer.status_code == 200 else str(answer.status_code)).inc()
+    return answer.status_code == 200
